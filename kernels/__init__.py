@@ -1,0 +1,1 @@
+"""Kernel sources (Metal and CUDA), shipped with the package as mlx_ssp.kernels."""

@@ -1,0 +1,119 @@
+"""The ``mlx_ssp`` command: a click group with one subcommand per stage.
+
+Subcommands are imported lazily (``mlx_ssp --help`` must not pay for mlx, datasets or torch).
+Each stage module exposes a click command named ``cli``; a stage that is not built in this
+version exits non-zero with one line saying so. A :class:`UserError` anywhere becomes one line on
+stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from mlx_ssp.errors import UserError
+
+#: name -> (import path of the click command, one-line help shown in ``mlx_ssp --help``)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": ("mlx_ssp.doctor:cli", "Check the platform, backends, BLAS and matmul speed."),
+    "models": ("mlx_ssp.models_cli:cli", "Resolve model specs (local dir, hub id, 'demo') to directories."),
+    "tasks": ("mlx_ssp.tasks.cli:cli", "Export task files from GSM8K, reasoning-gym, HumanEval, BFCL, JSONL, HF."),
+    "verify": ("mlx_ssp.verify.cli:cli", "Score completions with the tasks' verifiers (re-score old rollouts)."),
+    "rollout": ("mlx_ssp.rollout:cli", "Sample K completions per task with behaviour log-probs and rewards."),
+    "select": ("mlx_ssp.select:cli", "Pick diverse correct solutions from rollouts as SFT data."),
+    "eval": ("mlx_ssp.eval:cli", "pass@1 / pass@k per domain with the unbiased estimator."),
+    "sft": ("mlx_ssp.sft:cli", "Train one LoRA specialist per domain, keep the best Pass@K checkpoint, fuse."),
+    "merge": ("mlx_ssp.merge.cli:cli", "Merge models from a mergekit YAML (linear, task arithmetic, TIES, DARE)."),
+    "rl": ("mlx_ssp.rl.cli:cli", "MGPO-weighted GRPO with verifiable rewards."),
+    "run": ("mlx_ssp.pipeline:cli", "Run the whole SSP loop from one config, resumably."),
+    "report": ("mlx_ssp.report:cli", "Markdown summary and plots of a run directory."),
+}
+
+
+def _not_built(name: str, help_text: str, reason: str) -> click.Command:
+    @click.command(
+        name,
+        help=f"{help_text}\n\n(Not built in this version.)",
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+        add_help_option=True,
+    )
+    def cmd() -> None:
+        click.echo(f"mlx_ssp {name}: this stage is not built yet in mlx_ssp ({reason})", err=True)
+        sys.exit(3)
+
+    return cmd
+
+
+class StageGroup(click.Group):
+    """Lazy subcommands, and UserError -> one clean line."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        target, help_text = COMMANDS[name]
+        mod, _, attr = target.partition(":")
+        try:
+            cmd = getattr(importlib.import_module(mod), attr)
+        except ModuleNotFoundError as e:
+            if e.name and (e.name == mod or mod.startswith(e.name + ".")):
+                return _not_built(name, help_text, f"module {mod} is missing")
+            raise
+        except AttributeError:
+            return _not_built(name, help_text, f"{target} is missing")
+        return cmd
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # use the table's help so that --help imports nothing heavy
+        rows = [(name, help_text) for name, (_, help_text) in COMMANDS.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except UserError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=StageGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mlx_ssp")
+def main() -> None:
+    """mlx_ssp: the Spectrum-to-Signal recipe (diverse K-rollouts, specialist SFT, merge,
+    MGPO-GRPO) on MLX and mlx-lm.
+
+    Typical loop: `mlx_ssp run configs/quickstart.yaml`; or each stage on its own. Every stage
+    that takes a config file reads its own section of a run YAML and accepts `--set key=value`.
+    """
+
+
+# -- shared options for stage commands ---------------------------------------------------------
+
+def set_option(f):
+    """``--set key=value`` (repeatable; dotted keys; beats the YAML file)."""
+    return click.option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Override a config value, e.g. --set rollout.k=8 (repeatable; beats the YAML file).",
+    )(f)
+
+
+def config_option(f):
+    return click.option(
+        "--config",
+        "config_path",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="Run YAML file; this command reads its own section(s). Flags beat the file.",
+    )(f)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

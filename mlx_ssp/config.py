@@ -1,0 +1,185 @@
+"""Validated configuration: one pydantic model per stage, YAML files, ``--set`` overrides.
+
+A run's YAML file has one section per stage (``model``, ``tasks``, ``rollout``, ``select``, ``sft``,
+``merge``, ``rl``, ``eval``) plus a few top-level keys (``run_dir``, ``seed``). Each stage command
+reads its own section(s); ``mlx_ssp run`` reads them all. Precedence: ``--set`` beats the file,
+which beats the defaults. Unknown keys and bad values fail at load time with a message naming the
+file, the dotted key and the valid choices.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from mlx_ssp.errors import UserError
+
+
+class StrictModel(BaseModel):
+    """Base for every config model: unknown keys are errors, assignment is validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+M = TypeVar("M", bound=BaseModel)
+
+#: section name -> "module:Class". Imported lazily so that a stage's dependencies load only
+#: when that stage runs.
+SECTIONS: dict[str, str] = {
+    "model": "mlx_ssp.models:ModelConfig",
+    "teacher": "mlx_ssp.models:ModelConfig",
+    "tasks": "mlx_ssp.tasks:TasksConfig",
+    "rollout": "mlx_ssp.rollout:RolloutConfig",
+    "select": "mlx_ssp.select:SelectConfig",
+    "eval": "mlx_ssp.eval:EvalConfig",
+    "sft": "mlx_ssp.sft:SFTConfig",
+    "merge": "mlx_ssp.merge.config:MergeStageConfig",
+    "rl": "mlx_ssp.rl.config:RLConfig",
+    "distributed": "mlx_ssp.distributed:DistributedConfig",
+}
+#: Scalar keys allowed at the top of a run file.
+TOP_LEVEL = {"run_dir": "directory for every stage's outputs", "seed": "global seed", "name": "run name"}
+
+
+def section_model(name: str) -> type[BaseModel]:
+    """The config class of a section (imports its module)."""
+    try:
+        target = SECTIONS[name]
+    except KeyError:
+        raise UserError(f"unknown config section '{name}'; valid sections: {', '.join(SECTIONS)}") from None
+    mod, _, cls = target.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), cls)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"config section '{name}' is not available in this version ({e})") from None
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; a missing or malformed file is a UserError naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise UserError(f"{p}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value parsed as a YAML scalar/list/mapping)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"--set expects KEY=VALUE (for example rollout.k=8), got '{item}'")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return [k for k in key.strip().split(".")], value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``key=value`` set (dotted keys create mappings)."""
+    out = _deepcopy(data)
+    for item in overrides or ():
+        keys, value = parse_override(item)
+        node = out
+        for k in keys[:-1]:
+            child = node.get(k)
+            if child is None or isinstance(child, str) and k in ("model", "teacher"):
+                # "model: demo" is shorthand for "model: {path: demo}"; allow model.dtype=... on it
+                child = {} if child is None else {"path": child}
+                node[k] = child
+            if not isinstance(child, dict):
+                raise UserError(f"--set {item}: '{k}' is a value, not a section")
+            node = child
+        node[keys[-1]] = value
+    return out
+
+
+def _deepcopy(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _deepcopy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_deepcopy(v) for v in x]
+    return x
+
+
+def _valid_keys(cls: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the model found by walking ``loc`` (best effort, for error messages)."""
+    node: Any = cls
+    for part in loc[:-1]:
+        fields = getattr(node, "model_fields", None)
+        if fields is None or part not in fields:
+            return []
+        ann = fields[part].annotation
+        # unwrap Optional[X] / X | None / list[X] / dict[str, X]
+        for arg in (ann, *getattr(ann, "__args__", ())):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                node = arg
+                break
+        else:
+            return []
+    fields = getattr(node, "model_fields", None)
+    return sorted(fields) if fields else []
+
+
+def format_validation_error(err: ValidationError, cls: type[BaseModel], source: str, prefix: str = "") -> str:
+    """One readable message per problem: ``FILE: key.path: what is wrong (valid: ...)``."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(x for x in e["loc"] if not isinstance(x, str) or not x.startswith("function-"))
+        key = ".".join(str(x) for x in ((prefix,) if prefix else ()) + loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            valid = _valid_keys(cls, loc)
+            msg = f"unknown key '{key}'" + (f"; valid keys: {', '.join(valid)}" if valid else "")
+        else:
+            got = e.get("input")
+            shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+            msg = f"{key}: {e['msg']}{shown}"
+        lines.append(msg)
+    head = f"{source}: " if source else ""
+    return head + "; ".join(lines)
+
+
+def validate(cls: type[M], data: Any, *, source: str = "", prefix: str = "") -> M:
+    """Build ``cls`` from ``data``; pydantic errors become a UserError naming file and key."""
+    try:
+        return cls.model_validate({} if data is None else data)
+    except ValidationError as e:
+        raise UserError(format_validation_error(e, cls, source, prefix)) from None
+
+
+def check_top_level(data: dict[str, Any], source: str) -> None:
+    """Unknown top-level keys are errors that list the sections and keys this version knows."""
+    for k in data:
+        if k not in SECTIONS and k not in TOP_LEVEL:
+            valid = sorted(SECTIONS) + sorted(TOP_LEVEL)
+            raise UserError(f"{source}: unknown key '{k}'; valid keys: {', '.join(valid)}")
+
+
+def load_file(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The raw run file with ``--set`` applied and top-level keys checked (sections unvalidated)."""
+    data = read_yaml(path) if path else {}
+    data = apply_overrides(data, overrides)
+    check_top_level(data, str(path or "--set"))
+    return data
+
+
+def load_section(data: dict[str, Any], name: str, *, source: str = "", cls: type[M] | None = None) -> M:
+    """Validate section ``name`` of a run file (missing section -> all defaults)."""
+    cls = cls or section_model(name)  # type: ignore[assignment]
+    raw = data.get(name)
+    if name in ("model", "teacher") and isinstance(raw, str):
+        raw = {"path": raw}
+    return validate(cls, raw, source=source, prefix=name)  # type: ignore[arg-type]

