@@ -100,3 +100,18 @@ def check_tasks(tasks: list[Task], source: str = "tasks") -> None:
 
 def write_tasks(path: str | Path, tasks: list[Task]) -> None:
     write_jsonl_atomic(path, (t.model_dump(mode="json") for t in tasks))
+
+
+def render_prompt(tokenizer, task: Task, system: str | None = None) -> list[int]:
+    """Token ids of the task's prompt rendered with the model's own chat template, ending with
+    the assistant generation prompt. A tokenizer without a chat template gets the raw text."""
+    messages = task.messages()
+    if system is not None and not any(m.get("role") == "system" for m in messages):
+        messages = [{"role": "system", "content": system}] + messages
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict):  # transformers may return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    text = "\n\n".join(m["content"] for m in messages)
+    return list(tokenizer.encode(text))
