@@ -1,0 +1,497 @@
+"""``mlx_ssp run``: the whole Spectrum-to-Signal loop from one config, resumably.
+
+Stages, in order, each writing into ``RUN_DIR/<stage>`` in the format the stage writes on its own:
+
+1. ``tasks``   build the three disjoint splits of every domain (train / probe / eval) as task JSONL.
+2. ``rollout`` K rollouts per train prompt from the teacher (default: the model itself), verified.
+3. ``select``  diversity-exploring selection of correct solutions -> per-domain SFT data.
+4. ``sft``     one LoRA specialist per domain, checkpoint chosen by Pass@K on the probe split, fused.
+5. ``merge``   parameter merge of the specialists (VibeThinker: the plain average; any method).
+6. ``rl``      MGPO-weighted GRPO on the merged model (VibeThinker-1.5B section 3.4).
+7. ``eval``    pass@1 / pass@k on the held-out split for the base model, every specialist, the merged
+               model and the RL model, printed as one table.
+
+Resumability: every stage records a fingerprint of its resolved config (defaults filled in) chained
+with the fingerprint of the stage before it, and marks itself complete at the end. A rerun skips
+complete stages whose fingerprint matches, continues an incomplete one (the stages resume on their
+own: rollouts append, SFT continues from its last checkpoint, RL from its last checkpoint, eval per
+model), and when a stage's config changed it says so and reruns that stage and everything after it,
+moving the stale outputs to ``RUN_DIR/.stale/`` rather than reusing or deleting them.
+
+Deviation from the papers: VibeThinker's Spectrum phase uses a large teacher's distillation data and
+its Signal phase runs for thousands of steps on a 1.5B model; here the default teacher is the model
+itself (rejection sampling from its own K-rollouts) and the sizes fit a laptop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import click
+import yaml
+
+from mlx_ssp.cli import set_option
+from mlx_ssp.config import load_file, load_section
+from mlx_ssp.errors import UserError
+from mlx_ssp.io import JsonlAppender, write_json_atomic, write_text_atomic
+
+STAGES = ("tasks", "rollout", "select", "sft", "merge", "rl", "eval")
+#: run-file sections each stage depends on (besides the previous stage's fingerprint)
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "tasks": ("tasks",),
+    "rollout": ("model", "teacher", "rollout"),
+    "select": ("select",),
+    "sft": ("model", "sft"),
+    "merge": ("merge",),
+    "rl": ("rl",),
+    "eval": ("model", "eval"),
+}
+STATE_FILE = "_stage.json"
+
+
+@dataclass
+class Run:
+    """What every stage function gets: the run directory, the raw file and the validated sections."""
+
+    run_dir: Path
+    data: dict[str, Any]
+    source: str
+    seed: int
+    sections: dict[str, Any] = field(default_factory=dict)
+    progress: bool = True
+
+    def section(self, name: str):
+        if name not in self.sections:
+            if name == "teacher" and self.data.get("teacher") is None:
+                self.sections[name] = None
+            else:
+                self.sections[name] = load_section(self.data, name, source=self.source)
+        return self.sections[name]
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.run_dir / stage
+
+    @property
+    def domains(self) -> list[str]:
+        return list(self.section("tasks").domains)
+
+    def tasks_path(self, split: str) -> Path:
+        return self.run_dir / "tasks" / f"{split}.jsonl"
+
+    def specialists(self) -> dict[str, Path]:
+        summary = json.loads((self.stage_dir("sft") / "summary.json").read_text())
+        return {d: Path(v["specialist"]) for d, v in summary["domains"].items()}
+
+
+# -- fingerprints and state ----------------------------------------------------------------------
+
+
+def _dump(cfg: Any) -> Any:
+    if cfg is None:
+        return None
+    if hasattr(cfg, "model_dump"):
+        return cfg.model_dump(mode="json")
+    return cfg
+
+
+def fingerprint(run: Run, stage: str, previous: str) -> str:
+    """Hash of the stage's resolved sections, the seed and the previous stage's fingerprint."""
+    payload = {
+        "stage": stage,
+        "previous": previous,
+        "seed": run.seed,
+        "sections": {s: _dump(run.section(s)) for s in STAGE_SECTIONS[stage]},
+    }
+    blob = json.dumps(payload, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def read_state(run: Run, stage: str) -> dict:
+    p = run.stage_dir(stage) / STATE_FILE
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def write_state(run: Run, stage: str, state: dict) -> None:
+    write_json_atomic(run.stage_dir(stage) / STATE_FILE, state)
+
+
+def move_stale(run: Run, stage: str) -> Optional[Path]:
+    """Move a stage's outputs aside (never reuse stale outputs, never lose them)."""
+    d = run.stage_dir(stage)
+    if not d.exists():
+        return None
+    dest = run.run_dir / ".stale" / f"{stage}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(d), dest)
+    return dest
+
+
+# -- the stages ----------------------------------------------------------------------------------
+
+
+def stage_tasks(run: Run) -> dict:
+    from mlx_ssp.tasks import build_split, write_tasks
+
+    cfg = run.section("tasks")
+    out = {}
+    for split in ("train", "probe", "eval"):
+        tasks = build_split(cfg, split)
+        if not tasks:
+            raise UserError(f"{run.source}: the tasks section gives no {split} tasks")
+        write_tasks(run.tasks_path(split), tasks)
+        out[f"n_{split}"] = len(tasks)
+    return out
+
+
+def stage_rollout(run: Run) -> dict:
+    from mlx_ssp.rollout import run_rollouts
+
+    cfg = run.section("rollout")
+    if cfg.seed is None:
+        cfg = cfg.model_copy(update={"seed": run.seed})
+    teacher = run.section("teacher") or run.section("model")
+    summary = run_rollouts(
+        teacher, run.tasks_path("train"), cfg, run.stage_dir("rollout") / "rollouts.jsonl", progress=run.progress
+    )
+    return {"summary": summary, "teacher": teacher.path}
+
+
+def stage_select(run: Run) -> dict:
+    from mlx_ssp.select import run_select
+
+    report = run_select(
+        run.stage_dir("rollout") / "rollouts.jsonl", run.section("select"), run.stage_dir("select"), overwrite=True
+    )
+    return {"spectrum": report}
+
+
+def sft_config(run: Run):
+    """The sft section with the run's defaults filled in: every task domain, its probe split."""
+    from mlx_ssp.sft import SFTConfig
+
+    raw = dict(run.data.get("sft") or {})
+    domains = raw.get("domains") or run.domains
+    if isinstance(domains, (list, tuple)):
+        domains = {d: {} for d in domains}
+    filled = {}
+    for d, spec in domains.items():
+        spec = dict(spec or {})
+        spec.setdefault("data", str(run.stage_dir("select") / d))
+        spec.setdefault("probe_tasks", str(run.tasks_path("probe")))
+        filled[d] = spec
+    raw["domains"] = filled
+    raw.setdefault("out_dir", str(run.stage_dir("sft")))
+    from mlx_ssp.config import validate
+
+    return validate(SFTConfig, raw, source=run.source, prefix="sft")
+
+
+def stage_sft(run: Run) -> dict:
+    from mlx_ssp.sft import run_sft
+
+    cfg = sft_config(run)
+    # only domains that got SFT data: a domain with no correct rollout has nothing to learn from
+    missing = [d for d, s in cfg.domains.items() if not (Path(s.data) / "train.jsonl").exists()]
+    if missing and len(missing) == len(cfg.domains):
+        raise UserError(
+            "no domain has SFT data (no correct rollouts at all): raise rollout.k, loosen the answer "
+            "extraction, or use an easier task setting"
+        )
+    if missing:
+        click.echo(f"sft: skipping {', '.join(missing)}: selection found no correct solution", err=True)
+        cfg = cfg.model_copy(update={"domains": {d: s for d, s in cfg.domains.items() if d not in missing}})
+    summary = run_sft(cfg, run.section("model"), run_dir=run.run_dir, run_data=run.data, seed=run.seed)
+    return {"summary": summary}
+
+
+def stage_merge(run: Run) -> dict:
+    from mlx_ssp.merge.engine import merge_models
+    from mlx_ssp.models import resolve_model
+
+    specialists = run.specialists()
+    base = resolve_model(run.section("model").path)
+    out = run.stage_dir("merge") / "model"
+    res = merge_models(
+        list(specialists.values()), base, run.section("merge"), out, overwrite=True, seed=run.seed,
+        progress=run.progress,
+    )
+    return {"models": {d: str(p) for d, p in specialists.items()}, "result": res}
+
+
+def stage_rl(run: Run) -> dict:
+    from mlx_ssp.rl.loop import run_rl
+
+    cfg = run.section("rl")
+    res = run_rl(
+        cfg,
+        model=str(run.stage_dir("merge") / "model"),
+        tasks_path=run.tasks_path("train"),
+        out_dir=run.stage_dir("rl"),
+        seed=run.seed,
+        progress=run.progress,
+    )
+    return {"result": res}
+
+
+def eval_models(run: Run) -> dict[str, str]:
+    """Every model the loop produced, in table order: base, specialists, merged, RL."""
+    from mlx_ssp.models import resolve_model
+
+    models = {"base": str(resolve_model(run.section("model").path))}
+    for d, p in run.specialists().items():
+        models[f"specialist:{d}"] = str(p)
+    models["merged"] = str(run.stage_dir("merge") / "model")
+    rl_model = run.stage_dir("rl") / "model"
+    if rl_model.exists():
+        models["rl"] = str(rl_model)
+    return models
+
+
+def stage_eval(run: Run) -> dict:
+    from mlx_ssp.eval import evaluate
+    from mlx_ssp.models import load_model
+    from mlx_ssp.tasks import load_tasks
+
+    cfg = run.section("eval")
+    seed = cfg.seed if cfg.seed is not None else run.seed
+    tasks = load_tasks(run.tasks_path("eval"))
+    out_dir = run.stage_dir("eval")
+    results = {}
+    for name, path in eval_models(run).items():
+        f = out_dir / f"{name.replace(':', '-')}.json"
+        if f.exists():  # resume: this model is already evaluated with this fingerprint
+            results[name] = json.loads(f.read_text())
+            continue
+        model, tok, _ = load_model(path)
+        res = evaluate(
+            model, tok, tasks, k=cfg.k, n=cfg.n, sampling=cfg.sampling, seed=seed, batch_size=cfg.batch_size,
+            greedy=cfg.greedy, progress=run.progress, max_context=cfg.max_context, system=cfg.system,
+            model_name=name,
+        )
+        res["model"] = path
+        res["stage"] = name
+        write_json_atomic(f, res)
+        results[name] = res
+        del model
+    table = eval_table(results, k=cfg.k)
+    write_json_atomic(out_dir / "table.json", table)
+    text = format_eval_table(table)
+    write_text_atomic(out_dir / "table.md", text + "\n")
+    return {"table": table}
+
+
+# -- the eval table ------------------------------------------------------------------------------
+
+
+def eval_table(results: dict[str, dict], k: int) -> dict:
+    """{"k": K, "domains": [...], "rows": [{"stage", "overall": {...}, "domains": {D: {...}}}]}."""
+    key_k = f"pass@{k}"
+    domains: list[str] = []
+    rows = []
+    for name, res in results.items():
+        for d in res.get("domains", {}):
+            if d not in domains:
+                domains.append(d)
+        rows.append(
+            {
+                "stage": name,
+                "overall": {m: res.get("overall", {}).get(m) for m in ("pass@1", key_k)},
+                "domains": {
+                    d: {m: v.get(m) for m in ("pass@1", key_k)} for d, v in res.get("domains", {}).items()
+                },
+            }
+        )
+    table = {"k": k, "domains": domains, "rows": rows}
+    base = next((r for r in rows if r["stage"] == "base"), None)
+    last = rows[-1] if rows else None
+    if base and last and last is not base:
+        table["gain"] = {
+            "from": "base",
+            "to": last["stage"],
+            **{m: _sub(last["overall"].get(m), base["overall"].get(m)) for m in ("pass@1", key_k)},
+        }
+    return table
+
+
+def _sub(a, b):
+    return None if a is None or b is None else a - b
+
+
+def _fmt(x) -> str:
+    return "  -  " if x is None else f"{x:.3f}"
+
+
+def format_eval_table(table: dict) -> str:
+    """A Markdown table: one row per stage model, pass@1 / pass@k per domain and overall."""
+    k = table["k"]
+    key_k = f"pass@{k}"
+    cols = [f"{d} p@1 | {d} p@{k}" for d in table["domains"]] + [f"overall p@1 | overall p@{k}"]
+    lines = ["| model | " + " | ".join(cols) + " |", "|---|" + "---|---|" * (len(table["domains"]) + 1)]
+    for r in table["rows"]:
+        cells = []
+        for d in table["domains"]:
+            v = r["domains"].get(d, {})
+            cells += [_fmt(v.get("pass@1")), _fmt(v.get(key_k))]
+        cells += [_fmt(r["overall"].get("pass@1")), _fmt(r["overall"].get(key_k))]
+        lines.append(f"| {r['stage']} | " + " | ".join(cells) + " |")
+    g = table.get("gain")
+    if g:
+        lines.append("")
+        lines.append(
+            f"gain {g['to']} vs {g['from']}: pass@1 {_signed(g.get('pass@1'))}, pass@{k} {_signed(g.get(key_k))}"
+        )
+    return "\n".join(lines)
+
+
+def _signed(x) -> str:
+    return "n/a" if x is None else f"{x:+.3f}"
+
+
+STAGE_FNS: dict[str, Callable[[Run], dict]] = {
+    "tasks": stage_tasks,
+    "rollout": stage_rollout,
+    "select": stage_select,
+    "sft": stage_sft,
+    "merge": stage_merge,
+    "rl": stage_rl,
+    "eval": stage_eval,
+}
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+
+def load_run(config_path: str | Path, overrides: tuple[str, ...] = (), progress: bool = True) -> Run:
+    """Read and validate the whole run file up front (every section), so a typo in the last stage's
+    section fails before the first stage runs."""
+    data = load_file(config_path, overrides)
+    source = str(config_path)
+    run_dir = data.get("run_dir") or "runs/" + Path(config_path).stem
+    seed = data.get("seed", 0)
+    if not isinstance(seed, int):
+        raise UserError(f"{source}: seed: must be an integer (got {seed!r})")
+    run = Run(run_dir=Path(str(run_dir)).expanduser(), data=data, source=source, seed=seed, progress=progress)
+    for name in ("model", "teacher", "tasks", "rollout", "select", "merge", "rl", "eval"):
+        run.section(name)
+    if data.get("tasks") is None:
+        raise UserError(f"{source}: a run needs a tasks: section with at least one domain")
+    sft_config(run)  # validates the sft section with its run defaults
+    return run
+
+
+def run_pipeline(
+    config_path: str | Path,
+    overrides: tuple[str, ...] = (),
+    *,
+    from_stage: Optional[str] = None,
+    only: Optional[str] = None,
+    progress: bool = True,
+    echo: Callable[[str], None] = click.echo,
+) -> dict:
+    run = load_run(config_path, overrides, progress)
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = {k: v for k, v in run.data.items()}
+    resolved.update({s: _dump(run.section(s)) for s in ("model", "tasks", "rollout", "select", "merge", "rl", "eval")})
+    resolved["sft"] = _dump(sft_config(run))
+    resolved["run_dir"], resolved["seed"] = str(run.run_dir), run.seed
+    write_text_atomic(run.run_dir / "config.resolved.yaml", yaml.safe_dump(resolved, sort_keys=False))
+
+    for name, stage in (("--from", from_stage), ("--only", only)):
+        if stage is not None and stage not in STAGES:
+            raise UserError(f"{name} {stage}: unknown stage; valid: {', '.join(STAGES)}")
+    log = JsonlAppender(run.run_dir / "metrics.jsonl")
+    previous = ""
+    invalidated = False  # a stage reran: everything after it must rerun too
+    results: dict[str, dict] = {}
+    try:
+        for i, stage in enumerate(STAGES):
+            fp = fingerprint(run, stage, previous)
+            previous = fp
+            state = read_state(run, stage)
+            forced = (from_stage is not None and STAGES.index(stage) >= STAGES.index(from_stage)) or only == stage
+            if only is not None and stage != only:
+                if state.get("fingerprint") != fp or not state.get("complete"):
+                    if STAGES.index(stage) < STAGES.index(only):
+                        raise UserError(
+                            f"--only {only}: stage '{stage}' before it is not complete for this config; "
+                            f"run without --only (or with --from {stage}) first"
+                        )
+                continue
+            if from_stage is not None and not forced:
+                if state.get("fingerprint") != fp or not state.get("complete"):
+                    raise UserError(
+                        f"--from {from_stage}: stage '{stage}' before it is not complete for this config; "
+                        f"run without --from first"
+                    )
+                echo(f"[{stage}] complete (kept by --from {from_stage})")
+                continue
+            stale = bool(state) and state.get("fingerprint") != fp
+            if state.get("complete") and not stale and not forced and not invalidated:
+                echo(f"[{stage}] complete, skipping (fingerprint {fp})")
+                results[stage] = state.get("metrics", {})
+                continue
+            if stale or (forced and state) or (invalidated and state):
+                why = (
+                    "its config (or an earlier stage's) changed"
+                    if stale
+                    else ("forced by --from/--only" if forced else "an earlier stage reran")
+                )
+                moved = move_stale(run, stage)
+                echo(f"[{stage}] rerunning: {why}; old outputs moved to {moved}")
+            elif state and not state.get("complete"):
+                echo(f"[{stage}] resuming an interrupted run")
+            else:
+                echo(f"[{stage}] running")
+            invalidated = True
+            t0 = time.time()
+            write_state(run, stage, {"fingerprint": fp, "complete": False, "started": t0})
+            log.write({"stage": stage, "event": "start", "time": t0, "fingerprint": fp})
+            metrics = STAGE_FNS[stage](run)
+            t1 = time.time()
+            write_state(
+                run, stage,
+                {"fingerprint": fp, "complete": True, "started": t0, "finished": t1, "seconds": t1 - t0,
+                 "metrics": metrics},
+            )
+            log.write({"stage": stage, "event": "end", "time": t1, "seconds": t1 - t0, "fingerprint": fp,
+                       "metrics": metrics})
+            results[stage] = metrics
+            echo(f"[{stage}] done in {t1 - t0:.1f}s")
+    finally:
+        log.close()
+    table_path = run.stage_dir("eval") / "table.json"
+    if table_path.exists() and read_state(run, "eval").get("complete"):
+        echo("\n" + format_eval_table(json.loads(table_path.read_text())))
+    return results
+
+
+@click.command("run")
+@click.argument("config_path", metavar="CONFIG.yaml", type=click.Path(dir_okay=False))
+@set_option
+@click.option("--from", "from_stage", type=click.Choice(STAGES), default=None,
+              help="Rerun this stage and every stage after it (earlier stages must be complete).")
+@click.option("--only", type=click.Choice(STAGES), default=None,
+              help="Run only this stage (earlier stages must be complete).")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str], only: Optional[str],
+        no_progress: bool) -> None:
+    """Run the whole SSP loop from CONFIG.yaml: tasks -> rollout -> select -> sft -> merge -> rl -> eval,
+    into the run directory (config key run_dir; --set run_dir=PATH moves it).
+
+    Rerunning skips complete stages, resumes an interrupted one, and reruns a stage whose config
+    changed together with every stage after it (saying so). The final table compares the base model,
+    each specialist, the merged model and the RL model on held-out tasks.
+    """
+    if from_stage and only:
+        raise UserError("give --from or --only, not both")
+    run_pipeline(config_path, overrides, from_stage=from_stage, only=only, progress=not no_progress)
