@@ -177,6 +177,7 @@ def stage_select(run: Run) -> dict:
 
 def sft_config(run: Run):
     """The sft section with the run's defaults filled in: every task domain, its probe split."""
+    from mlx_ssp.select import safe_dirname
     from mlx_ssp.sft import SFTConfig
 
     raw = dict(run.data.get("sft") or {})
@@ -186,7 +187,7 @@ def sft_config(run: Run):
     filled = {}
     for d, spec in domains.items():
         spec = dict(spec or {})
-        spec.setdefault("data", str(run.stage_dir("select") / d))
+        spec.setdefault("data", str(run.stage_dir("select") / safe_dirname(d)))
         spec.setdefault("probe_tasks", str(run.tasks_path("probe")))
         filled[d] = spec
     raw["domains"] = filled

@@ -1,0 +1,298 @@
+"""``mlx_ssp report RUN_DIR``: a Markdown summary and PNG plots of a run, readable without JSON.
+
+Reads what the stages wrote (``eval/table.json``, ``select/spectrum.json``,
+``sft/<domain>/probe_curve.jsonl``, ``rl/metrics.jsonl``, ``metrics.jsonl``) and writes
+``RUN_DIR/report/report.md`` with four figures: pass@k by stage and domain, the specialists' probe
+curves with the chosen checkpoint marked, the RL curves (reward, pass rate, MGPO weight, clip
+fraction per step) and the spectrum (distinct correct solutions per prompt). Missing stages are
+reported as missing, not as errors: a report of a half-finished run is still useful.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import click
+
+from mlx_ssp.errors import UserError
+from mlx_ssp.io import atomic_path, write_text_atomic
+
+#: RL metric keys we plot, with the aliases a metrics row may use for them
+RL_SERIES = {
+    "reward": ("reward_mean", "reward"),
+    "pass rate": ("pass_rate",),
+    "MGPO weight": ("mgpo_weight_mean", "weight_mean", "mgpo_weight"),
+    "clip fraction": ("clip_frac", "clip_fraction"),
+}
+
+
+def _read_json(p: Path) -> Optional[Any]:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _read_jsonl(p: Path) -> list[dict]:
+    if not p.is_file():
+        return []
+    rows = []
+    for line in p.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn last line of a running job
+    return rows
+
+
+def _plt():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+
+
+def _num(x) -> float:
+    return math.nan if x is None else float(x)
+
+
+# -- figures ---------------------------------------------------------------------------------------
+
+
+def plot_passk(table: dict, path: Path) -> bool:
+    """Grouped bars: one group per domain (+ overall), one bar per stage model, pass@k; pass@1 as dots."""
+    plt = _plt()
+    if plt is None or not table.get("rows"):
+        return False
+    k = table["k"]
+    groups = list(table["domains"]) + ["overall"]
+    rows = table["rows"]
+    width = 0.8 / len(rows)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(rows) / 3)), 4))
+    try:
+        for i, r in enumerate(rows):
+            vals_k, vals_1 = [], []
+            for g in groups:
+                v = r["overall"] if g == "overall" else r["domains"].get(g, {})
+                vals_k.append(_num(v.get(f"pass@{k}")))
+                vals_1.append(_num(v.get("pass@1")))
+            xs = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(groups))]
+            ax.bar(xs, vals_k, width=width * 0.95, label=r["stage"], color=f"C{i}", alpha=0.85)
+            ax.scatter(xs, vals_1, color="black", s=12, zorder=3, label="pass@1" if i == 0 else None)
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels(groups)
+        ax.set_ylabel(f"pass@{k} (bars), pass@1 (dots)")
+        ax.set_ylim(0, 1.05)
+        ax.set_title("Held-out pass@k by stage and domain")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize="small", ncol=2)
+        fig.tight_layout()
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+    return True
+
+
+def plot_probe_curves(curves: dict[str, list[dict]], path: Path) -> bool:
+    """One panel per specialist: probe pass@1 and pass@k per checkpoint, the chosen one marked."""
+    plt = _plt()
+    if plt is None or not curves:
+        return False
+    n = len(curves)
+    fig, axes = plt.subplots(1, n, figsize=(4.5 * n, 3.5), squeeze=False)
+    try:
+        for ax, (dom, rows) in zip(axes[0], curves.items()):
+            steps = [r["step"] for r in rows]
+            k = next((r.get("k") for r in rows if r.get("k")), "k")
+            ax.plot(steps, [_num(r.get("pass@k")) for r in rows], marker="o", label=f"pass@{k}")
+            ax.plot(steps, [_num(r.get("pass@1")) for r in rows], marker="s", label="pass@1")
+            for r in rows:
+                if r.get("chosen"):
+                    ax.axvline(r["step"], color="black", linestyle=":", label=f"chosen (step {r['step']})")
+            ax.set_title(f"specialist: {dom}")
+            ax.set_xlabel("SFT step")
+            ax.set_ylim(0, 1.05)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="small")
+        axes[0][0].set_ylabel("probe pass rate")
+        fig.tight_layout()
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+    return True
+
+
+def rl_series(rows: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
+    steps = [r.get("step", i) for i, r in enumerate(rows)]
+    out = {}
+    for name, keys in RL_SERIES.items():
+        vals = []
+        for r in rows:
+            v = next((r[k] for k in keys if k in r), None)
+            vals.append(_num(v))
+        if any(not math.isnan(v) for v in vals):
+            out[name] = vals
+    return steps, out
+
+
+def plot_rl(rows: list[dict], path: Path) -> bool:
+    plt = _plt()
+    steps, series = rl_series(rows)
+    if plt is None or not series:
+        return False
+    n = len(series)
+    fig, axes = plt.subplots(1, n, figsize=(3.8 * n, 3.2), squeeze=False)
+    try:
+        for i, (ax, (name, ys)) in enumerate(zip(axes[0], series.items())):
+            ax.plot(steps, ys, marker=".", color=f"C{i}")
+            ax.set_title(name)
+            ax.set_xlabel("RL step")
+            ax.grid(True, alpha=0.3)
+        fig.suptitle("MGPO-GRPO per step")
+        fig.tight_layout()
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+    return True
+
+
+def plot_spectrum(spectrum: dict, path: Path) -> bool:
+    """Histogram per domain of distinct correct solutions per prompt."""
+    plt = _plt()
+    doms = {d: v for d, v in (spectrum or {}).get("domains", {}).items() if v.get("prompts")}
+    if plt is None or not doms:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    try:
+        top = max(max(p.get("n_distinct_correct", 0) for p in v["prompts"]) for v in doms.values())
+        bins = list(range(0, top + 2))
+        for i, (d, v) in enumerate(doms.items()):
+            xs = [p.get("n_distinct_correct", 0) for p in v["prompts"]]
+            ax.hist(xs, bins=bins, alpha=0.5, label=d, color=f"C{i}", align="left", rwidth=0.8)
+        ax.set_xlabel("distinct correct solutions per prompt")
+        ax.set_ylabel("prompts")
+        ax.set_title("Spectrum: distinct correct solutions per prompt (train rollouts)")
+        ax.legend(fontsize="small")
+        ax.grid(True, axis="y", alpha=0.3)
+        fig.tight_layout()
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+    return True
+
+
+# -- the Markdown summary --------------------------------------------------------------------------
+
+
+def _f(x, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def build_report(run_dir: str | Path) -> Path:
+    """Write RUN_DIR/report/report.md (+ PNGs); returns its path."""
+    from mlx_ssp.pipeline import STAGES, STATE_FILE, format_eval_table
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run directory not found: {run_dir}")
+    states = {s: _read_json(run_dir / s / STATE_FILE) or {} for s in STAGES}
+    if not any(states.values()) and not (run_dir / "eval" / "table.json").exists():
+        raise UserError(f"{run_dir} does not look like an mlx_ssp run directory (no stage outputs)")
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    md: list[str] = [f"# mlx_ssp run report: `{run_dir}`", ""]
+
+    md += ["## Stages", "", "| stage | status | time |", "|---|---|---|"]
+    for s in STAGES:
+        st = states[s]
+        status = "complete" if st.get("complete") else ("interrupted / running" if st else "not run")
+        md.append(f"| {s} | {status} | {_f(st.get('seconds'), 1)} s |" if st.get("seconds") else f"| {s} | {status} | - |")
+    md.append("")
+
+    table = _read_json(run_dir / "eval" / "table.json")
+    md += ["## Held-out evaluation", ""]
+    if table:
+        md += [format_eval_table(table), ""]
+        if plot_passk(table, out / "passk.png"):
+            md += ["![pass@k by stage and domain](passk.png)", ""]
+    else:
+        md += ["(no evaluation yet)", ""]
+
+    spectrum = _read_json(run_dir / "select" / "spectrum.json")
+    md += ["## Spectrum (selection)", ""]
+    if spectrum:
+        md += ["| domain | prompts | with a correct solution | distinct correct / prompt | kept / prompt | "
+               "mean pairwise distance | SFT examples |", "|---|---|---|---|---|---|---|"]
+        for d, v in spectrum.get("domains", {}).items():
+            md.append(
+                f"| {d} | {v.get('n_prompts')} | {v.get('prompts_with_correct')} | "
+                f"{_f(v.get('mean_distinct_correct_per_prompt'), 2)} | {_f(v.get('mean_selected_per_prompt'), 2)} | "
+                f"{_f(v.get('mean_pairwise_distance'))} | {v.get('n_train')} |"
+            )
+        md.append(f"\npolicy: `{spectrum.get('policy')}`\n")
+        if plot_spectrum(spectrum, out / "spectrum.png"):
+            md += ["![spectrum](spectrum.png)", ""]
+    else:
+        md += ["(no selection yet)", ""]
+
+    curves = {}
+    sft_dir = run_dir / "sft"
+    if sft_dir.is_dir():
+        for d in sorted(p for p in sft_dir.iterdir() if p.is_dir()):
+            rows = _read_jsonl(d / "probe_curve.jsonl")
+            if rows:
+                curves[d.name] = rows
+    md += ["## Specialists (SFT probe curves)", ""]
+    if curves:
+        md += ["| domain | chosen step | probe pass@1 | probe pass@k | checkpoints |", "|---|---|---|---|---|"]
+        for d, rows in curves.items():
+            ch = next((r for r in rows if r.get("chosen")), {})
+            md.append(f"| {d} | {ch.get('step', '-')} | {_f(ch.get('pass@1'))} | {_f(ch.get('pass@k'))} | {len(rows)} |")
+        md.append("")
+        if plot_probe_curves(curves, out / "probe_curves.png"):
+            md += ["![probe curves](probe_curves.png)", ""]
+    else:
+        md += ["(no specialists yet)", ""]
+
+    rl_rows = _read_jsonl(run_dir / "rl" / "metrics.jsonl")
+    rl_rows = [r for r in rl_rows if "step" in r]
+    md += ["## Signal (MGPO-GRPO)", ""]
+    if rl_rows:
+        steps, series = rl_series(rl_rows)
+        first, last = rl_rows[0], rl_rows[-1]
+        md += ["| metric | first step | last step |", "|---|---|---|"]
+        for name, ys in series.items():
+            md.append(f"| {name} | {_f(ys[0])} | {_f(ys[-1])} |")
+        md.append(f"\n{len(rl_rows)} steps (step {first.get('step')} to {last.get('step')}).\n")
+        if plot_rl(rl_rows, out / "rl.png"):
+            md += ["![RL curves](rl.png)", ""]
+    else:
+        md += ["(no RL steps yet)", ""]
+
+    path = out / "report.md"
+    write_text_atomic(path, "\n".join(md) + "\n")
+    return path
+
+
+@click.command("report")
+@click.argument("run_dir", metavar="RUN_DIR", type=click.Path(file_okay=False))
+def cli(run_dir: str) -> None:
+    """Write RUN_DIR/report/report.md with PNG plots: pass@k by stage and domain, the specialists'
+    probe curves with the chosen checkpoint marked, RL reward / pass rate / MGPO weight / clip
+    fraction per step, and the spectrum (distinct correct solutions per prompt)."""
+    path = build_report(run_dir)
+    click.echo(str(path))
