@@ -3,7 +3,9 @@
 A verifier never raises on model output: malformed output is reward 0 with a reason. A bad
 task (unknown verifier, missing answer) is caught by :func:`check_task` before generation.
 Verifier modules register themselves with :func:`register`; importing this package imports
-them all.
+them all (``math``, ``reasoning_gym``, ``code``, ``toolcall``; a verifier whose optional third-party
+package is missing is listed in ``UNAVAILABLE`` with the reason). :func:`verify_many` scores a batch,
+running verifiers marked ``parallel`` (the code sandbox) on worker threads. See docs/tasks.md.
 """
 
 from __future__ import annotations
@@ -36,23 +38,40 @@ VERIFIERS: dict[str, Verifier] = {}
 TASK_CHECKS: dict[str, Callable[["Task"], None]] = {}
 
 
-def register(name: str, check: Callable[["Task"], None] | None = None):
-    """Decorator: add a verifier to the registry (``check`` validates tasks up front)."""
+#: Verifiers that may run concurrently in worker threads (they wait on subprocesses, e.g. ``code``).
+#: Others run in the calling thread (math-verify's timeouts need the main thread).
+PARALLEL: set[str] = set()
+#: name -> why a known verifier is unavailable in this environment (a missing optional package).
+UNAVAILABLE: dict[str, str] = {}
+
+
+def register(name: str, check: Callable[["Task"], None] | None = None, parallel: bool = False):
+    """Decorator: add a verifier to the registry (``check`` validates tasks up front; ``parallel``
+    marks a verifier that :func:`verify_many` may run in worker threads)."""
 
     def deco(fn: Verifier) -> Verifier:
         VERIFIERS[name] = fn
         if check is not None:
             TASK_CHECKS[name] = check
+        if parallel:
+            PARALLEL.add(name)
         return fn
 
     return deco
+
+
+def unknown_verifier_message(name: str) -> str:
+    """Why ``name`` cannot be used: a missing optional package, or not a verifier at all."""
+    if name in UNAVAILABLE:
+        return f"verifier '{name}' is unavailable here: {UNAVAILABLE[name]}"
+    return f"unknown verifier '{name}'; valid: {', '.join(sorted(VERIFIERS))}"
 
 
 def get_verifier(name: str) -> Verifier:
     try:
         return VERIFIERS[name]
     except KeyError:
-        raise UserError(f"unknown verifier '{name}'; valid: {', '.join(sorted(VERIFIERS))}") from None
+        raise UserError(unknown_verifier_message(name)) from None
 
 
 def check_task(task: "Task") -> None:
@@ -91,11 +110,54 @@ def exact_match(completion: str, task: "Task") -> VerifyResult:
     return VerifyResult(1.0 if ok else 0.0, "correct" if ok else "wrong_answer", text[:200])
 
 
-# Verifier modules that register themselves on import. A module that is missing in this version
-# (or whose optional dependency is not installed) is skipped, so the registry holds what works.
-_MODULES = ("mlx_ssp.verify.math", "mlx_ssp.verify.rgym", "mlx_ssp.verify.code", "mlx_ssp.verify.toolcall")
-for _m in _MODULES:
+def verify_many(
+    items: "list[tuple[str, Task]]", workers: int = 1, progress: Callable[[int], None] | None = None
+) -> list[VerifyResult]:
+    """Score many ``(completion, task)`` pairs, in order. Verifiers registered with ``parallel=True``
+    (the code sandbox) run on ``workers`` threads; the rest run here in the calling thread.
+    ``progress(n)`` is called as results arrive."""
+    results: list[VerifyResult | None] = [None] * len(items)
+    par = [i for i, (_, t) in enumerate(items) if t.verifier in PARALLEL] if workers > 1 else []
+    pool = None
+    futures = {}
+    if par:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify")
+        futures = {pool.submit(verify, items[i][0], items[i][1]): i for i in par}
+    try:
+        in_pool = set(par)
+        for i, (completion, task) in enumerate(items):
+            if i not in in_pool:
+                results[i] = verify(completion, task)
+                if progress:
+                    progress(1)
+        if futures:
+            from concurrent.futures import as_completed
+
+            for fut in as_completed(futures):
+                results[futures[fut]] = fut.result()
+                if progress:
+                    progress(1)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    return results  # type: ignore[return-value]
+
+
+# Verifier modules that register themselves on import. Only a missing *third-party* package may be
+# skipped (the verifier is then listed in UNAVAILABLE with the reason, shown when a task names it);
+# any other error in our own module is a bug and propagates.
+_MODULES = {
+    "math": ("mlx_ssp.verify.math", "math-verify"),
+    "reasoning_gym": ("mlx_ssp.verify.rgym", "reasoning-gym"),
+    "code": ("mlx_ssp.verify.code", None),
+    "toolcall": ("mlx_ssp.verify.toolcall", None),
+}
+for _name, (_m, _pip) in _MODULES.items():
     try:
         importlib.import_module(_m)
-    except ImportError:
-        pass
+    except ModuleNotFoundError as _e:
+        if not _e.name or _e.name == "mlx_ssp" or _e.name.startswith("mlx_ssp."):
+            raise
+        UNAVAILABLE[_name] = f"it needs the Python package '{_e.name}'" + (f" (pip install {_pip})" if _pip else "")

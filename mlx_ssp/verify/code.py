@@ -1,0 +1,136 @@
+"""``code`` verifier: run the completion's Python against the task's tests in the sandbox.
+
+Algorithm:
+1. Extract the code: drop text before the last ``</think>``; take the last fenced code block (a
+   ``python``/``py``/untagged fence; an unterminated last fence counts, for truncated samples) and,
+   when the task names an ``entry_point``, prefer the last block that defines it; with no fence, the
+   whole completion is the code.
+2. Assemble the program. If the task has ``metadata["prompt_code"]`` (HumanEval: the signature and
+   docstring) and the code does not define ``entry_point`` itself, the code is a body continuation and
+   the program is ``prompt_code + code``; otherwise the import lines of ``prompt_code`` are prepended
+   (a full function that forgot ``from typing import List`` still runs).
+3. Tests, from the task's ``answer``: a string of test code appended to the program (HumanEval's
+   ``check`` function plus ``check(entry_point)``), pass = exit status 0; or a list of
+   ``{"input": stdin, "output": expected stdout}`` cases, each run separately, pass = every case's
+   stdout equals the expected one up to trailing whitespace on each line.
+4. Run in :mod:`mlx_ssp.verify.sandbox` with default limits, overridden per task by
+   ``metadata["sandbox"]`` (keys of :class:`~mlx_ssp.verify.sandbox.Limits`).
+
+Reward 1 if every test passes, else 0; the reason says why (``syntax_error``, ``failed``, ``timeout``,
+``memory_limit``, ``output_limit``...). A syntax error is found by compiling in the parent (nothing
+runs) to save a sandbox start. Registered as parallel: ``verify_many`` runs it on worker threads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING, Any
+
+from mlx_ssp.verify import VerifyResult, register
+from mlx_ssp.verify.extract import strip_thinking
+from mlx_ssp.verify.sandbox import Limits, run_python
+
+if TYPE_CHECKING:
+    from mlx_ssp.tasks import Task
+
+_FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_CODE_LANGS = {"", "python", "py", "python3"}
+_LIMIT_KEYS = {f.name for f in fields(Limits)}
+DEFAULT_LIMITS = Limits()
+
+
+def extract_code(completion: str, entry_point: str | None = None) -> str:
+    text = strip_thinking(completion or "")
+    blocks = [b for lang, b in _FENCE_RE.findall(text) if lang.lower() in _CODE_LANGS]
+    if not blocks:
+        return text.strip("\n")
+    if entry_point:
+        defining = [b for b in blocks if re.search(rf"\bdef\s+{re.escape(entry_point)}\s*\(", b)]
+        if defining:
+            return defining[-1]
+    return blocks[-1]
+
+
+def _imports(prompt_code: str) -> str:
+    return "\n".join(l for l in prompt_code.splitlines() if re.match(r"(import|from)\s+\w", l))
+
+
+def assemble(completion: str, task: "Task") -> str:
+    md = task.metadata
+    entry = md.get("entry_point")
+    code = extract_code(completion, entry)
+    prompt_code = md.get("prompt_code") or ""
+    if prompt_code and entry and not re.search(rf"\bdef\s+{re.escape(entry)}\s*\(", code):
+        return prompt_code + code
+    if prompt_code:
+        return _imports(prompt_code) + "\n" + code
+    return code
+
+
+def limits_for(task: "Task") -> Limits:
+    over = task.metadata.get("sandbox") or {}
+    return replace(DEFAULT_LIMITS, **over) if over else DEFAULT_LIMITS
+
+
+def _check(task: "Task") -> None:
+    ans = task.answer
+    if isinstance(ans, str):
+        if not ans.strip():
+            raise ValueError("missing 'answer' (test code)")
+    elif isinstance(ans, list):
+        if not ans or not all(isinstance(c, dict) and "input" in c and "output" in c for c in ans):
+            raise ValueError("'answer' as a list must hold {input, output} test cases")
+    else:
+        raise ValueError("'answer' must be test code (a string) or a list of {input, output} cases")
+    over = task.metadata.get("sandbox") or {}
+    if not isinstance(over, dict) or set(over) - _LIMIT_KEYS:
+        raise ValueError(f"metadata.sandbox keys must be among {', '.join(sorted(_LIMIT_KEYS))}")
+
+
+def _last_line(s: str) -> str:
+    lines = [l for l in s.strip().splitlines() if l.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+_REASONS = {
+    "error": "failed",
+    "timeout": "timeout",
+    "cpu_limit": "timeout",
+    "memory_limit": "memory_limit",
+    "file_size_limit": "file_size_limit",
+    "output_limit": "output_limit",
+    "killed": "killed",
+    "sandbox_error": "sandbox_error",
+}
+
+
+def _norm_out(s: str) -> list[str]:
+    return [l.rstrip() for l in s.strip().splitlines()]
+
+
+@register("code", check=_check, parallel=True)
+def verify_code(completion: str, task: "Task") -> VerifyResult:
+    program = assemble(completion, task)
+    if not program.strip():
+        return VerifyResult(0.0, "no_code", "")
+    try:
+        compile(program, "prog.py", "exec")
+    except SyntaxError as e:
+        return VerifyResult(0.0, "syntax_error", f"line {e.lineno}: {e.msg}")
+    except (ValueError, RecursionError, MemoryError, OverflowError) as e:
+        return VerifyResult(0.0, "syntax_error", f"{type(e).__name__}: {e}"[:300])
+    limits = limits_for(task)
+    ans: Any = task.answer
+    if isinstance(ans, str):
+        res = run_python(program + "\n\n" + ans + "\n", limits)
+        if res.ok:
+            return VerifyResult(1.0, "passed", f"{res.wall_s:.2f}s")
+        return VerifyResult(0.0, _REASONS.get(res.status, "failed"), _last_line(res.stderr) or res.status)
+    for i, case in enumerate(ans):
+        res = run_python(program, limits, stdin=str(case["input"]))
+        if not res.ok:
+            return VerifyResult(0.0, _REASONS.get(res.status, "failed"), f"case {i}: {_last_line(res.stderr) or res.status}")
+        if _norm_out(res.stdout) != _norm_out(str(case["output"])):
+            return VerifyResult(0.0, "wrong_output", f"case {i}: got {res.stdout.strip()[:100]!r}")
+    return VerifyResult(1.0, "passed", f"{len(ans)} cases")

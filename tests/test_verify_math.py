@@ -1,0 +1,89 @@
+"""math verifier and answer extraction: real GSM8K references in several writings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlx_ssp.tasks import Task
+from mlx_ssp.verify import verify
+from mlx_ssp.verify.extract import extract
+
+
+def _task(answer, mode="strict"):
+    return Task(id="t", domain="d", prompt="p", answer=answer, verifier="math", metadata={"answer_extraction": mode})
+
+
+@pytest.mark.parametrize(
+    "text,mode,want",
+    [
+        ("blah\nAnswer: 42", "strict", "42"),
+        ("**Answer:** 42.", "strict", "42"),
+        ("x #### 1,234", "strict", "1,234"),
+        ("so \\boxed{\\frac{1}{2}} and more", "strict", "\\frac{1}{2}"),
+        ("Answer: 3\nlater #### 5", "strict", "5"),  # the last marker wins
+        ("<think>Answer: 3</think>Answer: 4", "strict", "4"),
+        ("Answer: $\\boxed{7}$", "strict", "7"),
+        ("The answer is 12. Done", "strict", None),
+        ("The answer is 12. Done", "lenient", "12"),
+        ("5 + 3 = 8", "lenient", "8"),
+        ("I got 7 apples", "lenient", "7"),
+    ],
+)
+def test_extraction(text, mode, want):
+    ex = extract(text, mode)
+    assert (ex.text if ex else None) == want
+
+
+def test_gsm8k_all_references_score_one_in_several_writings(shared_data):
+    from mlx_ssp.tasks import export_source
+
+    tasks = export_source(f"gsm8k:{shared_data / 'gsm8k' / 'test.jsonl'}", answer_extraction="lenient")
+    assert len(tasks) == 1319
+    raw = [json.loads(l) for l in open(shared_data / "gsm8k" / "test.jsonl")]
+    assert sorted(t.answer for t in tasks) == sorted(r["answer"].rsplit("####", 1)[1].strip().replace(",", "") for r in raw)
+    failures = []
+    for t in tasks:
+        a = t.answer
+        commas = f"{int(a):,}" if a.lstrip("-").isdigit() else a
+        for c in (f"Answer: {a}", f"Answer: {commas}", f"Hence \\boxed{{{commas}}}.", f"So the answer is {commas} dollars."):
+            if verify(c, t).reward != 1.0:
+                failures.append((t.id, c))
+        wrong = verify(f"Answer: {float(a) + 1:g}", t)
+        if wrong.reward != 0.0 or wrong.reason != "wrong_answer":
+            failures.append((t.id, "wrong", wrong))
+    assert not failures, failures[:10]
+
+
+def test_strict_vs_lenient_and_reasons():
+    assert verify("The answer is 18.", _task("18")).reason == "no_answer"
+    assert verify("The answer is 18.", _task("18", "lenient")).reward == 1.0
+    assert verify("Answer: 19", _task("18")).reason == "wrong_answer"
+    assert verify("", _task("18")).reason == "no_answer"
+    assert verify("Answer: 0.5", _task("\\frac{1}{2}")).reward == 1.0
+    assert verify("Answer: 50%", _task("0.5")).reward == 1.0
+    assert verify("Answer: 2x+1", _task("2")).reward == 0.0  # an expression is not its leading number
+    assert verify("Answer: 1+2x", _task("2x+1")).reward == 1.0
+    # an intermediate number never wins in strict mode
+    assert verify("3 + 4 = 7, times 2 is 14\nAnswer: 14", _task("7")).reward == 0.0
+
+
+def test_bad_math_task_is_an_error_before_generation():
+    from mlx_ssp.errors import UserError
+    from mlx_ssp.tasks import check_tasks
+
+    with pytest.raises(UserError, match="missing 'answer'"):
+        check_tasks([_task(None)])
+    with pytest.raises(UserError, match="answer_extraction"):
+        check_tasks([_task("1", "fuzzy")])
+
+
+def test_math_speed_is_reasonable():
+    import time
+
+    t = _task("1234")
+    t0 = time.perf_counter()
+    for i in range(200):
+        verify(f"The total is 1,23{i % 10}\nAnswer: 1,23{i % 10}", t)
+    assert (time.perf_counter() - t0) / 200 < 0.05  # well under 50 ms each even on a busy machine
