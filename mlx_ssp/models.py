@@ -76,18 +76,34 @@ def resolve_model(spec: str, revision: str | None = None) -> Path:
 def _download(repo_id: str, revision: str | None) -> Path:
     try:
         from huggingface_hub import snapshot_download
+        from huggingface_hub import errors as hf_errors
     except ImportError:  # pragma: no cover - a declared dependency
         raise UserError("huggingface_hub is not installed; pip install huggingface-hub") from None
     patterns = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
     try:
         local = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except Exception as e:  # offline, unknown repo, gated: all user-facing
-        name = type(e).__name__
-        hint = "this machine cannot reach the Hugging Face hub; download the model elsewhere and pass its directory"
-        if "RepositoryNotFound" in name or "404" in str(e):
-            hint = "no such repository on the hub (check the spelling, or log in for gated models)"
-        raise UserError(f"could not download '{repo_id}' ({name}): {hint}") from None
+        raise UserError(f"'{repo_id}' is not a local directory and could not be fetched from the Hugging Face hub: "
+                        f"{_download_hint(e, hf_errors)}") from None
     return check_model_dir(Path(local))
+
+
+def _download_hint(e: Exception, hf_errors) -> str:
+    """What went wrong with a hub download, and what to do, in one clause."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(e, getattr(hf_errors, "GatedRepoError", ())):
+        return "the repository is gated; accept its terms on the hub and log in (`hf auth login`)"
+    if isinstance(e, getattr(hf_errors, "RevisionNotFoundError", ())):
+        return "no such revision (check --revision / model.revision)"
+    if isinstance(e, getattr(hf_errors, "RepositoryNotFoundError", ())):
+        return "no such repository (check the spelling, or log in for private models)"
+    if offline:
+        return ("HF_HUB_OFFLINE is set and the model is not in the local hub cache; "
+                "unset HF_HUB_OFFLINE on a machine with internet access, or pass a local model directory")
+    if isinstance(e, getattr(hf_errors, "LocalEntryNotFoundError", ())):
+        return ("this machine cannot reach the hub and the model is not in the local hub cache; "
+                "download it where there is internet access and pass its directory")
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
 def load_model(spec: str | ModelConfig, *, lazy: bool = False):

@@ -26,11 +26,17 @@ def resolve(spec: str, revision: str | None) -> None:
 @click.option("--prompt", "-p", required=True, help="User message (rendered with the chat template).")
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1))
 def generate_cmd(spec: str, prompt: str, max_tokens: int) -> None:
-    """Greedy-decode one prompt with SPEC: a quick check that a model loads and answers."""
+    """Greedy-decode one prompt with SPEC: a quick check that a model loads and answers.
+
+    The prompt goes through the model's chat template when it has one (e.g.
+    `mlx_ssp models generate demo -p "What is the capital of France?"`)."""
     from mlx_lm import generate
 
     from mlx_ssp.models import load_model
 
     model, tok, _ = load_model(spec)
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    if getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    else:  # a base model without a chat template: continue the raw text
+        ids = tok.encode(prompt)
     click.echo(generate(model, tok, ids, max_tokens=max_tokens))
