@@ -1,0 +1,161 @@
+"""pass@1 / pass@k per domain with the unbiased estimator (the measuring stick of every stage).
+
+For each task, draw n >= k samples with the rollout engine (:func:`mlx_ssp.rollout.generate_rollouts`,
+same seeds and batching), count the c verified-correct ones, and report per domain the mean over
+tasks of pass@1 = c/n and pass@k = 1 - C(n-c, k)/C(n, k) (Chen et al. 2021, eq. 1;
+:func:`mlx_ssp.metrics.pass_at_k`). ``overall`` is the task-weighted mean over all domains. With
+``greedy`` a second, greedy pass (T=0, one sample per task) adds ``greedy_pass@1``.
+
+Choices: ``n`` defaults to k (the estimator is then the plain "any of k correct" rate); larger n
+lowers its variance. Tasks whose prompt does not fit the context are skipped and counted
+(``skipped``), not scored as failures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import click
+from pydantic import Field, model_validator
+
+from mlx_ssp.config import StrictModel
+from mlx_ssp.errors import UserError
+from mlx_ssp.rollout import SamplingConfig, generate_rollouts, summarize
+from mlx_ssp.tasks import Task
+
+
+class EvalConfig(StrictModel):
+    """The ``eval:`` section of a run file."""
+
+    k: int = Field(8, ge=1)
+    n: Optional[int] = Field(None, ge=1)  # samples per task (default k; must be >= k)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    greedy: bool = False  # also report greedy pass@1
+    batch_size: int = Field(64, ge=1)
+    seed: Optional[int] = None
+    tasks: Optional[str] = None
+    output: Optional[str] = None
+    max_context: Optional[int] = Field(None, ge=2)
+    system: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _n_ge_k(self):
+        if self.n is not None and self.n < self.k:
+            raise ValueError(f"n ({self.n}) must be >= k ({self.k})")
+        return self
+
+
+def evaluate(
+    model,
+    tokenizer,
+    tasks: list[Task],
+    *,
+    k: int,
+    sampling: SamplingConfig,
+    seed: int = 0,
+    batch_size: int = 64,
+    greedy: bool = False,
+    progress: bool = True,
+    n: Optional[int] = None,
+    max_context: Optional[int] = None,
+    system: Optional[str] = None,
+    model_name: Optional[str] = None,
+) -> dict:
+    """Returns ``{"model", "k", "n", "domains": {D: {"n_tasks", "pass@1", "pass@K", ...}},
+    "overall": {...}, "tasks": [{"task_id", "n", "c", "pass@1", "pass@K", ...}], "skipped": [...]}``."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise UserError(f"k must be an integer >= 1, got {k!r}")
+    n = k if n is None else n
+    if n < k:
+        raise UserError(f"n ({n}) must be >= k ({k})")
+    stats: dict = {}
+    recs = generate_rollouts(
+        model, tokenizer, tasks, k=n, sampling=sampling, seed=seed, batch_size=batch_size, verify=True,
+        progress=progress, max_context=max_context, system=system, stats=stats,
+    )
+    result = summarize(recs, k)
+    # summarize() keys pass@k on its k argument but uses all n samples of each task
+    result.update(
+        model=model_name,
+        n=n,
+        sampling=sampling.model_dump(),
+        seed=seed,
+        skipped=stats.get("skipped", []),
+        gen_tokens=stats.get("gen_tokens", 0),
+        gen_s=round(stats.get("gen_s", 0.0), 3),
+        verify_s=round(stats.get("verify_s", 0.0), 3),
+    )
+    if greedy:
+        gsampling = sampling.model_copy(update={"temperature": 0.0})
+        grecs = generate_rollouts(
+            model, tokenizer, tasks, k=1, sampling=gsampling, seed=seed, batch_size=batch_size, verify=True,
+            progress=progress, max_context=max_context, system=system,
+        )
+        gsum = summarize(grecs, 1)
+        for d, row in result["domains"].items():
+            row["greedy_pass@1"] = gsum["domains"].get(d, {}).get("pass@1")
+        result["overall"]["greedy_pass@1"] = gsum["overall"].get("pass@1")
+        greedy_by_task = {t["task_id"]: t["pass@1"] for t in gsum["tasks"]}
+        for t in result["tasks"]:
+            t["greedy_correct"] = greedy_by_task.get(t["task_id"])
+    # a stable key order: model, k first
+    head = {key: result.pop(key) for key in ("model", "k", "n")}
+    return {**head, **result}
+
+
+def run_eval(model_spec, tasks_path, cfg: EvalConfig, out: str | Path, *, progress: bool = True) -> dict:
+    """Load tasks (errors first), then the model, evaluate, write ``out`` atomically."""
+    from mlx_ssp.io import write_json_atomic
+    from mlx_ssp.models import ModelConfig, load_model
+    from mlx_ssp.tasks import load_tasks
+
+    tasks = load_tasks(tasks_path)
+    mcfg = model_spec if isinstance(model_spec, ModelConfig) else ModelConfig(path=str(model_spec))
+    model, tokenizer, path = load_model(mcfg)
+    result = evaluate(
+        model, tokenizer, tasks, k=cfg.k, n=cfg.n, sampling=cfg.sampling, seed=cfg.seed or 0,
+        batch_size=cfg.batch_size, greedy=cfg.greedy, progress=progress, max_context=cfg.max_context,
+        system=cfg.system, model_name=str(path),
+    )
+    result["tasks_file"] = str(tasks_path)
+    from mlx_ssp import distributed as dist
+
+    if dist.is_main():  # the ranks sampled their shares; rank 0 writes (issue 10)
+        write_json_atomic(out, result)
+    return result
+
+
+from mlx_ssp.cli import config_option, set_option  # noqa: E402
+from mlx_ssp.rollout import format_table, load_stage_config, sampling_flags, sampling_options  # noqa: E402
+
+
+@click.command("eval")
+@click.option("--model", "model", default=None, help="Model: a directory, a Hugging Face id, or 'demo'.")
+@click.option("--tasks", "tasks_path", default=None, help="Task JSONL file.")
+@click.option("--k", "k", type=int, default=None, help="k of pass@k. Default 8.")
+@click.option("--n", "n", type=int, default=None, help="Samples per task (>= k; default k).")
+@click.option("--greedy/--no-greedy", default=None, help="Also report greedy pass@1.")
+@sampling_options
+@click.option("--system", default=None, help="System prompt for tasks that have none.")
+@click.option("-o", "--output", default=None, help="EVAL.json to write.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@config_option
+@set_option
+def cli(model, tasks_path, k, n, greedy, system, output, no_progress, config_path, overrides, **kw):
+    """pass@1 and pass@k per domain (unbiased estimator), printed and written as JSON."""
+    flags = {"k": k, "n": n, "greedy": greedy, "tasks": tasks_path, "output": output, "system": system, **sampling_flags(kw)}
+    mcfg, cfg, _ = load_stage_config(config_path, overrides, "eval", flags, model)
+    if not cfg.tasks:
+        raise UserError("no task file: pass --tasks FILE (or set eval.tasks)")
+    if not cfg.output:
+        raise UserError("no output: pass -o EVAL.json (or set eval.output)")
+    result = run_eval(mcfg, cfg.tasks, cfg, cfg.output, progress=not no_progress)
+    from mlx_ssp import distributed as dist
+
+    if not dist.is_main():  # rank 0 reports for all ranks
+        return
+    click.echo(format_table(result, extra=("greedy_pass@1",) if cfg.greedy else ()))
+    if result["skipped"]:
+        click.echo(f"warning: skipped {len(result['skipped'])} task(s) whose prompt does not fit the context", err=True)
+    click.echo(f"-> {cfg.output}")
