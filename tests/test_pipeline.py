@@ -1,0 +1,192 @@
+"""`mlx_ssp run`: stage order, skipping, resuming, config changes, --from/--only, the table, the report.
+
+The driver tests replace the stage functions with fast fakes that record calls; the end-to-end test
+runs configs/smoke.yaml on the demo model (every real stage, minimal sizes), then simulates a kill in
+several stages and checks that the resumed run ends with the same table.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mlx_ssp import pipeline
+from mlx_ssp.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONFIG = """
+run_dir: {run_dir}
+seed: 0
+model: demo
+tasks:
+  domains:
+    addition:
+      source: reasoning_gym:basic_arithmetic
+      params: {{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1, operators: ["+"]}}
+      sizes: {{train: 2, probe: 1, eval: 1}}
+rollout: {{k: {k}}}
+"""
+
+
+@pytest.fixture
+def fake_stages(monkeypatch):
+    calls: list[str] = []
+
+    def make(name):
+        def fn(run):
+            calls.append(name)
+            d = run.stage_dir(name)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "out.txt").write_text(name)
+            if name == "eval":
+                table = {"k": 2, "domains": ["addition"], "rows": [
+                    {"stage": "base", "overall": {"pass@1": 0.1, "pass@2": 0.2},
+                     "domains": {"addition": {"pass@1": 0.1, "pass@2": 0.2}}}]}
+                (d / "table.json").write_text(json.dumps(table))
+            return {"ok": name}
+
+        return fn
+
+    monkeypatch.setattr(pipeline, "STAGE_FNS", {s: make(s) for s in pipeline.STAGES})
+    return calls
+
+
+def _write(tmp_path, k=4):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(CONFIG.format(run_dir=tmp_path / "run", k=k))
+    return cfg
+
+
+def test_runs_all_stages_then_skips(tmp_path, fake_stages):
+    cfg = _write(tmp_path)
+    out: list[str] = []
+    pipeline.run_pipeline(cfg, echo=out.append)
+    assert fake_stages == list(pipeline.STAGES)
+    run = tmp_path / "run"
+    assert (run / "config.resolved.yaml").exists()
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["stage"] for e in events if e["event"] == "end"] == list(pipeline.STAGES)
+    assert any("| base |" in line for line in out)  # the table is printed at the end
+    fake_stages.clear()
+    out.clear()
+    pipeline.run_pipeline(cfg, echo=out.append)
+    assert fake_stages == []
+    assert all("skipping" in line for line in out if line.startswith("["))
+
+
+def test_config_change_reruns_that_stage_and_later(tmp_path, fake_stages):
+    cfg = _write(tmp_path)
+    pipeline.run_pipeline(cfg, echo=lambda s: None)
+    fake_stages.clear()
+    out: list[str] = []
+    pipeline.run_pipeline(cfg, ("rollout.k=8",), echo=out.append)
+    assert fake_stages == ["rollout", "select", "sft", "merge", "rl", "eval"]
+    assert any("[rollout] rerunning" in line and "changed" in line for line in out)
+    stale = list((tmp_path / "run" / ".stale").iterdir())
+    assert any(p.name.startswith("rollout-") for p in stale)  # moved aside, not deleted
+    # a change to an early section invalidates everything after it
+    fake_stages.clear()
+    pipeline.run_pipeline(cfg, ("rollout.k=8", "tasks.seed=7"), echo=lambda s: None)
+    assert fake_stages == list(pipeline.STAGES)
+
+
+def test_interrupted_stage_resumes_and_later_stages_rerun(tmp_path, fake_stages, monkeypatch):
+    cfg = _write(tmp_path)
+    boom = {"n": 0}
+    real = pipeline.STAGE_FNS["sft"]
+
+    def flaky(run):
+        boom["n"] += 1
+        if boom["n"] == 1:
+            raise KeyboardInterrupt  # killed mid-stage
+        return real(run)
+
+    monkeypatch.setitem(pipeline.STAGE_FNS, "sft", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run_pipeline(cfg, echo=lambda s: None)
+    assert fake_stages == ["tasks", "rollout", "select"]
+    fake_stages.clear()
+    out: list[str] = []
+    pipeline.run_pipeline(cfg, echo=out.append)
+    assert fake_stages == ["sft", "merge", "rl", "eval"]
+    assert any("[sft] resuming" in line for line in out)
+
+
+def test_from_and_only(tmp_path, fake_stages):
+    cfg = _write(tmp_path)
+    with pytest.raises(UserError, match="not complete"):
+        pipeline.run_pipeline(cfg, only="eval", echo=lambda s: None)
+    pipeline.run_pipeline(cfg, echo=lambda s: None)
+    fake_stages.clear()
+    pipeline.run_pipeline(cfg, from_stage="merge", echo=lambda s: None)
+    assert fake_stages == ["merge", "rl", "eval"]
+    fake_stages.clear()
+    pipeline.run_pipeline(cfg, only="select", echo=lambda s: None)
+    assert fake_stages == ["select"]
+
+
+def test_bad_config_fails_before_any_stage(tmp_path, fake_stages):
+    cfg = _write(tmp_path)
+    with pytest.raises(UserError, match="rl.stepz"):
+        pipeline.run_pipeline(cfg, ("rl.stepz=3",), echo=lambda s: None)
+    with pytest.raises(UserError, match="eval.k"):
+        pipeline.run_pipeline(cfg, ("eval.k=0",), echo=lambda s: None)
+    assert fake_stages == []
+
+
+def test_eval_table_and_gain():
+    results = {
+        "base": {"domains": {"a": {"pass@1": 0.1, "pass@4": 0.3}}, "overall": {"pass@1": 0.1, "pass@4": 0.3}},
+        "rl": {"domains": {"a": {"pass@1": 0.25, "pass@4": 0.5}}, "overall": {"pass@1": 0.25, "pass@4": 0.5}},
+    }
+    table = pipeline.eval_table(results, k=4)
+    assert table["gain"]["pass@1"] == pytest.approx(0.15) and table["gain"]["to"] == "rl"
+    text = pipeline.format_eval_table(table)
+    assert "| base | 0.100 | 0.300 | 0.100 | 0.300 |" in text and "+0.150" in text
+
+
+@pytest.mark.slow
+@pytest.mark.demo
+def test_smoke_end_to_end_and_resume(tmp_path):
+    """configs/smoke.yaml on the demo model, every real stage; then kill-and-resume gives the same table."""
+    from mlx_ssp.report import build_report
+
+    run_dir = tmp_path / "smoke"
+    out: list[str] = []
+    pipeline.run_pipeline(ROOT / "configs" / "smoke.yaml", (f"run_dir={run_dir}",), progress=False, echo=out.append)
+    table = json.loads((run_dir / "eval" / "table.json").read_text())
+    stages = [r["stage"] for r in table["rows"]]
+    assert stages[0] == "base" and "merged" in stages and stages[-1] == "rl"
+    assert any(s.startswith("specialist:") for s in stages)
+    assert any("| base |" in line for line in out)
+    rollouts = (run_dir / "rollout" / "rollouts.jsonl").read_text().splitlines()
+    assert len(rollouts) == 8 * 4  # 2 domains x 4 train prompts x K=4
+
+    report = build_report(run_dir)
+    text = report.read_text()
+    assert "Held-out evaluation" in text and "![pass@k" in text
+    assert (report.parent / "passk.png").stat().st_size > 1000
+
+    # Simulate a kill: rollouts cut mid-file with a torn line, the RL stage half done, eval half done.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed)
+    rp = resumed / "rollout" / "rollouts.jsonl"
+    rp.write_text("\n".join(rollouts[:10]) + "\n" + rollouts[10][: len(rollouts[10]) // 2])
+    for stage in ("rollout", "rl", "eval"):
+        st = json.loads((resumed / stage / "_stage.json").read_text())
+        st["complete"] = False
+        (resumed / stage / "_stage.json").write_text(json.dumps(st))
+    (resumed / "eval" / "rl.json").unlink()
+    (resumed / "eval" / "table.json").unlink()
+    out2: list[str] = []
+    pipeline.run_pipeline(
+        ROOT / "configs" / "smoke.yaml", (f"run_dir={resumed}",), progress=False, echo=out2.append
+    )
+    assert any("[rollout] resuming" in line for line in out2)
+    assert (resumed / "rollout" / "rollouts.jsonl").read_text().splitlines() == rollouts
+    table2 = json.loads((resumed / "eval" / "table.json").read_text())
+    assert table2 == table
