@@ -171,22 +171,35 @@ def test_smoke_end_to_end_and_resume(tmp_path):
     assert "Held-out evaluation" in text and "![pass@k" in text
     assert (report.parent / "passk.png").stat().st_size > 1000
 
-    # Simulate a kill: rollouts cut mid-file with a torn line, the RL stage half done, eval half done.
+    # Simulate a kill during RL, after its first checkpoint: step 2, the fused model and the whole
+    # eval stage are gone, the RL stage is marked incomplete.
     resumed = tmp_path / "resumed"
     shutil.copytree(run_dir, resumed)
-    rp = resumed / "rollout" / "rollouts.jsonl"
-    rp.write_text("\n".join(rollouts[:10]) + "\n" + rollouts[10][: len(rollouts[10]) // 2])
-    for stage in ("rollout", "rl", "eval"):
-        st = json.loads((resumed / stage / "_stage.json").read_text())
-        st["complete"] = False
-        (resumed / stage / "_stage.json").write_text(json.dumps(st))
-    (resumed / "eval" / "rl.json").unlink()
-    (resumed / "eval" / "table.json").unlink()
+    rl = resumed / "rl"
+    ckpts = sorted((rl / "checkpoints").iterdir())
+    assert len(ckpts) == 2
+    shutil.rmtree(ckpts[-1])
+    shutil.rmtree(rl / "model")
+    rows = (rl / "metrics.jsonl").read_text().splitlines()
+    (rl / "metrics.jsonl").write_text(rows[0] + "\n" + rows[1][:20])  # a torn second row
+    st = json.loads((rl / "_stage.json").read_text())
+    st["complete"] = False
+    (rl / "_stage.json").write_text(json.dumps(st))
+    shutil.rmtree(resumed / "eval")
     out2: list[str] = []
-    pipeline.run_pipeline(
-        ROOT / "configs" / "smoke.yaml", (f"run_dir={resumed}",), progress=False, echo=out2.append
-    )
-    assert any("[rollout] resuming" in line for line in out2)
-    assert (resumed / "rollout" / "rollouts.jsonl").read_text().splitlines() == rollouts
-    table2 = json.loads((resumed / "eval" / "table.json").read_text())
-    assert table2 == table
+    pipeline.run_pipeline(ROOT / "configs" / "smoke.yaml", (f"run_dir={resumed}",), progress=False, echo=out2.append)
+    assert any("[rl] resuming" in line for line in out2)
+    assert any("[sft] complete, skipping" in line for line in out2)
+    assert json.loads((resumed / "eval" / "table.json").read_text()) == table
+
+    # A kill during eval: the models already evaluated are kept, the rest are evaluated.
+    ev = resumed / "eval"
+    (ev / "rl.json").unlink()
+    (ev / "table.json").unlink()
+    st = json.loads((ev / "_stage.json").read_text())
+    st["complete"] = False
+    (ev / "_stage.json").write_text(json.dumps(st))
+    before = (ev / "base.json").stat().st_mtime_ns
+    pipeline.run_pipeline(ROOT / "configs" / "smoke.yaml", (f"run_dir={resumed}",), progress=False, echo=lambda s: None)
+    assert (ev / "base.json").stat().st_mtime_ns == before  # not re-evaluated
+    assert json.loads((ev / "table.json").read_text()) == table
