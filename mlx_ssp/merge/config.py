@@ -1,0 +1,227 @@
+"""Merge configuration: mergekit's YAML (``mlx_ssp merge CONFIG.yml OUT``) and the pipeline's ``merge:``.
+
+:class:`MergeConfig` reads the mergekit ``models:`` form: ``models`` (each ``model`` and optional
+``parameters``), ``merge_method``, ``base_model``, top-level ``parameters``, ``dtype``,
+``out_dtype`` and ``tokenizer_source`` (``base`` or a model reference). A parameter value is a
+scalar, a gradient list (interpolated over the layer index ``t = i / (L - 1)``; tensors outside the
+layers get ``t = 0``, as in mergekit), or a list of ``{filter: substring, value: ...}`` (first match
+wins; ``filter: "*"`` or no filter matches everything). Per-model parameters beat top-level ones;
+a filter list that matches nothing falls through to the next level, then to the method's default.
+
+Deviation from mergekit: ``slices:`` / ``modules:`` (layer surgery) are not supported; unknown keys,
+methods and parameters are errors listing the valid ones.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from mlx_ssp.config import StrictModel, format_validation_error, read_yaml
+from mlx_ssp.errors import UserError
+from mlx_ssp.merge.methods import METHODS, RESCALE_MODES, SIGN_VOTES
+
+Scalar = Union[bool, int, float, str]
+
+
+class Conditional(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    value: Union[Scalar, list[Scalar]]
+    filter: Optional[str] = None
+
+
+Setting = Union[Scalar, list[Scalar], Conditional, list[Conditional]]
+DTypeName = Literal["float32", "bfloat16", "float16"]
+_DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16",
+                  "half": "float16", "float": "float32"}
+
+
+def _dtype(v):
+    if isinstance(v, str):
+        return _DTYPE_ALIASES.get(v.lower(), v.lower())
+    return v
+
+
+class ModelEntry(StrictModel):
+    model: str
+    parameters: Optional[dict[str, Setting]] = None
+
+
+class MergeConfig(StrictModel):
+    """A mergekit YAML file (the ``models:`` form)."""
+
+    models: list[ModelEntry]
+    merge_method: str
+    base_model: Optional[str] = None
+    parameters: Optional[dict[str, Setting]] = None
+    dtype: Optional[DTypeName] = None
+    out_dtype: Optional[DTypeName] = None
+    tokenizer_source: Optional[str] = None
+
+    @field_validator("dtype", "out_dtype", mode="before")
+    @classmethod
+    def _alias(cls, v):
+        return _dtype(v)
+
+    @field_validator("merge_method")
+    @classmethod
+    def _method(cls, v: str) -> str:
+        if v not in METHODS:
+            raise ValueError(f"unknown merge_method '{v}'; valid methods: {', '.join(METHODS)}")
+        return v
+
+    @field_validator("models")
+    @classmethod
+    def _nonempty(cls, v):
+        if not v:
+            raise ValueError("models must list at least one model")
+        return v
+
+
+# ------------------------------------------------------------ parameter values
+
+PARAM_TYPES: dict[str, type] = {
+    "weight": float, "density": float, "gamma": float, "lambda": float,
+    "normalize": bool, "rescale": bool, "int8_mask": bool, "sign_vote": str, "rescale_mode": str,
+}
+CHOICES = {"sign_vote": SIGN_VOTES, "rescale_mode": RESCALE_MODES}
+
+
+def _validate_value(name: str, v: Any, where: str) -> Any:
+    typ = PARAM_TYPES[name]
+    if typ is bool:
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, str) and v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        if isinstance(v, (int, float)) and v in (0, 1):
+            return bool(v)
+    elif typ is float:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+        if isinstance(v, str):
+            try:
+                return float(v)
+            except ValueError:
+                pass
+    elif typ is str and isinstance(v, str):
+        if v not in CHOICES[name]:
+            raise UserError(f"{where}: {name} must be one of {', '.join(CHOICES[name])}, got '{v}'")
+        return v
+    raise UserError(f"{where}: {name} must be a {typ.__name__}, got {v!r}")
+
+
+def evaluate(name: str, setting: Any, tensor: str, t: float, where: str) -> Any:
+    """Resolve one parameter setting for one tensor (mergekit's rules). None: no filter matched."""
+    if isinstance(setting, Conditional):
+        setting = [setting]
+    if isinstance(setting, (bool, int, float, str)):
+        return _validate_value(name, setting, where)
+    if isinstance(setting, list):
+        if not setting:
+            return None
+        if all(isinstance(e, (bool, int, float, str)) for e in setting):
+            vals = [_validate_value(name, e, where) for e in setting]
+            if not all(isinstance(e, (int, float)) and not isinstance(e, bool) for e in vals):
+                return vals[int(t * (len(vals) - 1))]
+            x = t * (len(vals) - 1)
+            i0 = int(x)
+            i1 = min(len(vals) - 1, i0 + 1)
+            f = x - i0
+            return _validate_value(name, (1 - f) * vals[i0] + f * vals[i1], where)
+        for cond in setting:
+            if not isinstance(cond, Conditional):
+                raise UserError(f"{where}: {name}: a list must hold only numbers or only {{filter, value}} items")
+            if cond.filter is None or cond.filter == "*" or (tensor and cond.filter in tensor):
+                return evaluate(name, cond.value, tensor, t, where)
+        return None
+    raise UserError(f"{where}: unexpected value for {name}: {setting!r}")
+
+
+def check_parameter_names(cfg: MergeConfig, source: str) -> None:
+    """Unknown parameter names (top level or per model) are errors listing the valid ones."""
+    spec = METHODS[cfg.merge_method]
+    valid_top = set(spec.shared_params) | set(spec.model_params)
+    for k in cfg.parameters or {}:
+        if k not in valid_top:
+            raise UserError(f"{source}: unknown parameter '{k}' for {spec.name}; valid: {', '.join(sorted(valid_top))}")
+    for m in cfg.models:
+        for k in m.parameters or {}:
+            if k not in spec.model_params:
+                raise UserError(
+                    f"{source}: model {m.model}: unknown parameter '{k}' for {spec.name}; "
+                    f"valid per-model parameters: {', '.join(spec.model_params)}"
+                )
+
+
+def resolve(name: str, scopes: list[Optional[dict]], tensor: str, t: float, default: Any, where: str) -> Any:
+    """First scope that sets ``name`` (and whose filters match) wins; else ``default``."""
+    for scope in scopes:
+        if scope and name in scope:
+            v = evaluate(name, scope[name], tensor, t, where)
+            if v is not None:
+                return v
+    return default
+
+
+def load_merge_config(path: str | Path, overrides: tuple[str, ...] = ()) -> tuple[MergeConfig, str]:
+    """Read and validate a mergekit YAML; returns (config, the YAML text to save beside the output)."""
+    from mlx_ssp.config import apply_overrides
+    import yaml
+
+    data = read_yaml(path)
+    data = apply_overrides(data, overrides)
+    from pydantic import ValidationError
+
+    try:
+        cfg = MergeConfig.model_validate(data)
+    except ValidationError as e:
+        raise UserError(format_validation_error(e, MergeConfig, str(path))) from None
+    check_parameter_names(cfg, str(path))
+    return cfg, yaml.safe_dump(data, sort_keys=False)
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
+def layer_index(tensor: str) -> Optional[int]:
+    m = _LAYER.search(tensor)
+    return int(m.group(1)) if m else None
+
+
+# ------------------------------------------------------------ the pipeline's merge: section
+
+
+class MergeStageConfig(StrictModel):
+    """The ``merge:`` section of a run file: how the pipeline merges its fused specialists.
+
+    The models are the specialists the run produced; ``base_model`` defaults to the run's model.
+    ``weights`` / ``density`` are per specialist (one value for all, or a list in specialist order).
+    ``parameters`` holds any other mergekit top-level parameter (normalize, rescale, lambda, ...)."""
+
+    method: str = "linear"
+    base_model: Optional[str] = None
+    weights: Optional[Union[float, list[float]]] = None
+    density: Optional[Union[float, list[float]]] = None
+    parameters: dict[str, Any] = {}
+    dtype: Optional[DTypeName] = None
+    out_dtype: Optional[DTypeName] = None
+    seed: Optional[int] = None
+    out_shard_size: str = "5GB"
+    vocab_mismatch: Literal["error", "truncate", "pad"] = "error"
+    copy_tokenizer: bool = True
+
+    @field_validator("dtype", "out_dtype", mode="before")
+    @classmethod
+    def _alias(cls, v):
+        return _dtype(v)
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v: str) -> str:
+        if v not in METHODS:
+            raise ValueError(f"unknown merge method '{v}'; valid methods: {', '.join(METHODS)}")
+        return v

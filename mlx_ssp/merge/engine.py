@@ -1,0 +1,380 @@
+"""The streaming merge: plan and validate every tensor, then merge and write one tensor at a time.
+
+1. Resolve each model reference (a directory, a hub id, ``demo``, or ``path+adapter_dir``) and scan
+   its safetensors headers (no tensor data is read).
+2. Plan: for every tensor of the reference model (the base, else the first model) check that each
+   input has it with the same shape (vocabulary rows per ``vocab_mismatch``), resolve every
+   parameter (filters, gradients, defaults), the compute dtype (``dtype``, else the widest input
+   dtype) and the output dtype (``out_dtype``, else the compute dtype). Any bad input stops here,
+   before a byte is written, with a message naming the tensor and the model.
+3. Merge in file order, reading each input tensor with one ``pread``; LoRA adapters are fused on
+   the fly (``W + scale * B^T A^T`` in the weight's dtype, as ``mlx_lm fuse`` does); the result is
+   appended to the current output shard. Peak memory is about (inputs x largest tensor) + constant.
+4. The output directory is built in a temporary sibling and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx_ssp  # noqa: F401
+import mlx.core as mx
+
+from mlx_ssp.errors import UserError
+from mlx_ssp.io import atomic_dir
+from mlx_ssp.merge import safetensors_io as sio
+from mlx_ssp.merge.config import MergeConfig, MergeStageConfig, check_parameter_names, layer_index, resolve
+from mlx_ssp.merge.methods import DTYPES, METHODS, dare_seed, linear, task_vector_merge
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+VOCAB_HINTS = ("embed_tokens", "lm_head", "wte", "embed_out", "word_embeddings", "output.weight")
+_WIDTH = {"F16": 1, "BF16": 1, "F32": 2, "F64": 3}
+
+
+@dataclass
+class Source:
+    """One input model: its directory, tensors and (optional) LoRA adapter to fuse on the fly."""
+
+    ref: str
+    path: Path
+    tensors: dict[str, sio.TensorInfo]
+    adapter: Optional[dict[str, sio.TensorInfo]] = None
+    lora_scale: float = 1.0
+    adapter_path: Optional[Path] = None
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def load(self, name: str) -> mx.array:
+        x = sio.read_tensor(self.tensors[name])
+        if self.adapter is not None and name.endswith(".weight"):
+            stem = name[: -len(".weight")]
+            a, b = self.adapter.get(stem + ".lora_a"), self.adapter.get(stem + ".lora_b")
+            if a is not None and b is not None:
+                la, lb = sio.read_tensor(a).astype(mx.float32), sio.read_tensor(b).astype(mx.float32)
+                delta = (self.lora_scale * lb.T) @ la.T
+                if delta.shape != x.shape:
+                    raise UserError(f"adapter {self.adapter_path}: tensor '{name}': LoRA delta shape "
+                                    f"{tuple(delta.shape)} does not match the weight {tuple(x.shape)}")
+                x = x + delta.astype(x.dtype)
+        return x
+
+
+def open_source(ref: str) -> Source:
+    """``dir``, hub id, ``demo``, or ``model+adapter_dir`` -> Source (headers scanned)."""
+    from mlx_ssp.models import resolve_model
+
+    model_spec, adapter_spec = ref, None
+    if "+" in ref and not Path(ref).expanduser().exists():
+        model_spec, _, adapter_spec = ref.rpartition("+")
+    path = resolve_model(model_spec)
+    src = Source(ref=ref, path=path, tensors=sio.scan_model(path))
+    if adapter_spec:
+        ad = Path(adapter_spec).expanduser()
+        cfg_file, weights = ad / "adapter_config.json", ad / "adapters.safetensors"
+        if not cfg_file.is_file() or not weights.is_file():
+            raise UserError(f"model {ref}: {ad} is not an mlx-lm adapter directory "
+                            "(needs adapter_config.json and adapters.safetensors)")
+        try:
+            acfg = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise UserError(f"{cfg_file}: corrupt JSON ({e.msg})") from None
+        kind = acfg.get("fine_tune_type", "lora")
+        if kind != "lora":
+            raise UserError(f"model {ref}: adapter type '{kind}' cannot be fused on the fly; "
+                            "only 'lora' (run `mlx_lm fuse` first)")
+        src.adapter = sio.scan_file(weights)
+        src.adapter_path = ad
+        src.lora_scale = float(acfg.get("lora_parameters", {}).get("scale", 20.0))
+        for k in src.adapter:
+            stem = k.rsplit(".", 1)[0]
+            if k.endswith((".lora_a", ".lora_b")) and stem + ".weight" not in src.tensors:
+                raise UserError(f"model {ref}: adapter tensor '{k}' has no matching weight '{stem}.weight'")
+    return src
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    inputs: list[int]  # indices into sources (non-base inputs for task-vector methods)
+    base: Optional[int]
+    shape: tuple[int, ...]
+    cd: str  # compute dtype name
+    out: str  # safetensors dtype code
+    params: dict[str, Any] = field(default_factory=dict)
+    per_model: list[dict[str, Any]] = field(default_factory=list)
+    copy: bool = False  # non-float tensor: copied from the reference
+
+
+@dataclass
+class MergeJob:
+    cfg: MergeConfig
+    sources: list[Source]
+    base: Optional[int]
+    inputs: list[int]
+    reference: int
+    plans: list[TensorPlan]
+    ref_config: dict
+
+
+def _code_name(code: str) -> str:
+    return sio.DTYPES[code][2]
+
+
+def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label: str = "config") -> MergeJob:
+    """Open every model, check every tensor and resolve every parameter; writes nothing."""
+    check_parameter_names(cfg, source_label)
+    spec = METHODS[cfg.merge_method]
+    if spec.needs_base and not cfg.base_model:
+        raise UserError(f"{source_label}: merge_method {spec.name} needs base_model (the model the task vectors "
+                        "are taken from)")
+    refs: list[str] = []
+    for m in cfg.models:
+        if m.model in refs:
+            raise UserError(f"{source_label}: model {m.model} is listed twice")
+        refs.append(m.model)
+    entry_params = {m.model: m.parameters for m in cfg.models}
+    if cfg.base_model and cfg.base_model not in refs:
+        refs.append(cfg.base_model)  # mergekit adds the base as an input
+    sources = [open_source(r) for r in refs]
+    base = refs.index(cfg.base_model) if cfg.base_model else None
+    if spec.needs_base:
+        inputs = [i for i in range(len(refs)) if i != base]
+    else:
+        inputs = list(range(len(refs)))  # linear: the base (if any) is just another input
+    reference = base if base is not None else 0
+    ref_src = sources[reference]
+    cfg_path = ref_src.path / "config.json"
+    ref_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    n_layers = ref_config.get("num_hidden_layers") or ref_config.get("n_layer")
+    if not n_layers:
+        idx = [layer_index(n) for n in ref_src.tensors]
+        n_layers = max([i for i in idx if i is not None], default=0) + 1
+    top = cfg.parameters or {}
+    defaults = dict(spec.defaults)
+    plans: list[TensorPlan] = []
+    for name in sio.iter_names(ref_src.tensors):
+        rinfo = ref_src.tensors[name]
+        li = layer_index(name)
+        t = (li / (n_layers - 1) if n_layers > 1 else 1.0) if li is not None else 0.0
+        involved = ([base] if spec.needs_base else []) + inputs
+        for i in involved:
+            s = sources[i]
+            if not s.has(name):
+                raise UserError(f"tensor '{name}' is missing from model {s.ref} (present in {ref_src.ref})")
+            info = s.tensors[name]
+            if info.shape != rinfo.shape:
+                vocab_like = (len(info.shape) == len(rinfo.shape) and info.shape[1:] == rinfo.shape[1:]
+                              and any(h in name for h in VOCAB_HINTS))
+                if not vocab_like:
+                    raise UserError(f"tensor '{name}': shape {list(info.shape)} in model {s.ref} does not match "
+                                    f"{list(rinfo.shape)} in {ref_src.ref}")
+                if vocab_mismatch == "error" or (vocab_mismatch == "truncate" and info.shape[0] < rinfo.shape[0]) \
+                        or (vocab_mismatch == "pad" and info.shape[0] > rinfo.shape[0]):
+                    fix = "truncate" if info.shape[0] > rinfo.shape[0] else "pad"
+                    raise UserError(f"tensor '{name}': vocabulary size {info.shape[0]} in model {s.ref} differs from "
+                                    f"{rinfo.shape[0]} in {ref_src.ref}; pass --vocab-mismatch {fix} to {fix} "
+                                    f"to the reference's rows")
+        codes = [sources[i].tensors[name].dtype for i in involved]
+        if not all(c in sio.FLOAT_CODES for c in codes):
+            plans.append(TensorPlan(name, [], None, rinfo.shape, "float32", rinfo.dtype, copy=True))
+            continue
+        widest = max(codes, key=lambda c: _WIDTH[c])
+        if {"F16", "BF16"} <= set(codes) and widest in ("F16", "BF16"):
+            widest = "F32"  # torch promotes bf16 + fp16 to float32
+        cd = cfg.dtype or ("float32" if widest == "F64" else _code_name(widest))
+        out = sio.CODE_OF[cfg.out_dtype or cd]
+        where = f"tensor '{name}'"
+        shared = {p: resolve(p, [top], name, t, defaults.get(p), where) for p in spec.shared_params}
+        if shared.get("normalize") is None:
+            shared["normalize"] = spec.default_normalize
+        if shared.get("rescale") is None and "rescale" in spec.shared_params:
+            shared["rescale"] = spec.default_rescale
+        per_model = []
+        for i in inputs:
+            ref = sources[i].ref
+            mw = f"tensor '{name}' of model {ref}"
+            scopes = [entry_params.get(ref), top]
+            pm = {p: resolve(p, scopes, name, t, defaults.get(p), mw) for p in spec.model_params}
+            if pm.get("weight") is None:
+                raise UserError(f"{mw}: no weight given (set parameters.weight for the model or at the top level)")
+            if "density" in pm and not (0 < pm["density"] <= 1):
+                raise UserError(f"{mw}: density {pm['density']} is outside (0, 1]")
+            if "gamma" in pm and not (0 <= pm["gamma"] < 1):
+                raise UserError(f"{mw}: gamma {pm['gamma']} is outside [0, 1)")
+            per_model.append(pm)
+        if shared["normalize"] and abs(sum(pm["weight"] for pm in per_model)) < 1e-8:
+            raise UserError(f"tensor '{name}': the weights of models "
+                            f"{', '.join(sources[i].ref for i in inputs)} sum to zero, so normalize cannot divide "
+                            "by them (set normalize: false or change the weights)")
+        plans.append(TensorPlan(name, inputs, base if spec.needs_base else None, rinfo.shape, cd, out, shared,
+                                per_model))
+    names = set(ref_src.tensors)
+    for i, s in enumerate(sources):
+        extra = [n for n in s.tensors if n not in names]
+        if extra and i != reference:
+            print(f"note: model {s.ref} has {len(extra)} tensor(s) the reference {ref_src.ref} lacks "
+                  f"(e.g. '{extra[0]}'); the output follows the reference", file=sys.stderr)
+    return MergeJob(cfg, sources, base, inputs, reference, plans, ref_config)
+
+
+def _fit_rows(x: mx.array, rows: int, fill) -> mx.array:
+    """Truncate or pad (with the reference's rows) along the vocabulary axis."""
+    if x.shape[0] > rows:
+        return x[:rows]
+    if x.shape[0] < rows:
+        return mx.concatenate([x, fill()[x.shape[0]:rows].astype(x.dtype)], axis=0)
+    return x
+
+
+def merge_tensor(job: MergeJob, p: TensorPlan, seed: int) -> mx.array:
+    """Merge one planned tensor; returns it in the output dtype with the reference's shape."""
+    spec = METHODS[job.cfg.merge_method]
+    ref_src = job.sources[job.reference]
+    if p.copy:
+        return ref_src.load(p.name)
+    cd = DTYPES[p.cd]
+    out_dt = DTYPES[_code_name(p.out)]
+    rows = p.shape[0] if p.shape else 0
+
+    def loader(i):
+        def f():
+            x = job.sources[i].load(p.name)
+            if p.shape and x.shape != p.shape:
+                x = _fit_rows(x, rows, lambda: ref_src.load(p.name))
+            return x.reshape(-1)
+        return f
+
+    if spec.name == "linear":
+        out = linear([loader(i) for i in p.inputs], [pm["weight"] for pm in p.per_model],
+                     p.params["normalize"], cd, out=out_dt)
+    else:
+        base = loader(p.base)()
+        out = task_vector_merge(
+            base, [loader(i) for i in p.inputs], [pm["weight"] for pm in p.per_model],
+            [pm.get("density", 1.0) for pm in p.per_model],
+            sparsify=spec.sparsify, consensus=spec.consensus, normalize=p.params["normalize"],
+            rescale_on=bool(p.params.get("rescale", False)), lam=p.params.get("lambda", 1.0), cd=cd,
+            sign_vote=p.params.get("sign_vote", "weighted"), rescale_mode=p.params.get("rescale_mode", "l1"),
+            seeds=[dare_seed(seed, p.name, str(i)) for i in p.inputs],
+            gammas=[pm.get("gamma", 0.01) for pm in p.per_model], out=out_dt,
+        )
+    return out.reshape(p.shape)
+
+
+def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_shard_size: int | str = "5GB",
+                copy_tokenizer: bool = True, seed: int = 0, config_text: str = "",
+                progress: bool = True) -> dict:
+    """Merge every planned tensor into ``out_dir`` (atomic: built beside it, renamed at the end)."""
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    inputs_resolved = {s.path.resolve() for s in job.sources}
+    if out_dir.resolve() in inputs_resolved:
+        raise UserError(f"{out_dir} is one of the input models; choose another output directory")
+    shard_bytes = sio.parse_size(out_shard_size)
+    plan = [sio.PlannedTensor(p.name, p.out if not p.copy else job.sources[job.reference].tensors[p.name].dtype,
+                              p.shape) for p in job.plans]
+    t0 = time.perf_counter()
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        writer = sio.ShardedWriter(tmp, plan, shard_bytes, metadata={"merged_by": "mlx_ssp"})
+        try:
+            for p in tqdm(job.plans, desc=f"merge {job.cfg.merge_method}", unit="tensor", disable=not progress):
+                x = merge_tensor(job, p, seed)
+                mx.eval(x)
+                writer.write(p.name, sio.to_bytes(x))
+                del x
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        ref = job.sources[job.reference]
+        conf = dict(job.ref_config)
+        out_codes = {p.out for p in job.plans if not p.copy}
+        if len(out_codes) == 1:
+            dt = _code_name(out_codes.pop())
+            for key in ("torch_dtype", "dtype"):
+                if key in conf or key == "torch_dtype":
+                    conf[key] = dt
+        (tmp / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+        if copy_tokenizer:
+            tok_src = ref.path
+            if job.cfg.tokenizer_source and job.cfg.tokenizer_source != "base":
+                match = [s for s in job.sources if s.ref == job.cfg.tokenizer_source]
+                if not match:
+                    raise UserError(f"tokenizer_source {job.cfg.tokenizer_source} is not one of the models")
+                tok_src = match[0].path
+            for f in TOKENIZER_FILES:
+                if (tok_src / f).is_file():
+                    shutil.copy2(tok_src / f, tmp / f)
+        (tmp / "mergekit_config.yml").write_text(config_text or "")
+    elapsed = time.perf_counter() - t0
+    return {"out_dir": str(out_dir), "tensors": len(job.plans), "bytes": writer.total_bytes,
+            "shards": len(writer.names), "seconds": round(elapsed, 3)}
+
+
+def run_merge(cfg: MergeConfig, out_dir: Path, *, overwrite: bool = False, out_shard_size: int | str = "5GB",
+              copy_tokenizer: bool = True, seed: int = 0, vocab_mismatch: str = "error", config_text: str = "",
+              progress: bool = True) -> dict:
+    """Plan (all checks) then write: the one entry point the CLI and the pipeline share."""
+    if Path(out_dir).exists() and not overwrite:
+        raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
+    job = plan_merge(cfg, vocab_mismatch=vocab_mismatch)
+    if not config_text:
+        import yaml
+
+        config_text = yaml.safe_dump(cfg.model_dump(exclude_none=True), sort_keys=False)
+    return write_merge(job, Path(out_dir), overwrite=overwrite, out_shard_size=out_shard_size,
+                       copy_tokenizer=copy_tokenizer, seed=seed, config_text=config_text, progress=progress)
+
+
+def stage_to_config(models: list[Path], base: Optional[Path], stage: MergeStageConfig) -> MergeConfig:
+    """The mergekit config equivalent to the pipeline's ``merge:`` section."""
+    n = len(models)
+
+    def per(v, what):
+        if v is None:
+            return [None] * n
+        if isinstance(v, list):
+            if len(v) != n:
+                raise UserError(f"merge.{what} has {len(v)} values for {n} models")
+            return v
+        return [v] * n
+
+    weights = per(stage.weights, "weights")
+    dens = per(stage.density, "density")
+    entries = []
+    for m, w, d in zip(models, weights, dens):
+        params: dict[str, Any] = {"weight": 1.0 if w is None else w}
+        if d is not None:
+            params["density"] = d
+        entries.append({"model": str(m), "parameters": params})
+    spec = METHODS[stage.method]
+    data = {"models": entries, "merge_method": stage.method, "parameters": dict(stage.parameters) or None,
+            "dtype": stage.dtype, "out_dtype": stage.out_dtype}
+    if spec.needs_base:
+        if base is None:
+            raise UserError(f"merge method {stage.method} needs a base model")
+        data["base_model"] = str(base)
+    from mlx_ssp.config import validate
+
+    return validate(MergeConfig, data, source="merge", prefix="merge")
+
+
+def merge_models(models: list[Path], base: Optional[Path], stage_cfg: MergeStageConfig, out_dir: Path, *,
+                 overwrite: bool = False, seed: Optional[int] = None, progress: bool = True) -> dict:
+    """The pipeline's merge: fused specialists (+ the run's base) -> one model directory."""
+    cfg = stage_to_config([Path(m) for m in models], Path(stage_cfg.base_model) if stage_cfg.base_model else base,
+                          stage_cfg)
+    return run_merge(cfg, Path(out_dir), overwrite=overwrite, out_shard_size=stage_cfg.out_shard_size,
+                     copy_tokenizer=stage_cfg.copy_tokenizer,
+                     seed=stage_cfg.seed if stage_cfg.seed is not None else (seed or 0),
+                     vocab_mismatch=stage_cfg.vocab_mismatch, progress=progress)

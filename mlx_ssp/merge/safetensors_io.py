@@ -1,0 +1,315 @@
+"""Streaming safetensors IO: lazy reads of one tensor at a time, shards written as tensors arrive.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header mapping each tensor
+name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the end of the
+header), then the raw little-endian bytes. Reading parses the header ourselves and reads one
+tensor's byte range with ``os.pread``: no memory map (its pages would count against the resident
+set), no framework (``safetensors.numpy`` cannot represent bfloat16). Bytes become an
+``mx.array`` through a same-width integer view (bf16 -> uint16 -> ``mx.view``).
+
+Writing plans every output tensor (name, dtype, shape) up front, so each shard's header is known
+before its first byte: the header is written first and each tensor's bytes are appended as soon as
+the tensor is merged. Nothing holds a whole shard in memory.
+
+Every structural problem (short file, header length past the end, bad JSON, offsets outside the
+data area or overlapping, a byte count that does not match dtype x shape, an index that names a
+missing shard) is a :class:`UserError` naming the file and, where it applies, the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from mlx_ssp.errors import UserError
+
+#: safetensors dtype code -> (itemsize, numpy dtype used to carry the raw bytes, mlx dtype name)
+DTYPES: dict[str, tuple[int, str, str]] = {
+    "F32": (4, "<f4", "float32"),
+    "F16": (2, "<f2", "float16"),
+    "BF16": (2, "<u2", "bfloat16"),  # carried as uint16, reinterpreted with mx.view
+    "F64": (8, "<f8", "float64"),
+    "I64": (8, "<i8", "int64"),
+    "I32": (4, "<i4", "int32"),
+    "I16": (2, "<i2", "int16"),
+    "I8": (1, "<i1", "int8"),
+    "U8": (1, "<u1", "uint8"),
+    "BOOL": (1, "<u1", "bool"),
+}
+FLOAT_CODES = {"F32", "F16", "BF16", "F64"}
+#: mlx/numpy dtype name -> safetensors code
+CODE_OF = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+    file: Path
+    start: int  # absolute byte offset in file
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """(header dict, absolute offset of the data area). Errors name the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise UserError(f"{path}: corrupt safetensors file (shorter than the 8-byte header length)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER or 8 + n > size:
+                raise UserError(f"{path}: corrupt or truncated safetensors file (header length {n} exceeds file size {size})")
+            text = f.read(n)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        header = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: corrupt safetensors header (not valid JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: corrupt safetensors header (not a JSON object)")
+    return header, 8 + n
+
+
+def scan_file(path: Path) -> dict[str, TensorInfo]:
+    """Every tensor of one safetensors file, checked against the file size (truncation)."""
+    header, data_start = read_header(path)
+    size = path.stat().st_size
+    out: dict[str, TensorInfo] = {}
+    spans = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            code = meta["dtype"]
+            shape = tuple(int(s) for s in meta["shape"])
+            begin, end = (int(x) for x in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{path}: corrupt safetensors header entry for tensor '{name}'") from None
+        if code not in DTYPES:
+            raise UserError(f"{path}: tensor '{name}' has unsupported dtype {code}")
+        numel = int(np.prod(shape)) if shape else 1
+        if end - begin != numel * DTYPES[code][0] or begin < 0:
+            raise UserError(
+                f"{path}: corrupt safetensors file: tensor '{name}' has {end - begin} bytes, "
+                f"expected {numel * DTYPES[code][0]} for {code}{list(shape)}"
+            )
+        if data_start + end > size:
+            raise UserError(
+                f"{path}: truncated safetensors file: tensor '{name}' ends at byte {data_start + end}, "
+                f"file has {size}"
+            )
+        spans.append((begin, end, name))
+        out[name] = TensorInfo(name, code, shape, path, data_start + begin, end - begin)
+    spans.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise UserError(f"{path}: corrupt safetensors file: tensors '{n0}' and '{n1}' overlap")
+    return out
+
+
+def scan_model(model_dir: Path) -> dict[str, TensorInfo]:
+    """All tensors of a model directory (single file or sharded with an index)."""
+    index = model_dir / "model.safetensors.index.json"
+    tensors: dict[str, TensorInfo] = {}
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (json.JSONDecodeError, KeyError, TypeError, AssertionError):
+            raise UserError(f"{index}: corrupt index (expected JSON with a 'weight_map' object)") from None
+        files = sorted(set(weight_map.values()))
+        for fname in files:
+            p = model_dir / fname
+            if not p.is_file():
+                raise UserError(f"{index}: names shard '{fname}' which does not exist")
+            found = scan_file(p)
+            for name, info in found.items():
+                if name in tensors:
+                    raise UserError(f"{model_dir}: tensor '{name}' appears in two shards")
+                tensors[name] = info
+        for name, fname in weight_map.items():
+            info = tensors.get(name)
+            if info is None or info.file.name != fname:
+                raise UserError(f"{index}: tensor '{name}' is listed in '{fname}' but not stored there")
+        return tensors
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{model_dir}: no *.safetensors weights")
+    for p in files:
+        for name, info in scan_file(p).items():
+            if name in tensors:
+                raise UserError(f"{model_dir}: tensor '{name}' appears in two files")
+            tensors[name] = info
+    return tensors
+
+
+def read_tensor(info: TensorInfo):
+    """Read one tensor as an ``mx.array`` of its stored dtype (one pread, no mmap)."""
+    import mlx.core as mx
+
+    itemsize, np_code, mx_name = DTYPES[info.dtype]
+    buf = bytearray(info.nbytes)
+    with open(info.file, "rb", buffering=0) as f:
+        view = memoryview(buf)
+        got = 0
+        while got < info.nbytes:
+            n = os.preadv(f.fileno(), [view[got:]], info.start + got)
+            if n <= 0:
+                raise UserError(f"{info.file}: truncated while reading tensor '{info.name}'")
+            got += n
+    arr = np.frombuffer(buf, dtype=np_code).reshape(info.shape)
+    a = mx.array(arr)
+    if info.dtype == "BF16":
+        a = a.view(mx.bfloat16)
+    elif info.dtype == "BOOL":
+        a = a.astype(mx.bool_)
+    return a
+
+
+def to_bytes(a):
+    """Raw little-endian bytes of an ``mx.array`` (a zero-copy memoryview when possible)."""
+    import mlx.core as mx
+
+    if a.dtype == mx.bool_:
+        a = a.astype(mx.uint8)
+    mx.eval(a)
+    try:
+        return memoryview(a).cast("B")  # zero copy (row-contiguous arrays)
+    except (TypeError, ValueError, BufferError):
+        if a.dtype == mx.bfloat16:
+            a = a.view(mx.uint16)
+        return np.ascontiguousarray(np.asarray(a)).tobytes()
+
+
+def mx_code(a) -> str:
+    name = str(a.dtype).split(".")[-1]
+    code = CODE_OF.get(name)
+    if code is None:
+        code = {"int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}[name]
+    return code
+
+
+@dataclass
+class PlannedTensor:
+    name: str
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape) if self.shape else 1) * DTYPES[self.dtype][0]
+
+
+class ShardedWriter:
+    """Write planned tensors, in plan order, into shards of at most ``max_shard_bytes``.
+
+    Each shard's header is written when the shard is opened (the plan fixes every offset), and each
+    tensor's bytes are appended by :meth:`write` as they arrive. ``close`` writes the index."""
+
+    def __init__(self, out_dir: Path, plan: list[PlannedTensor], max_shard_bytes: int, metadata: dict | None = None):
+        self.out_dir = Path(out_dir)
+        self.metadata = {"format": "pt", **(metadata or {})}
+        shards: list[list[PlannedTensor]] = [[]]
+        size = 0
+        for t in plan:
+            if shards[-1] and size + t.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(t)
+            size += t.nbytes
+        n = len(shards)
+        self.names = [
+            "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)
+        ]
+        self.shards = shards
+        self.queue = [(si, t) for si, s in enumerate(shards) for t in s]
+        self.pos = 0
+        self._f = None
+        self._shard = -1
+        self.total_bytes = sum(t.nbytes for t in plan)
+
+    def _open(self, si: int) -> None:
+        if self._f is not None:
+            self._f.close()
+        header: dict = {"__metadata__": self.metadata}
+        off = 0
+        for t in self.shards[si]:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+            off += t.nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # align the data area to 8 bytes
+        self._f = open(self.out_dir / self.names[si], "wb")
+        self._f.write(struct.pack("<Q", len(text)))
+        self._f.write(text)
+        self._shard = si
+
+    def expected(self) -> PlannedTensor:
+        return self.queue[self.pos][1]
+
+    def write(self, name: str, data: bytes) -> None:
+        si, t = self.queue[self.pos]
+        if t.name != name or len(data) != t.nbytes:
+            raise RuntimeError(f"writer expected tensor {t.name} ({t.nbytes} bytes), got {name} ({len(data)} bytes)")
+        if si != self._shard:
+            self._open(si)
+        self._f.write(data)
+        self.pos += 1
+
+    def close(self) -> None:
+        if self.pos != len(self.queue):
+            raise RuntimeError(f"writer closed after {self.pos} of {len(self.queue)} tensors")
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        weight_map = {t.name: self.names[si] for si, t in self.queue}
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    def abort(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500M', '2GiB', 1000000 -> bytes."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper().replace("IB", "B")
+    units = {"K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9, "T": 1e12, "TB": 1e12, "B": 1}
+    for u in sorted(units, key=len, reverse=True):
+        if s.endswith(u):
+            num = s[: -len(u)]
+            break
+    else:
+        u, num = "B", s
+    try:
+        val = float(num) * units[u]
+    except ValueError:
+        raise UserError(f"bad size '{text}' (expected e.g. 5GB, 500MB or a byte count)") from None
+    if val <= 0:
+        raise UserError(f"size must be positive, got '{text}'")
+    return int(val)
+
+
+def iter_names(tensors: dict[str, TensorInfo]) -> Iterable[str]:
+    """Tensor names in file order (shard, then offset): the order that reads sequentially."""
+    return sorted(tensors, key=lambda n: (str(tensors[n].file), tensors[n].start))

@@ -1,0 +1,168 @@
+"""Benchmark `mlx_ssp merge` against mergekit (if installed) and the I/O floor, side by side.
+
+Builds three Llama-shaped bf16 models with random weights (default: hidden 1024, intermediate 4096,
+14 layers, 16 heads, vocab 32000, separate lm_head: ~300M parameters, 3 shards each) in a temp
+dir, then for each method runs, in one process each: our merge, mergekit-yaml (when installed), and
+records wall time and peak RSS (ru_maxrss of the child). The I/O floor is the time to read every
+input tensor the merge reads and write one output model's bytes. Prints a table and a JSON line.
+
+    python scripts/bench_merge.py                      # full size, all methods
+    python scripts/bench_merge.py --small --methods ties  # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+import mlx_ssp  # noqa: F401
+from mlx_ssp.merge import safetensors_io as sio
+
+RSS = ("import resource,subprocess,sys,time;t=time.perf_counter();r=subprocess.run(sys.argv[1:],"
+       "stdout=subprocess.DEVNULL,stderr=subprocess.PIPE,text=True);w=time.perf_counter()-t;"
+       "print(r.returncode,w,resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss);"
+       "sys.stderr.write(r.stderr[-3000:] if r.returncode else '')")
+
+
+def llama_shapes(h, inter, layers, vocab):
+    shapes = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+        shapes += [(p + f"self_attn.{n}_proj.weight", (h, h)) for n in "qkvo"]
+        shapes += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                   (p + "mlp.down_proj.weight", (h, inter))]
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    return shapes
+
+
+def bf16_bytes(x: np.ndarray) -> bytes:
+    return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+def make_models(root: Path, args) -> list[Path]:
+    shapes = llama_shapes(args.hidden, args.intermediate, args.layers, args.vocab)
+    total = sum(int(np.prod(s)) * 2 for _, s in shapes)
+    conf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.hidden,
+            "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
+            "num_attention_heads": args.heads, "num_key_value_heads": args.heads, "vocab_size": args.vocab,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "max_position_embeddings": 2048, "hidden_act": "silu"}
+    paths = []
+    for m in range(3):
+        d = root / f"model{m}"
+        d.mkdir(parents=True)
+        plan = [sio.PlannedTensor(n, "BF16", s) for n, s in shapes]
+        w = sio.ShardedWriter(d, plan, max_shard_bytes=total // 3 + 1)
+        for n, s in shapes:
+            base = np.random.default_rng(zlib.crc32(n.encode())).standard_normal(s, dtype=np.float32) * 0.02
+            if m:
+                base += np.random.default_rng(m * 7919 + zlib.crc32(n.encode())).standard_normal(s, dtype=np.float32) * 0.002
+            w.write(n, bf16_bytes(base))
+        w.close()
+        (d / "config.json").write_text(json.dumps(conf))
+        paths.append(d)
+    return paths
+
+
+def configs(models: list[Path]) -> dict:
+    m0, m1, m2 = (str(p) for p in models)
+    return {
+        "linear": {"merge_method": "linear", "dtype": "bfloat16",
+                   "models": [{"model": m, "parameters": {"weight": 1.0}} for m in (m0, m1, m2)]},
+        "ties": {"merge_method": "ties", "base_model": m0, "dtype": "bfloat16",
+                 "models": [{"model": m, "parameters": {"weight": 0.5, "density": 0.5}} for m in (m1, m2)]},
+        "dare_ties": {"merge_method": "dare_ties", "base_model": m0, "dtype": "bfloat16",
+                      "models": [{"model": m, "parameters": {"weight": 0.5, "density": 0.5}} for m in (m1, m2)]},
+    }
+
+
+def timed(cmd: list[str]) -> tuple[float, float]:
+    r = subprocess.run([sys.executable, "-c", RSS, *cmd], capture_output=True, text=True)
+    rc, wall, rss_kb = r.stdout.split()
+    if int(rc):
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr}")
+    return float(wall), int(rss_kb) / 1024
+
+
+def io_floor(models: list[Path], out: Path) -> float:
+    """Read every tensor of the given models (pread) and write one model's bytes."""
+    t = time.perf_counter()
+    biggest = 0
+    for m in models:
+        for info in sio.scan_model(m).values():
+            with open(info.file, "rb", buffering=0) as f:
+                buf = os.pread(f.fileno(), info.nbytes, info.start)
+            biggest = max(biggest, len(buf))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "floor.bin", "wb") as f:
+        for info in sio.scan_model(models[0]).values():
+            f.write(b"\0" * info.nbytes)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--methods", default="linear,ties,dare_ties")
+    ap.add_argument("--small", action="store_true", help="hidden 256, intermediate 1024, 4 layers, vocab 8000")
+    ap.add_argument("--no-mergekit", action="store_true")
+    ap.add_argument("--keep", default=None, help="build/keep models in this dir")
+    args = ap.parse_args()
+    args.hidden, args.intermediate, args.layers, args.heads, args.vocab = (
+        (256, 1024, 4, 4, 8000) if args.small else (1024, 4096, 14, 16, 32000))
+    root = Path(args.keep or tempfile.mkdtemp(prefix="bench_merge_"))
+    if (root / "model2" / "config.json").is_file():
+        models = [root / f"model{i}" for i in range(3)]
+    else:
+        t = time.perf_counter()
+        models = make_models(root, args)
+        print(f"built 3 models in {time.perf_counter() - t:.1f}s under {root}", flush=True)
+    have_mk = shutil.which("mergekit-yaml") is not None and not args.no_mergekit
+    import yaml
+
+    rows = []
+    cfgs = configs(models)
+    for name in args.methods.split(","):
+        cfg = root / f"{name}.yml"
+        cfg.write_text(yaml.safe_dump(cfgs[name]))
+        used = models if name == "linear" else models
+        floor = io_floor(used, root / "floor")
+        ours_out = root / f"ours_{name}"
+        shutil.rmtree(ours_out, ignore_errors=True)
+        ours = timed(["mlx_ssp", "merge", str(cfg), str(ours_out), "--quiet", "--seed", "1"])
+        row = {"method": name, "ours_s": round(ours[0], 2), "ours_rss_mib": round(ours[1]), "io_floor_s": round(floor, 2),
+               "ours_over_floor": round(ours[0] / floor, 2)}
+        if have_mk:
+            mk_out = root / f"mk_{name}"
+            shutil.rmtree(mk_out, ignore_errors=True)
+            mk = timed(["mergekit-yaml", str(cfg), str(mk_out), "--random-seed", "1"])
+            row.update({"mergekit_s": round(mk[0], 2), "mergekit_rss_mib": round(mk[1]),
+                        "speedup": round(mk[0] / ours[0], 2), "rss_ratio": round(ours[1] / mk[1], 2)})
+            shutil.rmtree(mk_out, ignore_errors=True)
+        shutil.rmtree(ours_out, ignore_errors=True)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    shutil.rmtree(root / "floor", ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    print("\n| method | ours s | ours RSS MiB | mergekit s | mergekit RSS MiB | speedup | RSS ratio | I/O floor s | ours/floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['method']} | {r['ours_s']} | {r['ours_rss_mib']} | {r.get('mergekit_s', '-')} | "
+              f"{r.get('mergekit_rss_mib', '-')} | {r.get('speedup', '-')} | {r.get('rss_ratio', '-')} | "
+              f"{r['io_floor_s']} | {r['ours_over_floor']} |")
+    print(f"command: python scripts/bench_merge.py {' '.join(sys.argv[1:])}")
+
+
+if __name__ == "__main__":
+    main()
