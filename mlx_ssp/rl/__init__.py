@@ -1,0 +1,43 @@
+"""MGPO-GRPO: the Signal phase (RL with verifiable rewards and MaxEnt-guided prompt weighting).
+
+Pure functions (importable without a model): :mod:`mlx_ssp.rl.mgpo` (group accuracy, D_ME, MGPO
+weight, advantages), :mod:`mlx_ssp.rl.loss` (clipped objective, aggregation registry, k3 KL,
+statistics), :mod:`mlx_ssp.rl.logprobs` (the chunked selective log-softmax op). The training loop
+is :mod:`mlx_ssp.rl.loop`; the command ``mlx_ssp rl`` is :mod:`mlx_ssp.rl.cli`.
+"""
+
+from mlx_ssp.rl.logprobs import (
+    model_token_logprobs,
+    naive_token_logprobs,
+    selective_log_softmax_reference,
+    token_logprobs,
+)
+from mlx_ssp.rl.loss import AGGREGATIONS, aggregate, clipped_surrogate, k3_kl, policy_loss
+from mlx_ssp.rl.mgpo import (
+    SCALE_REWARDS,
+    MGPOAdvantages,
+    group_advantages,
+    group_stats,
+    me_divergence,
+    mgpo_advantages,
+    mgpo_weight,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "SCALE_REWARDS",
+    "MGPOAdvantages",
+    "aggregate",
+    "clipped_surrogate",
+    "group_advantages",
+    "group_stats",
+    "k3_kl",
+    "me_divergence",
+    "mgpo_advantages",
+    "mgpo_weight",
+    "model_token_logprobs",
+    "naive_token_logprobs",
+    "policy_loss",
+    "selective_log_softmax_reference",
+    "token_logprobs",
+]

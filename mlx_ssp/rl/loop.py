@@ -1,0 +1,542 @@
+"""The MGPO-GRPO training loop (``mlx_ssp rl``): Signal phase of SSP.
+
+Each step (VibeThinker-1.5B section 3.4; GRPO, DeepSeekMath arXiv:2402.03300 section 4):
+
+1. take ``batch_size`` prompts from a seeded, per-epoch shuffled stream of the training tasks;
+2. sample ``group_size`` completions per prompt from the *current* policy with the rollout engine
+   (:func:`mlx_ssp.rollout.generate_rollouts`: mlx-lm's BatchGenerator, behaviour log-probs kept,
+   verifier rewards); with ``dynamic_sampling`` (DAPO) groups whose rewards are all equal (p in
+   {0, 1} for binary rewards: no learning signal) are dropped and more prompts are sampled, at
+   most ``max_refill_rounds`` extra rounds;
+3. MGPO advantages A' = w(p) * A (:func:`mlx_ssp.rl.mgpo.mgpo_advantages`);
+4. ``mu`` inner updates on the whole batch (micro-batches of ``micro_batch_size`` sequences,
+   gradients accumulated so the loss is exactly the full batch's): the forward runs on
+   prompt + completion, the completion mask selects the tokens, log-probs come from the chunked
+   op at the sampling temperature; the ratio is against the log-probs of the policy that sampled
+   (``old_logprobs: recompute``: the first inner update's own forward, so the ratio is exactly 1
+   there and the clip acts from the second; ``behaviour``: the sampler's recorded log-probs,
+   for rollouts from another engine); optional k3 KL to the reference (LoRA: adapters off);
+5. optimizer step (mlx.optimizers, grad-norm clipping); a step whose loss or gradients are not
+   finite is skipped and counted; ``max_bad_steps`` in a row stop the run with a checkpoint of
+   the last good state.
+
+Metrics (one JSON line per step in ``metrics.jsonl``), checkpoints every ``checkpoint_every``
+steps in ``checkpoints/step_NNNNNN`` (adapters or weights, optimizer state, RNG and stream state)
+and a resumable run directory. Deviations: no prefix sharing between the G samples of a prompt
+(the rollout engine's choice); the reference for KL with full fine-tuning is a second copy of
+the model (only LoRA can switch the adapters off).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from mlx_ssp import distributed as dist
+from mlx_ssp.errors import UserError
+from mlx_ssp.io import atomic_dir, iter_jsonl, write_json_atomic, write_jsonl_atomic
+from mlx_ssp.rl.config import RLConfig
+from mlx_ssp.rl.logprobs import head_of, token_logprobs
+from mlx_ssp.rl.loss import policy_loss
+from mlx_ssp.rl.mgpo import mgpo_advantages
+from mlx_ssp.tasks import Task, render_prompt
+
+ADAPTER_FILE = "adapters.safetensors"
+
+
+# -- model setup ---------------------------------------------------------------------------------
+
+
+def resolve_train_dtype(cfg: RLConfig):
+    """float32 on CPU (half-precision matmul is slow there), else the model's own dtype (None);
+    log-softmax always accumulates in float32."""
+    if cfg.train_dtype == "auto":
+        return mx.float32 if mx.default_device() == mx.cpu else None
+    return getattr(mx, cfg.train_dtype)
+
+
+def setup_model(model: nn.Module, cfg: RLConfig, seed: int = 0) -> nn.Module:
+    """Freeze the base and add LoRA adapters (``lora``; their init is seeded by ``seed``), or
+    train every weight (``full``); cast to the training dtype (float32 on CPU by default)."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    dtype = resolve_train_dtype(cfg)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    if cfg.fine_tune_type == "lora":
+        model.freeze()
+        n = len(model.layers) if cfg.lora.num_layers < 0 else cfg.lora.num_layers
+        params = {"rank": cfg.lora.rank, "scale": cfg.lora.scale, "dropout": cfg.lora.dropout}
+        if cfg.lora.keys:
+            params["keys"] = list(cfg.lora.keys)
+        mx.random.seed(seed)
+        linear_to_lora_layers(model, n, params)
+    else:
+        model.unfreeze()
+    model.train()
+    return model
+
+
+def adapter_config(cfg: RLConfig, model: nn.Module) -> dict:
+    """``adapter_config.json`` as mlx-lm's ``load_adapters`` / ``fuse`` read it."""
+    n = len(model.layers) if cfg.lora.num_layers < 0 else cfg.lora.num_layers
+    params = {"rank": cfg.lora.rank, "scale": cfg.lora.scale, "dropout": cfg.lora.dropout}
+    if cfg.lora.keys:
+        params["keys"] = list(cfg.lora.keys)
+    return {"fine_tune_type": cfg.fine_tune_type, "num_layers": n, "lora_parameters": params}
+
+
+def _lora_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for _, m in model.named_modules() if "lora_a" in m and "lora_b" in m and hasattr(m, "scale")]
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module):
+    """The model as it was before LoRA: every adapter's scale is 0 inside the block, so
+    ``y = base(x) + 0 * lora(x)`` is the base output exactly (no second model in memory)."""
+    mods = _lora_modules(model)
+    old = [m.scale for m in mods]
+    try:
+        for m in mods:
+            m.scale = 0.0
+        yield model
+    finally:
+        for m, s in zip(mods, old):
+            m.scale = s
+
+
+# -- batches -------------------------------------------------------------------------------------
+
+
+class TaskStream:
+    """Prompts in a per-epoch permutation seeded by (seed, epoch); the position is the state."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, cursor: int = 0):
+        self.n, self.seed, self.epoch, self.cursor = n, seed, epoch, cursor
+        self._order = self._perm()
+
+    def _perm(self) -> np.ndarray:
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        for _ in range(k):
+            if self.cursor >= self.n:
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._order = self._perm()
+            out.append(int(self._order[self.cursor]))
+            self.cursor += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+
+def build_batch(records: list[dict], advantages: np.ndarray) -> dict:
+    """Right-padded [B, L] inputs/targets of prompt + completion, the completion mask, the
+    behaviour log-probs on the mask, and the per-sample advantages."""
+    seqs = [list(r["prompt_token_ids"]) + list(r["token_ids"]) for r in records]
+    L = max(len(s) for s in seqs) - 1
+    B = len(seqs)
+    inputs = np.zeros((B, L), np.int32)
+    targets = np.zeros((B, L), np.int32)
+    mask = np.zeros((B, L), np.float32)
+    old = np.zeros((B, L), np.float32)
+    for i, (r, s) in enumerate(zip(records, seqs)):
+        n = len(s) - 1
+        inputs[i, :n] = s[:-1]
+        targets[i, :n] = s[1:]
+        p, c = len(r["prompt_token_ids"]), len(r["token_ids"])
+        # target position j predicts token j+1: completion tokens are targets p-1 .. p+c-2
+        mask[i, p - 1 : p - 1 + c] = 1.0
+        old[i, p - 1 : p - 1 + c] = np.asarray(r["logprobs"], np.float32)[:c]
+    return {
+        "inputs": mx.array(inputs),
+        "targets": mx.array(targets),
+        "mask": mx.array(mask),
+        "behaviour": mx.array(old),
+        "adv": mx.array(advantages.astype(np.float32)),
+        "tokens": int(sum(len(s) for s in seqs)),
+    }
+
+
+def _slice(batch: dict, i: int, j: int) -> dict:
+    return {k: (v[i:j] if isinstance(v, mx.array) else v) for k, v in batch.items()}
+
+
+# -- loss ----------------------------------------------------------------------------------------
+
+
+def sequence_logprobs(model: nn.Module, inputs, targets, temperature: float, chunk_size, *, entropy: bool = False,
+                      save_grad: bool = False):
+    """Per-token log-probs of ``targets`` after ``inputs`` (prompt + completion) at temperature T."""
+    h = model.model(inputs)
+    return token_logprobs(h, head_of(model), targets, temperature, chunk_size, return_entropy=entropy,
+                          save_grad=save_grad)
+
+
+def make_loss(cfg: RLConfig, units_total: float) -> Callable:
+    """loss(model, mb) for one micro-batch, scaled by its share of the batch's aggregation units
+    so that summed micro-batch gradients equal the full batch's."""
+    T = cfg.sampling.temperature
+
+    def loss_fn(model, mb):
+        logp, ent = sequence_logprobs(model, mb["inputs"], mb["targets"], T, cfg.chunk_size, entropy=True,
+                                      save_grad=True)
+        old = mb["old"] if mb.get("old") is not None else mx.stop_gradient(logp)
+        out = policy_loss(
+            logp, old, mb["adv"], mb["mask"], eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
+            aggregation=cfg.aggregation, max_tokens=cfg.sampling.max_tokens, beta=cfg.beta,
+            ref_logp=mb.get("ref"), entropy=ent,
+        )
+        share = aggregation_units(cfg.aggregation, mb["mask"]) / units_total
+        return out.loss * share, (out.stats, mx.stop_gradient(logp), share)
+
+    return loss_fn
+
+
+def aggregation_units(mode: str, mask: mx.array) -> mx.array:
+    """The denominator each aggregation averages over (for exact micro-batch accumulation)."""
+    if mode == "token-mean":
+        return mask.sum()
+    if mode == "seq-mean-token-mean":
+        return (mask.sum(axis=-1) > 0).sum().astype(mx.float32)
+    return mx.array(float(mask.shape[0]))
+
+
+def _finite(x: mx.array) -> bool:
+    return bool(mx.isfinite(x).all().item())
+
+
+def _grad_norm(grads) -> mx.array:
+    leaves = [g for _, g in tree_flatten(grads)]
+    return mx.sqrt(sum(((g.astype(mx.float32) ** 2).sum() for g in leaves), mx.array(0.0)))
+
+
+# -- the trainer ---------------------------------------------------------------------------------
+
+
+class Trainer:
+    """State of one RL run: model, optimizer, task stream, counters; ``step()`` does one step."""
+
+    def __init__(self, model, tokenizer, tasks: list[Task], cfg: RLConfig, out_dir: Path, *, seed: int = 0,
+                 ref_model: Optional[nn.Module] = None, model_path: str = ""):
+        self.model, self.tokenizer, self.tasks, self.cfg = model, tokenizer, tasks, cfg
+        self.out_dir, self.seed, self.ref_model, self.model_path = Path(out_dir), seed, ref_model, model_path
+        self.stream = TaskStream(len(tasks), seed)
+        self.step_no = 0
+        self.bad_in_row = 0
+        self.skipped_total = 0
+        self.last_good_ckpt: Optional[str] = None
+        self._prompt_cache: dict[str, list[int]] = {}
+        sched = cfg.learning_rate
+        if cfg.warmup_steps:
+            sched = optim.linear_schedule(cfg.learning_rate * 1e-3, cfg.learning_rate, cfg.warmup_steps)
+            sched = optim.join_schedules([sched, lambda _: cfg.learning_rate], [cfg.warmup_steps])
+        if cfg.optimizer == "adamw":
+            self.opt = optim.AdamW(learning_rate=sched, weight_decay=cfg.weight_decay)
+        elif cfg.optimizer == "adam":
+            self.opt = optim.Adam(learning_rate=sched)
+        else:
+            self.opt = optim.SGD(learning_rate=sched, weight_decay=cfg.weight_decay)
+        self.opt.init(model.trainable_parameters())
+
+    # -- generation --------------------------------------------------------------------------
+    def _rollouts(self, idx: list[int], round_no: int) -> tuple[list[list[dict]], dict]:
+        from mlx_ssp.rollout import generate_rollouts
+
+        tasks = [self.tasks[i] for i in idx]
+        stats: dict = {}
+        recs = generate_rollouts(
+            self.model, self.tokenizer, tasks, k=self.cfg.group_size, sampling=self.cfg.sampling,
+            seed=(self.seed * 1_000_003 + self.step_no * 101 + round_no) % (2**31), batch_size=self.cfg.gen_batch_size,
+            progress=False, system=self.cfg.system, stats=stats,
+        )
+        by: dict[str, list[dict]] = {}
+        for r in recs:
+            by.setdefault(r["task_id"], []).append(r)
+        return [by[t.id] for t in tasks if t.id in by], stats
+
+    def collect(self) -> tuple[list[list[dict]], dict, list[list[dict]]]:
+        """(kept groups, generation info, every sampled group): ``batch_size`` groups from the
+        current policy; with dynamic sampling only groups whose rewards differ are kept."""
+        cfg = self.cfg
+        kept: list[list[dict]] = []
+        info = {"gen_s": 0.0, "gen_tokens": 0, "groups_sampled": 0, "groups_dropped": 0, "refill_rounds": 0}
+        all_groups: list[list[dict]] = []
+        for rnd in range(1 + (cfg.max_refill_rounds if cfg.dynamic_sampling else 0)):
+            need = cfg.batch_size - len(kept)
+            if need <= 0:
+                break
+            t0 = time.perf_counter()
+            groups, _ = self._rollouts(self.stream.take(need), rnd)
+            info["gen_s"] += time.perf_counter() - t0
+            info["gen_tokens"] += sum(len(r["token_ids"]) for g in groups for r in g)
+            info["groups_sampled"] += len(groups)
+            info["refill_rounds"] = rnd
+            all_groups.extend(groups)
+            for g in groups:
+                rs = [float(r["reward"]) for r in g]
+                if cfg.dynamic_sampling and max(rs) == min(rs):
+                    info["groups_dropped"] += 1
+                    continue
+                kept.append(g)
+        info["groups_kept"] = min(len(kept), cfg.batch_size)
+        return kept[: cfg.batch_size], info, all_groups
+
+    # -- one step ----------------------------------------------------------------------------
+    def step(self) -> dict:
+        cfg = self.cfg
+        t_step, cpu_step = time.perf_counter(), time.process_time()
+        mx.reset_peak_memory()
+        # the global MLX RNG (LoRA dropout) is reseeded from (seed, step): resuming at step k
+        # draws what an uninterrupted run draws, with no RNG state to save
+        mx.random.seed((self.seed * 1_000_003 + self.step_no * 7919 + 17) % (2**32))
+        groups, info, sampled = self.collect()
+        info["peak_memory_gen_mb"] = mx.get_peak_memory() / 2**20
+        mx.reset_peak_memory()
+        rewards_all = np.array([float(r["reward"]) for g in sampled for r in g], np.float32)
+        rec: dict = {"step": self.step_no + 1}
+        rec["reward_mean"] = float(rewards_all.mean()) if rewards_all.size else 0.0
+        rec["pass_rate"] = float((rewards_all >= 0.999).mean()) if rewards_all.size else 0.0
+        p_all = [float(np.mean([r["reward"] for r in g])) for g in sampled]
+        rec["frac_groups_mixed"] = float(np.mean([0.0 < p < 1.0 for p in p_all])) if p_all else 0.0
+        rec.update(info)
+        if not groups:
+            rec.update(skipped=True, reason="no informative groups", step_s=time.perf_counter() - t_step)
+            self.step_no += 1
+            return rec
+        recs = [r for g in groups for r in g]
+        gids = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+        rewards = np.array([float(r["reward"]) for r in recs], np.float32)
+        adv = mgpo_advantages(rewards, gids, lam=cfg.mgpo_lambda, scale_rewards=cfg.scale_rewards, eps=cfg.adv_eps,
+                              num_groups=len(groups))
+        rec["mgpo_weight_mean"] = float(adv.w.mean().item())
+        rec["adv_abs_mean"] = float(mx.abs(adv.advantages).mean().item())
+        batch = build_batch(recs, np.array(adv.advantages))
+
+        t_train = time.perf_counter()
+        ok, train_stats = self._update(batch)
+        train_s = time.perf_counter() - t_train
+        rec.update(train_stats)
+        rec["train_s"] = train_s
+        rec["gen_tokens_per_s"] = info["gen_tokens"] / info["gen_s"] if info["gen_s"] > 0 else 0.0
+        rec["train_tokens_per_s"] = batch["tokens"] * cfg.mu / train_s if train_s > 0 else 0.0
+        rec["step_s"] = time.perf_counter() - t_step
+        rec["step_cpu_s"] = time.process_time() - cpu_step  # all threads; less sensitive to a busy machine
+        rec["peak_memory_train_mb"] = mx.get_peak_memory() / 2**20
+        rec["peak_memory_mb"] = max(rec["peak_memory_train_mb"], info["peak_memory_gen_mb"])
+        rec["skipped"] = not ok
+        self.step_no += 1
+        if ok:
+            self.bad_in_row = 0
+        else:
+            self.bad_in_row += 1
+            self.skipped_total += 1
+        rec["skipped_total"] = self.skipped_total
+        return rec
+
+    def _update(self, batch: dict) -> tuple[bool, dict]:
+        """``mu`` inner updates on the batch; returns (all finite, averaged statistics)."""
+        cfg = self.cfg
+        units = float(aggregation_units(cfg.aggregation, batch["mask"]).item()) or 1.0
+        # data parallel (issue 10): each rank trains on its block of the (identical, gathered)
+        # batch; loss shares are of the global units, so the summed gradients are the batch's
+        lo, hi = dist.shard_bounds(batch["inputs"].shape[0], dist.rank(), dist.size())
+        batch = _slice(batch, lo, hi)
+        B = batch["inputs"].shape[0]
+        mbs = [(i, min(i + cfg.micro_batch_size, B)) for i in range(0, B, cfg.micro_batch_size)]
+        if cfg.beta > 0:
+            batch["ref"] = self._ref_logprobs(batch, mbs)
+        if cfg.old_logprobs == "behaviour":
+            batch["old"] = batch["behaviour"]
+        loss_and_grad = nn.value_and_grad(self.model, make_loss(cfg, units))
+        stats_acc: dict[str, float] = {}
+        behaviour_diff = 0.0
+        old_parts: list[mx.array] = []
+        ok = True
+        for inner in range(cfg.mu):
+            grads_sum, loss_sum = None, 0.0
+            for i, j in mbs:
+                mb = _slice(batch, i, j)
+                if cfg.old_logprobs == "recompute" and inner > 0:
+                    mb["old"] = old_parts[mbs.index((i, j))]
+                elif cfg.old_logprobs == "recompute":
+                    mb["old"] = None
+                (loss, (stats, logp, share)), grads = loss_and_grad(self.model, mb)
+                mx.eval(loss, grads, stats, logp)
+                if inner == 0 and cfg.old_logprobs == "recompute":
+                    old_parts.append(logp)
+                if inner == 0:  # sampler vs trainer log-probs of the same tokens: should be ~1e-5
+                    m = mb["mask"]
+                    d = (mx.abs(logp - mb["behaviour"]) * m).sum() / mx.maximum(batch["mask"].sum(), 1.0)
+                    behaviour_diff += float(d.item())
+                loss_sum += float(loss.item())
+                grads_sum = grads if grads_sum is None else tree_map(lambda a, b: a + b, grads_sum, grads)
+                w = float(share.item())
+                for k, v in stats.items():
+                    stats_acc[k] = stats_acc.get(k, 0.0) + w * float(v.item()) / cfg.mu
+            if dist.size() > 1:
+                if grads_sum is None:  # no sequence on this rank (batch smaller than the world)
+                    grads_sum = tree_map(mx.zeros_like, self.model.trainable_parameters())
+                grads_sum = dist.sum_gradients(grads_sum, what="rl: sum gradients")
+                loss_sum = dist.sum_floats({"loss": loss_sum}, what="rl: sum loss")["loss"]
+            gnorm = _grad_norm(grads_sum)
+            if not (math.isfinite(loss_sum) and _finite(gnorm)):
+                ok = False
+                break
+            if cfg.max_grad_norm is not None:
+                scale = mx.minimum(1.0, cfg.max_grad_norm / (gnorm + 1e-6))
+                grads_sum = tree_map(lambda g: g * scale, grads_sum)
+            self.opt.update(self.model, grads_sum)
+            mx.eval(self.model.trainable_parameters(), self.opt.state)
+            stats_acc["loss"] = stats_acc.get("loss", 0.0) + loss_sum / cfg.mu
+            stats_acc["grad_norm"] = stats_acc.get("grad_norm", 0.0) + float(gnorm.item()) / cfg.mu
+        if dist.size() > 1:  # per-sequence statistics were summed over this rank's block only
+            glob = {k: stats_acc.pop(k) for k in ("loss", "grad_norm") if k in stats_acc}
+            stats_acc = {**dist.sum_floats({**stats_acc, "_bd": behaviour_diff}, what="rl: sum stats"), **glob}
+            behaviour_diff = stats_acc.pop("_bd")
+        stats_acc["behaviour_logp_absdiff"] = behaviour_diff
+        stats_acc["lr"] = float(self.opt.learning_rate.item())
+        if not ok:
+            stats_acc["loss"] = float("nan")
+        return ok, stats_acc
+
+    def _ref_logprobs(self, batch: dict, mbs) -> mx.array:
+        T = self.cfg.sampling.temperature
+        parts = []
+        if self.ref_model is not None:
+            ctx, model = _nullctx(), self.ref_model
+        else:
+            ctx, model = adapters_disabled(self.model), self.model
+        with ctx:
+            for i, j in mbs:
+                lp = sequence_logprobs(model, batch["inputs"][i:j], batch["targets"][i:j], T, self.cfg.chunk_size)
+                mx.eval(lp)
+                parts.append(lp)
+        return mx.stop_gradient(mx.concatenate(parts))
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def trained_weights(self) -> dict[str, mx.array]:
+        return dict(tree_flatten(self.model.trainable_parameters()))
+
+    def save_checkpoint(self) -> Path:
+        ckpt = self.out_dir / "checkpoints" / f"step_{self.step_no:06d}"
+        self.last_good_ckpt = str(ckpt)
+        if not dist.is_main():  # rank 0 writes; every rank holds the same weights (issue 10)
+            return ckpt
+        with atomic_dir(ckpt, overwrite=True) as tmp:
+            mx.save_safetensors(str(tmp / ADAPTER_FILE), self.trained_weights())
+            write_json_atomic(tmp / "adapter_config.json", adapter_config(self.cfg, self.model))
+            opt_state = dict(tree_flatten(self.opt.state))
+            mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt_state)
+            write_json_atomic(tmp / "state.json", {
+                "step": self.step_no, "stream": self.stream.state(), "bad_in_row": self.bad_in_row,
+                "skipped_total": self.skipped_total, "seed": self.seed, "model": self.model_path,
+            })
+        # the latest adapters beside the run, where `mlx_lm fuse --adapter-path` looks
+        for name in (ADAPTER_FILE, "adapter_config.json"):
+            shutil.copyfile(ckpt / name, self.out_dir / f".{name}.tmp")
+            (self.out_dir / f".{name}.tmp").replace(self.out_dir / name)
+        self.last_good_ckpt = str(ckpt)
+        return ckpt
+
+    def load_checkpoint(self, ckpt: Path) -> None:
+        state = json.loads((ckpt / "state.json").read_text())
+        self.model.load_weights(list(mx.load(str(ckpt / ADAPTER_FILE)).items()), strict=False)
+        opt_flat = mx.load(str(ckpt / "optimizer.safetensors"))
+        self.opt.state = tree_unflatten(list(opt_flat.items()))
+        self.step_no = int(state["step"])
+        self.stream = TaskStream(len(self.tasks), self.seed, state["stream"]["epoch"], state["stream"]["cursor"])
+        self.bad_in_row = int(state["bad_in_row"])
+        self.skipped_total = int(state["skipped_total"])
+        self.last_good_ckpt = str(ckpt)
+        mx.eval(self.model.parameters(), self.opt.state)
+
+
+@contextmanager
+def _nullctx():
+    yield
+
+
+def latest_checkpoint(out_dir: Path) -> Optional[Path]:
+    d = Path(out_dir) / "checkpoints"
+    if not d.is_dir():
+        return None
+    done = sorted(p for p in d.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / "state.json").is_file())
+    return done[-1] if done else None
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop metric rows of steps after the checkpoint (they will be redone)."""
+    if path.is_file():
+        from mlx_ssp.io import repair_jsonl_tail
+
+        repair_jsonl_tail(path)  # a kill mid-write leaves a torn last row
+        rows = [r for r in iter_jsonl(path, what="metrics") if int(r.get("step", 0)) <= step]
+        write_jsonl_atomic(path, rows)
+
+
+def train(model, tokenizer, tasks: list[Task], cfg: RLConfig, out_dir: str | Path, *, seed: int = 0,
+          resume: bool = True, ref_model=None, model_path: str = "", on_step: Optional[Callable] = None) -> dict:
+    """Run (or resume) MGPO-GRPO. ``model`` must already be set up (:func:`setup_model`).
+    Returns a summary; writes metrics.jsonl, checkpoints/ and the latest adapters to ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.kernels is not None:
+        from mlx_ssp.rl import kernels
+
+        kernels.set_mode(cfg.kernels)
+    for t in tasks:  # fail early on prompts the tokenizer cannot render
+        render_prompt(tokenizer, t, cfg.system)
+    tr = Trainer(model, tokenizer, tasks, cfg, out, seed=seed, ref_model=ref_model, model_path=model_path)
+    metrics_path = out / "metrics.jsonl"
+    ckpt = latest_checkpoint(out) if resume else None
+    dist.check_same(str(ckpt), what=f"the checkpoint to resume from in {out} (it must be on a disk all hosts share)")
+    if ckpt is not None:
+        tr.load_checkpoint(ckpt)
+        if dist.is_main():
+            _truncate_metrics(metrics_path, tr.step_no)
+    elif metrics_path.exists() and dist.is_main():
+        metrics_path.unlink()
+    if dist.is_main():
+        write_json_atomic(out / "rl_config.json", {"seed": seed, "model": model_path, "rl": cfg.model_dump(mode="json")})
+    bar = None
+    if cfg.progress and dist.is_main():
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=tr.step_no, desc="rl", unit="step")
+    last = {}
+    with dist.appender(metrics_path) as log:  # rank 0 writes the metrics
+        while tr.step_no < cfg.steps:
+            rec = tr.step()
+            log.write(rec)
+            last = rec
+            if on_step is not None:
+                on_step(tr, rec)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", loss=f"{rec.get('loss', float('nan')):.4f}")
+            if tr.bad_in_row >= cfg.max_bad_steps:
+                path = tr.save_checkpoint()  # skipped steps changed nothing: this is the last good state
+                raise UserError(
+                    f"rl: {tr.bad_in_row} steps in a row had a non-finite loss or gradient (step {tr.step_no}); "
+                    f"stopped. Last good state saved to {path}; lower rl.learning_rate or check the rewards."
+                )
+            if tr.step_no % cfg.checkpoint_every == 0 or tr.step_no == cfg.steps:
+                tr.save_checkpoint()
+    if bar is not None:
+        bar.close()
+    return {"steps": tr.step_no, "skipped_total": tr.skipped_total, "last": last, "checkpoint": tr.last_good_ckpt,
+            "out_dir": str(out)}

@@ -1,0 +1,146 @@
+"""The MGPO-GRPO policy loss: clipped surrogate, aggregation modes, k3 KL, statistics.
+
+Per completion token t of sample i, with ``rho = exp(logp - logp_old)`` (logp_old: the behaviour
+log-probs of the sampling policy, at the sampling temperature) and the sample's advantage A'_i:
+
+    l_t = -min(rho * A', clip(rho, 1 - eps_low, 1 + eps_high) * A')      (PPO / GRPO; DAPO's
+                                                                          decoupled eps_low/eps_high)
+    dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games", c > 1): for A' < 0 the
+    objective is additionally bounded, l_t = min(l_t, -c * A'), so a huge ratio on a bad token
+    cannot blow the loss up.
+    k3 KL (Schulman 2020, "Approximating KL Divergence"; GRPO, arXiv:2402.03300 eq. 4):
+    kl_t = exp(ref - logp) - (ref - logp) - 1 >= 0, added as beta * kl_t to each token's loss.
+
+Aggregation over the [B, T] token grid with the completion mask, chosen from :data:`AGGREGATIONS`:
+
+- ``seq-mean-token-mean`` (GRPO as in DeepSeekMath and the VibeThinker papers): mean over each
+  sequence's tokens, then mean over sequences;
+- ``token-mean`` (DAPO, arXiv:2503.14476): sum over all tokens / number of tokens;
+- ``seq-mean-token-sum-norm`` (Dr.GRPO, arXiv:2503.20783): each sequence's token sum divided by a
+  constant (the generation budget ``max_tokens``; the longest sequence if not given), then mean
+  over sequences.
+
+Statistics (no gradient): clip fraction (tokens whose gradient the clip removed: rho < 1 - eps_low
+with A' < 0, or rho > 1 + eps_high with A' > 0), dual-clip fraction, mean ratio, mean KL, mean
+entropy when given. All computed in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import mlx.core as mx
+
+
+def _masked_sum(x: mx.array, mask: mx.array, axis=None) -> mx.array:
+    return (x * mask).sum(axis=axis)
+
+
+def seq_mean_token_mean(per_token: mx.array, mask: mx.array, max_tokens: int | None = None) -> mx.array:
+    """Mean over each sequence's valid tokens, then over sequences that have any."""
+    n_tok = mask.sum(axis=-1)
+    per_seq = _masked_sum(per_token, mask, axis=-1) / mx.maximum(n_tok, 1.0)
+    has = (n_tok > 0).astype(mx.float32)
+    return (per_seq * has).sum() / mx.maximum(has.sum(), 1.0)
+
+
+def token_mean(per_token: mx.array, mask: mx.array, max_tokens: int | None = None) -> mx.array:
+    """Sum over all valid tokens of the batch / their number (DAPO)."""
+    return _masked_sum(per_token, mask) / mx.maximum(mask.sum(), 1.0)
+
+
+def seq_mean_token_sum_norm(per_token: mx.array, mask: mx.array, max_tokens: int | None = None) -> mx.array:
+    """Each sequence's token sum / a constant (``max_tokens``, else the grid's T), mean over sequences."""
+    norm = float(max_tokens) if max_tokens else float(per_token.shape[-1])
+    return (_masked_sum(per_token, mask, axis=-1) / norm).mean()
+
+
+#: name -> fn(per_token [B, T], mask [B, T] float, max_tokens) -> scalar
+AGGREGATIONS: dict[str, Callable[..., mx.array]] = {
+    "seq-mean-token-mean": seq_mean_token_mean,
+    "token-mean": token_mean,
+    "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
+}
+
+
+def aggregate(per_token: mx.array, mask: mx.array, mode: str, max_tokens: int | None = None) -> mx.array:
+    try:
+        fn = AGGREGATIONS[mode]
+    except KeyError:
+        raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}") from None
+    return fn(per_token, mask.astype(mx.float32), max_tokens)
+
+
+def k3_kl(logp: mx.array, ref_logp: mx.array) -> mx.array:
+    """k3 estimator of KL(pi || ref) per token: exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    d = ref_logp - logp
+    return mx.exp(d) - d - 1.0
+
+
+def clipped_surrogate(logp, logp_old, advantages, *, eps_low: float = 0.2, eps_high: float = 0.2,
+                      dual_clip: float | None = None):
+    """Per-token PPO-clip loss and masks. advantages broadcast against logp ([B, 1] or [B, T]).
+
+    Returns (loss [B, T], ratio, clipped mask, dual-clipped mask)."""
+    ratio = mx.exp(logp - logp_old)
+    s1 = ratio * advantages
+    s2 = mx.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    loss = -mx.minimum(s1, s2)
+    clipped = ((ratio < 1.0 - eps_low) & (advantages < 0)) | ((ratio > 1.0 + eps_high) & (advantages > 0))
+    dual = mx.zeros(loss.shape, dtype=mx.bool_)
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > bound)
+        loss = mx.where(advantages < 0, mx.minimum(loss, bound), loss)
+    return loss, ratio, clipped, dual
+
+
+class LossOutput(NamedTuple):
+    loss: mx.array
+    stats: dict[str, mx.array]
+
+
+def policy_loss(
+    logp: mx.array,
+    logp_old: mx.array,
+    advantages: mx.array,
+    mask: mx.array,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: str = "seq-mean-token-mean",
+    max_tokens: int | None = None,
+    beta: float = 0.0,
+    ref_logp: mx.array | None = None,
+    entropy: mx.array | None = None,
+) -> LossOutput:
+    """The MGPO-GRPO loss over a [B, T] completion grid. ``advantages`` [B] are the per-sample
+    A' (already MGPO-weighted, no gradient); ``mask`` [B, T] marks completion tokens."""
+    if advantages.ndim == 1:
+        advantages = advantages[:, None]
+    advantages = mx.stop_gradient(advantages.astype(mx.float32))
+    logp = logp.astype(mx.float32)
+    logp_old = mx.stop_gradient(logp_old.astype(mx.float32))
+    m = mask.astype(mx.float32)
+    per_tok, ratio, clipped, dual = clipped_surrogate(
+        logp, logp_old, advantages, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip
+    )
+    kl = None
+    if beta and ref_logp is not None:
+        kl = k3_kl(logp, mx.stop_gradient(ref_logp.astype(mx.float32)))
+        per_tok = per_tok + beta * kl
+    loss = aggregate(per_tok, m, aggregation, max_tokens)
+    n = mx.maximum(m.sum(), 1.0)
+    sg = mx.stop_gradient
+    stats = {
+        "clip_frac": _masked_sum(clipped.astype(mx.float32), m) / n,
+        "dual_clip_frac": _masked_sum(dual.astype(mx.float32), m) / n,
+        "ratio_mean": _masked_sum(sg(ratio), m) / n,
+        "ratio_max": mx.where(m > 0, sg(ratio), 0.0).max(),
+    }
+    if kl is not None:
+        stats["kl"] = _masked_sum(sg(kl), m) / n
+    if entropy is not None:
+        stats["entropy"] = _masked_sum(sg(entropy.astype(mx.float32)), m) / n
+    return LossOutput(loss, stats)
