@@ -135,10 +135,20 @@ def read_jsonl(path: str | Path, *, what: str = "records") -> list[dict]:
 
 
 def iter_jsonl(path: str | Path, *, what: str = "records") -> Iterator[dict]:
-    p = Path(path)
+    for _, rec in iter_jsonl_numbered(path, what=what):
+        yield rec
+
+
+def iter_jsonl_numbered(path: str | Path, *, what: str = "records") -> Iterator[tuple[int, dict]]:
+    """(line number, record) for each non-blank line of a JSONL file (``.gz`` too); a missing file,
+    bad JSON or a non-object line is a UserError naming file:line."""
+    import gzip
+
+    p = Path(path).expanduser()
     if not p.is_file():
         raise UserError(f"{what} file not found: {p}")
-    with open(p) as f:
+    opener = gzip.open if p.suffix == ".gz" else open
+    with opener(p, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -148,4 +158,4 @@ def iter_jsonl(path: str | Path, *, what: str = "records") -> Iterator[dict]:
                 raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
             if not isinstance(rec, dict):
                 raise UserError(f"{p}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            yield rec
+            yield lineno, rec

@@ -49,14 +49,9 @@ def _read_jsonl(p: Path) -> list[dict]:
 
 
 def _plt():
-    try:
-        import matplotlib
+    from mlx_ssp.plots import _pyplot
 
-        matplotlib.use("Agg", force=True)
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
+    return _pyplot()
 
 
 def _save(fig, path: Path) -> None:

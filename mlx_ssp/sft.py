@@ -268,20 +268,9 @@ class DomainPlan:
 
 def _read_records(path: Path) -> list[tuple[int, dict]]:
     """(line number, record) for each non-blank line; bad JSON is an error naming file:line."""
-    if not path.is_file():
-        raise UserError(f"SFT data file not found: {path}")
-    out = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
-            if not isinstance(rec, dict):
-                raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            out.append((lineno, rec))
+    from mlx_ssp.io import iter_jsonl_numbered
+
+    out = list(iter_jsonl_numbered(path, what="SFT data"))
     if not out:
         raise UserError(f"{path}: the SFT data file is empty")
     return out

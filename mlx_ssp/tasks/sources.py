@@ -28,7 +28,6 @@ Splits (``train``, ``probe``, ``eval``) never share a problem:
 
 from __future__ import annotations
 
-import gzip
 import json
 import random
 import re
@@ -82,24 +81,11 @@ def parse_source(spec: str) -> tuple[Source, str]:
 
 
 def _read_jsonl(path: str) -> list[dict]:
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise UserError(f"source file not found: {p}")
-    opener = gzip.open if p.suffix == ".gz" else open
-    rows = []
-    with opener(p, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise UserError(f"{p}:{lineno}: expected a JSON object")
-            rows.append(rec)
+    from mlx_ssp.io import iter_jsonl_numbered
+
+    rows = [rec for _, rec in iter_jsonl_numbered(path, what="source")]
     if not rows:
-        raise UserError(f"{p}: no rows")
+        raise UserError(f"{Path(path).expanduser()}: no rows")
     return rows
 
 
