@@ -8,6 +8,7 @@ input tensor the merge reads and write one output model's bytes. Prints a table 
 
     python scripts/bench_merge.py                      # full size, all methods
     python scripts/bench_merge.py --small --methods ties  # quick look
+    python scripts/bench_merge.py --layers 2 --no-mergekit --methods ties,dare_ties  # full-width proxy
 """
 
 from __future__ import annotations
@@ -117,9 +118,11 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="hidden 256, intermediate 1024, 4 layers, vocab 8000")
     ap.add_argument("--no-mergekit", action="store_true")
     ap.add_argument("--keep", default=None, help="build/keep models in this dir")
+    ap.add_argument("--layers", type=int, default=None, help="override the layer count (a quicker proxy at full width)")
     args = ap.parse_args()
-    args.hidden, args.intermediate, args.layers, args.heads, args.vocab = (
+    args.hidden, args.intermediate, args.layers_, args.heads, args.vocab = (
         (256, 1024, 4, 4, 8000) if args.small else (1024, 4096, 14, 16, 32000))
+    args.layers = args.layers or args.layers_
     root = Path(args.keep or tempfile.mkdtemp(prefix="bench_merge_"))
     if (root / "model2" / "config.json").is_file():
         models = [root / f"model{i}" for i in range(3)]
@@ -162,6 +165,7 @@ def main() -> None:
               f"{r.get('mergekit_rss_mib', '-')} | {r.get('speedup', '-')} | {r.get('rss_ratio', '-')} | "
               f"{r['io_floor_s']} | {r['ours_over_floor']} |")
     print(f"command: python scripts/bench_merge.py {' '.join(sys.argv[1:])}")
+    print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (at the end; {os.cpu_count()} CPUs)")
 
 
 if __name__ == "__main__":

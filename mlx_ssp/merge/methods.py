@@ -6,7 +6,9 @@ Arithmetic runs in float32 inside fused ``mx.compile`` kernels, and every interm
 mergekit 0.1.5 materialises in the compute dtype is rounded to it (:func:`rnd`). torch computes each
 bf16 op in float32 and rounds the result, so this reproduces mergekit's bf16 arithmetic: the tests
 find bit-identical outputs for every deterministic method in float32 (up to 1e-6) and bfloat16.
-Linear accumulates like torch's ``addcmul_`` (one rounding per multiply-add).
+Linear accumulates like torch's ``addcmul_`` (one rounding per multiply-add). Whole-tensor steps
+(delta, top-k threshold, DARE mask, L1 norms) see the full tensor; the elementwise rest runs in
+slices of :data:`CHUNK` elements, which changes no value and avoids full-size float32 temporaries.
 
 Methods (mergekit names; the registry :data:`METHODS` maps each name to its recipe):
 
@@ -31,6 +33,8 @@ Deviations (each an explicit option; the defaults are mergekit 0.1.5's):
   trimmed, unweighted task vectors) | ``count`` (majority of signs, mergekit's ``count``).
 - ``rescale_mode``: ``l1`` (mergekit: match the L1 norm of the delta) | ``inverse_density`` (the
   DARE paper: multiply survivors by ``1 / density``).
+- DARE's L1 norms are summed in float64 (torch's float32 cascade sum is about as accurate; MLX's
+  float32 sum is not, on tens of millions of elements).
 - DARE masks come from a PCG64 stream seeded by a hash of (seed, tensor name, model), not from a
   process-global generator, so the output does not depend on tensor order or sharding; the kept
   elements therefore differ from mergekit's (the distribution is the same).
@@ -42,6 +46,7 @@ Deviations (each an explicit option; the defaults are mergekit 0.1.5's):
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -85,33 +90,62 @@ def _scalar(v: float) -> mx.array:
 # ---------------------------------------------------------------- sparsification masks
 
 
-def kth_largest_bits(absbits: np.ndarray, k: int) -> tuple[int, int, int]:
+#: reused scratch buffers: a fresh large allocation costs a page fault per 4 KiB page on every
+#: tensor, which on this kind of machine is slower than the select itself
+_SCRATCH: dict = {}
+_COUNT_CHUNK = 1 << 20
+
+
+def _scratch(dtype, n: int) -> np.ndarray:
+    b = _SCRATCH.get(np.dtype(dtype))
+    if b is None or b.size < n:
+        b = _SCRATCH[np.dtype(dtype)] = np.empty(n, dtype=dtype)
+    return b[:n]
+
+
+def _count(a: np.ndarray, op, v) -> int:
+    """``count_nonzero(op(a, v))`` in cache-sized slices (no full-size boolean temporary)."""
+    return sum(int(np.count_nonzero(op(a[i : i + _COUNT_CHUNK], v))) for i in range(0, a.size, _COUNT_CHUNK))
+
+
+def kth_largest_bits(absbits: np.ndarray, k: int, inplace: bool = False) -> tuple[int, int, int]:
     """The k-th largest of non-negative floats given as their raw bits (the bits of non-negative
     IEEE floats sort like the values): an O(n) introselect on the integer bits, no sort, no float
-    compare. Returns ``(bits of v, count greater than v, count equal to v)``."""
+    compare. Returns ``(bits of v, count greater than v, count equal to v)``. ``inplace``
+    partitions ``absbits`` itself (its order is lost)."""
     n = absbits.size
-    v = absbits.dtype.type(np.partition(absbits, n - k)[n - k])
-    greater = int(np.count_nonzero(absbits > v))
-    equal = int(np.count_nonzero(absbits == v))
+    part = absbits if inplace else absbits.copy()
+    part.partition(n - k)
+    v = part.dtype.type(part[n - k])
+    # after the partition everything from n - k on is >= v and everything before it is <= v
+    greater = _count(part[n - k :], np.greater, v)
+    equal = _count(part, np.equal, v)
     return int(v), greater, equal
 
 
-def _abs_bits(delta: mx.array) -> tuple[np.ndarray, int]:
-    """Raw bits of |delta| (sign bit cleared) as a numpy array, and the bit width. The bits are
-    taken through the buffer protocol (zero copy; ``np.asarray`` of an ``mx.view`` copies)."""
+def _raw_bits(delta: mx.array) -> tuple[np.ndarray, int]:
+    """Raw bits of a flat float array as a zero-copy numpy view (through the buffer protocol;
+    ``np.asarray`` of an ``mx.view`` copies), and the bit width."""
     mx.eval(delta)
     raw = memoryview(delta).cast("B")
     if delta.dtype == F32:
-        return np.frombuffer(raw, dtype=np.uint32) & np.uint32(0x7FFFFFFF), 32
-    return np.frombuffer(raw, dtype=np.uint16) & np.uint16(0x7FFF), 16
+        return np.frombuffer(raw, dtype=np.uint32), 32
+    return np.frombuffer(raw, dtype=np.uint16), 16
 
 
-def _nth_equal(bits: np.ndarray, v, nth: int, chunk: int = 1 << 22) -> int:
-    """Flat index of the ``nth`` (1-based) element equal to ``v``, scanning in chunks so that no
-    full-size index array is allocated."""
+def _abs_bits(delta: mx.array) -> tuple[np.ndarray, int]:
+    """Raw bits of |delta| (sign bit cleared) as a new numpy array, and the bit width."""
+    raw, width = _raw_bits(delta)
+    return raw & raw.dtype.type((1 << (width - 1)) - 1), width
+
+
+def _nth_equal(bits: np.ndarray, v, nth: int, chunk: int = 1 << 20, mask=None) -> int:
+    """Flat index of the ``nth`` (1-based) element equal to ``v`` (after ``& mask`` when given),
+    scanning in chunks so that no full-size index array is allocated."""
     seen = 0
     for i in range(0, bits.size, chunk):
-        eq = bits[i : i + chunk] == v
+        c_bits = bits[i : i + chunk]
+        eq = (c_bits & mask if mask is not None else c_bits) == v
         c = int(np.count_nonzero(eq))
         if seen + c >= nth:
             return i + int(np.flatnonzero(eq)[nth - seen - 1])
@@ -119,38 +153,67 @@ def _nth_equal(bits: np.ndarray, v, nth: int, chunk: int = 1 << 22) -> int:
     raise ValueError("fewer equal elements than requested")
 
 
+@dataclass(frozen=True)
+class MagnitudeCut:
+    """The exact top-k selection of a flat delta as a threshold on the bits of |delta|: keep
+    ``bits > v`` everywhere and ``bits == v`` below flat index ``cut`` (ties go to the lowest
+    indices, as a stable descending sort does)."""
+
+    v: int
+    cut: int
+    width: int
+
+    def select(self, delta: mx.array, lo: int = 0, hi: Optional[int] = None) -> mx.array:
+        """The boolean mask of ``delta[lo:hi]`` (``delta`` is the whole flat delta)."""
+        hi = delta.size if hi is None else hi
+        utype = mx.uint32 if self.width == 32 else mx.uint16
+        sign_off = 0x7FFFFFFF if self.width == 32 else 0x7FFF
+
+        def build(strict):
+            def f(bits, v):
+                a = bits & mx.array(sign_off, dtype=utype)
+                return a > v if strict else a >= v
+            return f
+
+        ge = _kernel(("mag_ge", self.width), lambda: build(False))
+        gt = _kernel(("mag_gt", self.width), lambda: build(True))
+        ub, vv = delta[lo:hi].view(utype), mx.array(self.v, dtype=utype)
+        if self.cut >= hi:
+            return ge(ub, vv)
+        if self.cut <= lo:
+            return gt(ub, vv)
+        c = self.cut - lo  # tied elements at the threshold are kept below flat index ``cut`` only
+        return mx.concatenate([ge(ub[:c], vv), gt(ub[c:], vv)])
+
+
+def magnitude_cut(delta: mx.array, density: float) -> Optional[MagnitudeCut]:
+    """The threshold that keeps the top ``max(1, int(density * n))`` magnitudes of a flat delta
+    (None: keep all). One O(n) select and two counting passes over the integer bits."""
+    n = delta.size
+    if density >= 1 or n == 0:
+        return None
+    if density <= 0:
+        w = 32 if delta.dtype == F32 else 16
+        return MagnitudeCut(v=(1 << w) - 1, cut=0, width=w)  # nothing passes ``>`` the max
+    k = max(1, int(density * n))
+    raw, width = _raw_bits(delta)
+    sign_off = raw.dtype.type((1 << (width - 1)) - 1)
+    absbits = np.bitwise_and(raw, sign_off, out=_scratch(raw.dtype, n))
+    v, greater, equal = kth_largest_bits(absbits, k, inplace=True)
+    need = k - greater
+    cut = n if need == equal else _nth_equal(raw, raw.dtype.type(v), need, mask=sign_off) + 1
+    return MagnitudeCut(v, cut, width)
+
+
 def magnitude_mask(delta: mx.array, density: float) -> Optional[mx.array]:
     """Keep the top ``max(1, int(density * n))`` elements of a flat delta by magnitude; ties at the
     threshold go to the lowest flat indices (a stable descending sort). None means keep all."""
-    n = delta.size
     if density >= 1:
         return None
-    if density <= 0 or n == 0:
+    if density <= 0 or delta.size == 0:
         return mx.zeros(delta.shape, dtype=mx.bool_)
-    k = max(1, int(density * n))
-    bits, width = _abs_bits(delta)
-    v, greater, equal = kth_largest_bits(bits, k)
-    need = k - greater
-    utype = mx.uint32 if width == 32 else mx.uint16
-    if need == equal:
-        cut = n  # every tied element is kept
-    else:
-        cut = _nth_equal(bits, v, need) + 1  # keep tied elements with index < cut
-    sign_off = 0x7FFFFFFF if width == 32 else 0x7FFF
-
-    def build(strict):
-        def f(bits, v):
-            a = bits & mx.array(sign_off, dtype=utype)
-            return a > v if strict else a >= v
-        return f
-
-    ge = _kernel(("mag_ge", width), lambda: build(False))
-    gt = _kernel(("mag_gt", width), lambda: build(True))
-    ub, vv = delta.view(utype), mx.array(v, dtype=utype)
-    if cut >= n:
-        return ge(ub, vv)
-    # tied elements at the threshold are kept below flat index ``cut`` only
-    return mx.concatenate([ge(ub[:cut], vv), gt(ub[cut:], vv)])
+    c = magnitude_cut(delta, density)
+    return None if c is None else c.select(delta)
 
 
 def outlier_mask(delta: mx.array, density: float, gamma: float) -> Optional[mx.array]:
@@ -178,35 +241,61 @@ def dare_seed(seed: int, tensor_name: str, model_id: str) -> int:
 
 def bernoulli_mask(size: int, density: float, seed: int) -> Optional[mx.array]:
     """Keep each element with probability ``density`` (uniform float32 < density, PCG64 stream
-    seeded by :func:`dare_seed`; NumPy's generator is ~5x faster than MLX's threefry on CPU)."""
+    seeded by :func:`dare_seed`; NumPy's generator is ~5x faster than MLX's threefry on CPU).
+
+    NumPy's float32 uniform is ``(u >> 8) * 2**-24`` for the stream of 32-bit words ``u`` (the low
+    then the high half of each 64-bit PCG64 output), so ``uniform < density`` is exactly
+    ``u < ceil(density * 2**24) << 8``: the mask is computed from the raw 64-bit outputs with one
+    integer compare, no float conversion (the same mask, bit for bit, as the float draw)."""
     if density >= 1:
         return None
-    g = np.random.Generator(np.random.PCG64(seed))
+    bg = np.random.PCG64(seed)
     mask = np.empty(size, dtype=bool)
-    p = np.float32(density)
-    # drawn in chunks (the stream continues across calls) so no full-size float buffer is held
-    for i in range(0, size, _RNG_CHUNK):
-        j = min(size, i + _RNG_CHUNK)
-        np.less(g.random(j - i, dtype=np.float32), p, out=mask[i:j])
+    thr = np.uint32(math.ceil(float(np.float32(density)) * 2.0 ** 24) << 8)
+    nraw, step = (size + 1) // 2, max(1, _RNG_CHUNK // 2)
+    # drawn in chunks (the stream continues across calls) so no full-size buffer is held
+    for r in range(0, nraw, step):
+        u = bg.random_raw(min(step, nraw - r)).view(np.uint32)
+        i = 2 * r
+        j = min(size, i + u.size)
+        np.less(u[: j - i], thr, out=mask[i:j])
     return mx.array(mask)
 
 
 _RNG_CHUNK = 1 << 22
 
 
-def rescale(delta: mx.array, mask: mx.array, mode: str, density: float, cd, eps: float = 1e-7) -> mx.array:
-    """Masked delta scaled back up: ``l1`` matches the L1 norm of the unmasked delta (mergekit;
-    norms and ratio rounded to ``cd`` as torch does), ``inverse_density`` divides by density.
-    Returns float32 values representable in ``cd``."""
-    md = _kernel(("mask", str(delta.dtype)), lambda: (lambda d, m: (_f(d) * m).astype(d.dtype)))(delta, mask)
+def rescale_factor(delta: mx.array, sel, mode: str, density: float, cd, eps: float = 1e-7) -> Optional[float]:
+    """The factor that scales the masked delta back up (None: leave it unscaled): ``l1`` matches
+    the L1 norm of the unmasked delta (mergekit; norms and ratio rounded to ``cd`` as torch does),
+    ``inverse_density`` is ``1 / density``. ``sel`` is a :class:`MagnitudeCut` or a boolean mask.
+
+    The two L1 norms are summed slice by slice in float64 (NumPy over float32 slices of |delta|):
+    one pass, no full-size temporary. torch sums in float32 in its own order, so a norm can differ
+    from mergekit's in the last float32 bit (after rounding to bf16, essentially never)."""
     if mode == "inverse_density":
-        return _kernel(("scale", str(cd)), lambda: (lambda x, s: rnd(_f(x) * s, cd)))(md, _scalar(1.0 / density))
-    before = rnd(mx.sum(mx.abs(_f(delta))), cd)
-    after = rnd(mx.sum(mx.abs(_f(md))), cd)
-    if before.item() < eps or after.item() < eps:
-        return _f(md)
-    ratio = rnd(before / after, cd)
-    return _kernel(("scale", str(cd)), lambda: (lambda x, s: rnd(_f(x) * s, cd)))(md, ratio)
+        return 1.0 / density
+    k = _kernel(("absmask",), lambda: (lambda d, m: (mx.abs(_f(d)), mx.abs(_f(d) * m))))
+    before = after = 0.0
+    for lo in range(0, delta.size, CHUNK):
+        hi = min(delta.size, lo + CHUNK)
+        m = sel.select(delta, lo, hi) if isinstance(sel, MagnitudeCut) else sel[lo:hi]
+        a, b = k(delta[lo:hi], m)
+        mx.eval(a, b)
+        before += float(np.frombuffer(memoryview(a), dtype=np.float32).sum(dtype=np.float64))
+        after += float(np.frombuffer(memoryview(b), dtype=np.float32).sum(dtype=np.float64))
+    before_r, after_r = rnd(_scalar(before), cd), rnd(_scalar(after), cd)
+    if before_r.item() < eps or after_r.item() < eps:
+        return None
+    return float(rnd(before_r / after_r, cd).item())
+
+
+def rescale(delta: mx.array, mask: mx.array, mode: str, density: float, cd, eps: float = 1e-7) -> mx.array:
+    """Masked delta scaled back up by :func:`rescale_factor`; float32 values representable in
+    ``cd``."""
+    md = _f(delta) * mask
+    s = rescale_factor(delta, mask, mode, density, cd, eps)
+    return md if s is None else rnd(md * s, cd)
 
 
 # ---------------------------------------------------------------- methods
@@ -231,9 +320,18 @@ def linear(tensors: Sequence, weights: Sequence[float], normalize: bool, cd, out
         return f
 
     k = _kernel(("linear", n, cdn, outn), build)
-    den = float(sum(weights)) if normalize else 1.0
+    den = _scalar(float(sum(weights)) if normalize else 1.0)
     ws = [mx.array(float(np.float32(w)), dtype=F64) for w in weights]
-    return k(xs, ws, _scalar(den))
+    size = xs[0].size
+    if size <= CHUNK:
+        return k(xs, ws, den)
+    mx.eval(*xs)
+    parts = []
+    for lo in range(0, size, CHUNK):  # in slices: no full-size float temporaries (see task_vector_merge)
+        part = k([x[lo : lo + CHUNK] for x in xs], ws, den)
+        mx.eval(part)
+        parts.append(part)
+    return mx.concatenate(parts)
 
 
 def task_vector_merge(
@@ -269,78 +367,125 @@ def task_vector_merge(
     delta_k = _kernel(("delta", str(cd)), lambda: (lambda x, b: (_f(x) - _f(b)).astype(cd)))
     wmul_k = _kernel(("wmul", str(cd)), lambda: (lambda d, m, w: (_f(d) * m * w).astype(cd)))
     wmul0_k = _kernel(("wmul0", str(cd)), lambda: (lambda d, w: (_f(d) * w).astype(cd)))
-    wd, raw = [], []
+    # Per model, the whole-tensor steps: the delta, its selection (top-k threshold, DARE or
+    # breadcrumbs mask) and the L1 rescale. The elementwise tail (mask, weight, vote, combine) then
+    # runs in slices of CHUNK elements, so no full-size float32 temporary is ever allocated (large
+    # fresh buffers cost page faults on every tensor) and each slice stays in cache.
+    ds, sels, factors = [], [], []
     for i, x in enumerate(tensors):
         x = x() if callable(x) else x  # a loader: read one model's tensor only when needed
         d = delta_k(x.astype(cd), base)
+        mx.eval(d)
         del x
-        m = None
+        sel, q = None, cd  # None (keep all), a MagnitudeCut, or a full boolean mask; q: rescale dtype
         if sparsify == "magnitude":
-            m, q = magnitude_mask(d, densities[i]), cd
+            sel, q = magnitude_cut(d, densities[i]), cd
         elif sparsify == "random":
-            m, q = bernoulli_mask(d.size, densities[i], seeds[i]), work
+            sel, q = bernoulli_mask(d.size, densities[i], seeds[i]), work
         elif sparsify == "outliers":
-            m, q = outlier_mask(d, densities[i], gammas[i]), cd
-        if m is not None and rescale_on:
-            d = rescale(d, m, rescale_mode, densities[i], q).astype(cd)
-            m = None
-        if consensus and sign_vote == "unweighted":
-            r = d if m is None else (_f(d) * m).astype(cd)
-            mx.eval(r)
-            raw.append(r)
-        if m is None:
-            wdi = wmul0_k(d, _scalar(w[i]))
-        else:
-            wdi = wmul_k(d, m, _scalar(w[i]))
-        mx.eval(wdi)
-        wd.append(wdi)
-        del d, m
-    n = len(wd)
-    vote = raw if sign_vote == "unweighted" else wd
+            sel, q = outlier_mask(d, densities[i], gammas[i]), cd
+        factor = None
+        if sel is not None and rescale_on:
+            factor = rescale_factor(d, sel, rescale_mode, densities[i], q)
+        ds.append(d)
+        sels.append(sel)
+        factors.append((factor, q))
+    n = len(ds)
+    ws = [_scalar(x) for x in w]
+
+    # TIES combine in two kernels, split where mergekit rounds to cd anyway (mixed and divisor):
+    # shallow kernels fuse well, and the sign agreement is a float multiply (``x * sg > 0``)
+    # rather than boolean logic, which the CPU compiler handles slowly. Exactly the same values:
+    # x * sg is exact, and x * a (a in {0, 1}) keeps x's signed zero as the bf16 product did.
+    def build_vote():
+        def f(wd, vote, ws):
+            if sign_vote == "count":
+                s = mx.sign(_f(vote[0]))
+                for v in vote[1:]:
+                    s = s + mx.sign(_f(v))
+            else:
+                s = _f(vote[0])
+                for v in vote[1:]:
+                    s = s + _f(v)
+                if cd == mx.float16:  # bf16 rounding never changes a sign; fp16 can underflow to 0
+                    s = s.astype(cd)
+            sg = (s >= 0).astype(F32) * 2 - 1  # +1 / -1
+            mixed, div = None, None
+            for x, wi in zip(wd, ws):
+                x = _f(x)
+                a = ((x * sg) > 0).astype(F32)  # a zero delta never agrees
+                mixed = x * a if mixed is None else mixed + x * a
+                div = wi * a if div is None else div + wi * a
+            return mixed.astype(cd), div.astype(cd)
+        return f
+
+    def build_apply():
+        def f(base, mixed, div, lam):
+            mixed = _f(mixed)
+            if normalize:
+                d = _f(div)
+                mixed = rnd(mixed / (d + (d == 0)), cd)  # a zero divisor becomes 1
+            if lam_on:
+                mixed = rnd(mixed * lam, cd)
+            return (_f(base) + mixed).astype(cd).astype(out)
+        return f
 
     def build():
         def f(base, wd, vote, ws, div_scalar, lam):
-            if consensus:
-                # Written so that no float32 intermediate has two consumers: mx.compile materialises
-                # multi-use nodes as full arrays, which would cost ~10 float32 copies of the tensor.
-                if sign_vote == "count":
-                    s = mx.sign(_f(vote[0]))
-                    for v in vote[1:]:
-                        s = s + mx.sign(_f(v))
-                else:
-                    s = _f(vote[0])
-                    for v in vote[1:]:
-                        s = s + _f(v)
-                    if cd == mx.float16:  # bf16 rounding never changes a sign; fp16 can underflow to 0
-                        s = s.astype(cd)
-                pos = s >= 0  # a bool: cheap to share
-                mixed, div = None, None
-                for x, wi in zip(wd, ws):
-                    a = ((x > 0) & pos) | ((x < 0) & ~pos)  # a zero delta never agrees
-                    xa = _f(x * a)  # exact in cd: a is 0 or 1
-                    mixed = xa if mixed is None else mixed + xa
-                    div = wi * a if div is None else div + wi * a
-                mixed = rnd(mixed, cd)
-                div = div.astype(cd)
-                div = _f(div) + (div == 0)
-            else:
-                mixed = _f(wd[0])
-                for x in wd[1:]:
-                    mixed = mixed + _f(x)
-                mixed = rnd(mixed, cd)
-                div = div_scalar
+            mixed = _f(wd[0])
+            for x in wd[1:]:
+                mixed = mixed + _f(x)
+            mixed = rnd(mixed, cd)
             if normalize:
-                mixed = rnd(mixed / div, cd)
+                mixed = rnd(mixed / div_scalar, cd)
             if lam_on:
                 mixed = rnd(mixed * lam, cd)
             return (_f(base) + mixed).astype(cd).astype(out)
         return f
 
     lam_on = lam != 1
-    k = _kernel(("combine", n, str(cd), str(out), consensus, sign_vote, normalize, lam_on), build)
+    k = _kernel(("combine", n, str(cd), str(out), normalize, lam_on), build)
+    k1 = _kernel(("vote", n, str(cd), sign_vote), build_vote)
+    k2 = _kernel(("apply", str(cd), str(out), normalize, lam_on), build_apply)
     dv = float(rnd(_scalar(sum(w)), cd).item())
     dv = 1.0 if abs(dv) < 1e-8 else dv
-    return k(base, wd, vote, [_scalar(x) for x in w], _scalar(dv), _scalar(lam))
+    dvs, lams = _scalar(dv), _scalar(lam)
+    mx.eval(base)
+    parts = []
+    for lo in range(0, base.size, CHUNK):
+        hi = min(base.size, lo + CHUNK)
+        wd, raw = [], []
+        for d, sel, (factor, q), wi in zip(ds, sels, factors, ws):
+            dc = d[lo:hi]
+            m = sel.select(d, lo, hi) if isinstance(sel, MagnitudeCut) else (None if sel is None else sel[lo:hi])
+            if factor is not None:
+                # the rescaled masked delta, rounded to q then cd, then weighted, as mergekit does
+                fs = _scalar(factor)
+                if consensus and sign_vote == "unweighted":
+                    raw.append(_kernel(("rescaled", str(q), str(cd)),
+                                       lambda: (lambda d, m, s: rnd(_f(d) * m * s, q).astype(cd)))(dc, m, fs))
+                wd.append(_kernel(("wrescaled", str(q), str(cd)),
+                                  lambda: (lambda d, m, s, w: (_f(rnd(_f(d) * m * s, q).astype(cd)) * w).astype(cd))
+                                  )(dc, m, fs, wi))
+                continue
+            if consensus and sign_vote == "unweighted":
+                raw.append(dc if m is None else (_f(dc) * m).astype(cd))
+            wd.append(wmul0_k(dc, wi) if m is None else wmul_k(dc, m, wi))
+        vote = raw if sign_vote == "unweighted" else wd
+        if consensus:
+            mixed, div = k1(wd, vote, ws)
+            part = k2(base[lo:hi], mixed, div, lams)
+        else:
+            part = k(base[lo:hi], wd, vote, ws, dvs, lams)
+        mx.eval(part)
+        parts.append(part)
+    if not parts:  # an empty tensor
+        return base.astype(out)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+#: elements per slice of the elementwise steps (float32 temporaries of 4 MiB: cache-sized)
+CHUNK = 1 << 20
 
 
 # ---------------------------------------------------------------- registry

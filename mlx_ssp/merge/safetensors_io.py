@@ -161,12 +161,23 @@ def scan_model(model_dir: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
+_BUF: list = [np.empty(0, dtype=np.uint8)]
+
+
+def _read_buffer(n: int) -> memoryview:
+    if _BUF[0].size < n:
+        _BUF[0] = np.empty(n, dtype=np.uint8)
+    return memoryview(_BUF[0])[:n]
+
+
 def read_tensor(info: TensorInfo):
     """Read one tensor as an ``mx.array`` of its stored dtype (one pread, no mmap)."""
     import mlx.core as mx
 
     itemsize, np_code, mx_name = DTYPES[info.dtype]
-    buf = bytearray(info.nbytes)
+    # one reused read buffer: mx.array copies it, and a fresh large buffer per tensor would cost
+    # zeroing plus a page fault per 4 KiB page
+    buf = _read_buffer(info.nbytes)
     with open(info.file, "rb", buffering=0) as f:
         view = memoryview(buf)
         got = 0
@@ -175,8 +186,9 @@ def read_tensor(info: TensorInfo):
             if n <= 0:
                 raise UserError(f"{info.file}: truncated while reading tensor '{info.name}'")
             got += n
-    arr = np.frombuffer(buf, dtype=np_code).reshape(info.shape)
+    arr = np.frombuffer(buf, dtype=np_code, count=info.nbytes // itemsize).reshape(info.shape)
     a = mx.array(arr)
+    del arr
     if info.dtype == "BF16":
         a = a.view(mx.bfloat16)
     elif info.dtype == "BOOL":
