@@ -1,0 +1,467 @@
+"""Shared pieces of the three SSP experiments (see EXPERIMENTS.md): one config, cached steps, statistics.
+
+Every step calls the product's own stage functions (``build_split``, ``run_rollouts``,
+``run_select``, ``run_sft``, ``merge_models``, ``evaluate``, ``mlx_ssp.rl.loop.train``) and caches
+its output under ``WORK_DIR`` (default ``runs/experiments``), so the three scripts share work:
+one task set and one rollout file feed experiments 1 and 2, experiment 2's merged model is
+experiment 3's starting point, and every evaluation is a JSON file that a rerun reads back instead
+of recomputing. Each cached step lives in a directory named by a hash of the config sections it
+depends on (chained: rollouts <- tasks + model, selection <- rollouts, SFT <- selection, ...), so a
+changed setting reruns exactly the steps it affects and never reuses a stale result; deleting a file
+reruns that step.
+
+Every model is evaluated on the same held-out tasks with the same sampling seed (common random
+numbers), so model differences are paired per task; :func:`paired` gives the mean per-task
+difference and its standard error (sd of the per-task differences / sqrt(number of tasks)).
+
+``--tiny`` swaps the demo model for a tiny random model (:func:`mlx_ssp.testing.make_tiny_model`)
+and a stand-in verifier (reward 1 when the completion has an even number of characters, so a random
+model gets mixed rewards), with minimal sizes: it checks that the scripts run end to end in
+seconds, it measures nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import click
+
+import mlx_ssp  # noqa: F401  (loads OpenBLAS before mlx.core)
+from mlx_ssp.config import apply_overrides
+from mlx_ssp.errors import UserError
+from mlx_ssp.io import read_jsonl, write_json_atomic, write_jsonl_atomic
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# ------------------------------------------------------------------------------------------------
+# configuration
+
+_ARITH = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "allow_parentheses": False,
+          "allow_negation": False}
+_SAMPLING = {"temperature": 0.9, "top_p": 1.0, "max_tokens": 20}
+
+#: demo-scale defaults, sized for a few minutes per experiment on a quiet 2-core CPU
+DEFAULTS: dict[str, Any] = {
+    "model": "demo",
+    "seed": 0,
+    "tasks": {
+        "seed": 1234,
+        "domains": {
+            "addition": {"source": "reasoning_gym:basic_arithmetic", "params": {**_ARITH, "operators": ["+"]},
+                         "answer_extraction": "lenient", "sizes": {"train": 12, "probe": 4, "eval": 12}},
+            "subtraction": {"source": "reasoning_gym:basic_arithmetic", "params": {**_ARITH, "operators": ["-"]},
+                            "answer_extraction": "lenient", "sizes": {"train": 12, "probe": 4, "eval": 12}},
+        },
+    },
+    "rollout": {"k": 8, "sampling": _SAMPLING, "batch_size": 128},
+    "select": {"per_prompt": 4},
+    "sft": {
+        "lora": {"rank": 8, "num_layers": 8, "scale": 20.0},
+        "learning_rate": 3e-4,
+        "iters": 12,
+        "batch_size": 4,
+        "save_every": 6,
+        "report_every": 3,
+        "val_batches": 0,
+        "max_seq_length": 512,
+        "probe": {"k": 4, "max_tasks": 4, "batch_size": 64, "sampling": _SAMPLING, "progress": False},
+    },
+    "sft_seeds": [0],
+    "eval": {"k": 8, "n": 8, "sampling": _SAMPLING, "batch_size": 128},
+    "merge": {"method": "linear"},
+    "rl": {
+        "steps": 4, "batch_size": 4, "group_size": 8, "sampling": {**_SAMPLING, "temperature": 0.9},
+        "gen_batch_size": 128, "micro_batch_size": 16, "learning_rate": 1e-4, "mgpo_lambda": 1.0,
+        "checkpoint_every": 2, "progress": False, "lora": {"rank": 8, "num_layers": 8},
+    },
+    "rl_eval_every": 4,  # held-out evaluation every N RL steps (and at the last)
+}
+
+TINY_VERIFIER = "experiments_tiny_even"
+
+
+def _tiny_defaults() -> dict[str, Any]:
+    d = copy.deepcopy(DEFAULTS)
+    s = {"temperature": 1.0, "max_tokens": 6}
+    for dom in d["tasks"]["domains"].values():
+        dom["verifier"] = TINY_VERIFIER
+        dom["sizes"] = {"train": 4, "probe": 2, "eval": 3}
+    d["rollout"].update(k=4, sampling=s, batch_size=32)
+    d["select"].update(drop_truncated=False)  # a random model never stops
+    d["sft"].update(iters=2, batch_size=1, save_every=1, report_every=1, lora={"rank": 2, "num_layers": 1},
+                    probe={"k": 2, "max_tasks": 2, "batch_size": 16, "sampling": s, "progress": False})
+    d["eval"].update(k=2, n=2, sampling=s, batch_size=32)
+    d["rl"].update(steps=2, batch_size=2, group_size=2, sampling=s, gen_batch_size=16, micro_batch_size=4,
+                   checkpoint_every=1, lora={"rank": 2, "num_layers": 1})
+    d["rl_eval_every"] = 1
+    return d
+
+
+def _register_tiny_verifier() -> None:
+    from mlx_ssp.verify import VERIFIERS, VerifyResult, register
+
+    if TINY_VERIFIER in VERIFIERS:
+        return
+
+    @register(TINY_VERIFIER)
+    def _even(completion: str, task) -> VerifyResult:  # a coin flip that is a function of the text
+        ok = len(completion) % 2 == 0
+        return VerifyResult(1.0 if ok else 0.0, "correct" if ok else "wrong_answer", "")
+
+
+def _fingerprint(x: Any) -> str:
+    return hashlib.sha256(json.dumps(x, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Ctx:
+    """One experiment workspace: the resolved config, the work directory and the loaded base model."""
+
+    def __init__(self, cfg: dict, work: Path, tiny: bool, progress: bool = True):
+        from mlx_ssp.config import validate
+        from mlx_ssp.eval import EvalConfig
+        from mlx_ssp.merge.config import MergeStageConfig
+        from mlx_ssp.rl.config import RLConfig
+        from mlx_ssp.rollout import RolloutConfig
+        from mlx_ssp.select import SelectConfig
+        from mlx_ssp.tasks import TasksConfig
+
+        self.raw, self.work, self.tiny, self.progress = cfg, work, tiny, progress
+        self.seed = int(cfg["seed"])
+        self.tasks_cfg = validate(TasksConfig, cfg["tasks"], source="experiment", prefix="tasks")
+        self.rollout_cfg = validate(RolloutConfig, {**cfg["rollout"], "seed": self.seed}, source="experiment",
+                                    prefix="rollout")
+        self.select_raw = dict(cfg["select"])
+        validate(SelectConfig, self.select_raw, source="experiment", prefix="select")
+        self.eval_cfg = validate(EvalConfig, cfg["eval"], source="experiment", prefix="eval")
+        self.merge_cfg = validate(MergeStageConfig, cfg["merge"], source="experiment", prefix="merge")
+        self.rl_cfg = validate(RLConfig, cfg["rl"], source="experiment", prefix="rl")
+        self.sft_seeds = [int(s) for s in cfg["sft_seeds"]]
+        self.rl_eval_every = int(cfg["rl_eval_every"])
+        self.domains = list(self.tasks_cfg.domains)
+        self._base = None
+        # cache keys: each step's directory is named by the config it depends on (chained)
+        self.k_tasks = _fingerprint(cfg["tasks"])
+        self.k_rollout = _fingerprint([self.k_tasks, cfg["model"], cfg["rollout"], self.seed])
+        self.k_select = _fingerprint([self.k_rollout, cfg["select"]])
+        self.k_sft = _fingerprint([self.k_select, cfg["sft"], cfg["model"]])
+        self.k_merge = _fingerprint([self.k_sft, cfg["merge"]])
+        self.k_eval = _fingerprint([self.k_tasks, cfg["eval"], self.seed])
+
+    # -- paths / small helpers ---------------------------------------------------------------
+    def path(self, *parts: str) -> Path:
+        return self.work.joinpath(*parts)
+
+    def log(self, msg: str) -> None:
+        click.echo(f"[{time.strftime('%H:%M:%S')}] {msg}", err=True)
+
+    @property
+    def model_path(self) -> str:
+        from mlx_ssp.models import resolve_model
+
+        return str(resolve_model(self.raw["model"]))
+
+    def base(self):
+        """(model, tokenizer, path) of the base model, loaded once."""
+        if self._base is None:
+            from mlx_ssp.models import load_model
+
+            self._base = load_model(self.raw["model"])
+        return self._base
+
+    # -- cached steps ------------------------------------------------------------------------
+    def tasks(self, split: str) -> Path:
+        """The split's task JSONL (built once from the tasks config)."""
+        from mlx_ssp.tasks import build_split, write_tasks
+
+        p = self.path("tasks", self.k_tasks, f"{split}.jsonl")
+        if not p.exists():
+            write_tasks(p, build_split(self.tasks_cfg, split))
+        return p
+
+    def load_tasks(self, split: str, domains: Optional[list[str]] = None):
+        from mlx_ssp.tasks import load_tasks
+
+        ts = load_tasks(self.tasks(split))
+        return [t for t in ts if domains is None or t.domain in domains]
+
+    def rollouts(self) -> Path:
+        """K rollouts per train prompt of the base model (resumable: run_rollouts appends)."""
+        from mlx_ssp.rollout import run_rollouts
+
+        out = self.path("rollout", self.k_rollout, "rollouts.jsonl")
+        if not out.with_name("rollouts.summary.json").exists():
+            self.log("rollouts of the base model on the train split")
+            model, tok, _ = self.base()
+            run_rollouts(self.raw["model"], self.tasks("train"), self.rollout_cfg, out, progress=self.progress,
+                         model=model, tokenizer=tok)
+        return out
+
+    def select_dir(self, name: str) -> Path:
+        return self.path("select", self.k_select, name)
+
+    def sft_dir(self, name: str) -> Path:
+        return self.path("sft", self.k_sft, name)
+
+    def selection(self, policy: str) -> Path:
+        """``OUT/<domain>/{train,valid}.jsonl`` + spectrum.json of one selection policy."""
+        from mlx_ssp.config import validate
+        from mlx_ssp.select import SelectConfig, run_select
+
+        out = self.select_dir(policy)
+        if not (out / "spectrum.json").exists():
+            cfg = validate(SelectConfig, {**self.select_raw, "policy": policy}, source="experiment", prefix="select")
+            run_select(self.rollouts(), cfg, out, overwrite=True)
+        return out
+
+    def sft(self, name: str, domains: dict[str, dict], seed: int, iters: Optional[int] = None,
+            probe_max_tasks: Optional[int] = None) -> dict:
+        """Train (or read back) LoRA specialists: ``domains`` maps name -> {data, probe_tasks}.
+        Returns ``{domain: fused model dir}``."""
+        from mlx_ssp.config import validate
+        from mlx_ssp.sft import SFTConfig, run_sft
+
+        out = self.sft_dir(name)
+        raw = copy.deepcopy(self.raw["sft"])
+        raw.update(domains=domains, out_dir=str(out), seed=seed)
+        if iters is not None:
+            raw["iters"] = iters
+        if probe_max_tasks is not None:
+            raw["probe"] = {**raw.get("probe", {}), "max_tasks": probe_max_tasks}
+        cfg = validate(SFTConfig, raw, source="experiment", prefix="sft")
+        todo = [d for d in domains if not (out / d / "result.json").exists()]
+        if todo:
+            self.log(f"sft {name}: {', '.join(todo)} ({cfg.iters} iters, seed {seed})")
+            model, tok, path = self.base()
+            run_sft(cfg, self.raw["model"], run_dir=self.work, seed=seed, only=todo,
+                    model_and_tokenizer=(model, tok, path))
+        return {d: str(out / "specialists" / d) for d in domains}
+
+    def eval_path(self, name: str, key: str, domains: Optional[list[str]]) -> Path:
+        return self.path("eval", self.k_eval, f"{name}-{_fingerprint([key, domains])[:8]}.json")
+
+    def evaluate(self, name: str, model_dir: Optional[str], domains: Optional[list[str]] = None,
+                 model=None, tokenizer=None, ident: Optional[str] = None) -> dict:
+        """pass@1 / pass@k on the held-out (eval) split of ``domains``, cached in
+        ``eval/<eval key>/NAME-<model key>.json``. ``model_dir`` None = the base model; an in-memory
+        ``model`` needs an ``ident`` that names its weights (e.g. its run directory and step)."""
+        from mlx_ssp.eval import evaluate
+
+        if model is not None and ident is None:
+            raise ValueError("an in-memory model needs an ident for its cache key")
+        key = ident or (f"dir:{Path(model_dir).resolve()}" if model_dir else f"base:{self.raw['model']}")
+        f = self.eval_path(name, key, domains)
+        if f.exists():
+            return json.loads(f.read_text())
+        tasks = self.load_tasks("eval", domains)
+        self.log(f"eval {name} on {len(tasks)} held-out tasks ({', '.join(sorted({t.domain for t in tasks}))})")
+        if model is None:
+            if model_dir is None:
+                model, tokenizer, _ = self.base()
+            else:
+                from mlx_ssp.models import load_model
+
+                model, tokenizer, _ = load_model(model_dir)
+        c = self.eval_cfg
+        res = evaluate(model, tokenizer, tasks, k=c.k, n=c.n, sampling=c.sampling, seed=self.seed,
+                       batch_size=c.batch_size, progress=self.progress, model_name=name)
+        res["model_dir"] = model_dir
+        dom = {t.id: t.domain for t in tasks}
+        for row in res["tasks"]:
+            row["domain"] = dom[row["task_id"]]
+        write_json_atomic(f, res)
+        return res
+
+    def merge(self, name: str, models: list[str]) -> str:
+        from mlx_ssp.merge.engine import merge_models
+
+        out = self.path("merge", self.k_merge, name, "model")
+        if not (out / "config.json").exists():
+            self.log(f"merge {name}: {self.merge_cfg.method} of {len(models)} models")
+            merge_models([Path(m) for m in models], Path(self.model_path), self.merge_cfg, out, overwrite=True,
+                         seed=self.seed, progress=False)
+        return str(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# statistics (pure)
+
+
+def task_table(res: dict, k: int) -> dict[str, dict]:
+    """task id -> {"domain", "pass@1", "pass@k"} of one eval result."""
+    out = {}
+    for t in res["tasks"]:
+        out[t["task_id"]] = {"domain": t["domain"], "pass@1": t["pass@1"],
+                             "pass@k": t[f"pass@{k}"]}
+    return out
+
+
+def mean_se(xs: list[float]) -> tuple[Optional[float], Optional[float]]:
+    """Mean and standard error of the mean (sample sd / sqrt(n)); SE None below two values."""
+    n = len(xs)
+    if n == 0:
+        return None, None
+    m = sum(xs) / n
+    if n < 2:
+        return m, None
+    var = sum((x - m) ** 2 for x in xs) / (n - 1)
+    return m, math.sqrt(var / n)
+
+
+def scores(res: dict, k: int, domain: Optional[str] = None) -> dict:
+    """pass@1 and pass@k (mean over tasks) with their standard errors across tasks."""
+    rows = [r for r in task_table(res, k).values() if domain is None or r["domain"] == domain]
+    p1, se1 = mean_se([r["pass@1"] for r in rows])
+    pk, sek = mean_se([r["pass@k"] for r in rows])
+    return {"n_tasks": len(rows), "pass@1": p1, "pass@1_se": se1, "pass@k": pk, "pass@k_se": sek}
+
+
+def task_diffs(a: dict, b: dict, k: int, domain: Optional[str] = None) -> dict[str, list[float]]:
+    """metric -> [b - a for every task both results share] (same tasks, same sampling seeds)."""
+    ta, tb = task_table(a, k), task_table(b, k)
+    ids = sorted(i for i in ta if i in tb and (domain is None or ta[i]["domain"] == domain))
+    return {m: [tb[i][m] - ta[i][m] for i in ids] for m in ("pass@1", "pass@k")}
+
+
+def paired(a: dict, b: dict, k: int, domain: Optional[str] = None) -> dict:
+    """b - a per shared task: mean difference and its SE (sd of the per-task differences / sqrt(n))."""
+    diffs = task_diffs(a, b, k, domain)
+    out = {"n_tasks": len(diffs["pass@1"])}
+    for m, xs in diffs.items():
+        out[f"d_{m}"], out[f"d_{m}_se"] = mean_se(xs)
+    return out
+
+
+def fmt(x: Optional[float], se: Optional[float] = None, signed: bool = False) -> str:
+    if x is None:
+        return "-"
+    s = f"{x:+.3f}" if signed else f"{x:.3f}"
+    return s if se is None else f"{s} ± {se:.3f}"
+
+
+def fdiff(d: dict, metric: str) -> str:
+    """A paired difference from :func:`paired` as "+x.xxx ± se"."""
+    return fmt(d[f"d_{metric}"], d[f"d_{metric}_se"], signed=True)
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(ctx: Ctx, name: str, results: dict, text: str) -> None:
+    """results JSON + the Markdown table, both under WORK_DIR/NAME/."""
+    date = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    results = {**results, "config": ctx.raw, "tiny": ctx.tiny, "date": date, "command": " ".join(["python", *sys.argv])}
+    write_json_atomic(ctx.path(name, "results.json"), results)
+    ctx.path(name, "results.md").write_text(text + "\n")
+    click.echo(text)
+
+
+# ------------------------------------------------------------------------------------------------
+# the shared steps of experiments 1 and 2
+
+
+def spectrum_data(ctx: Ctx) -> dict[str, Path]:
+    """Selection data of both arms of experiment 1: ``diverse`` (as selected) and ``first``
+    repeated to the diverse set's count per prompt (``first_matched``), in mlx-lm chat format."""
+    div = ctx.selection("diverse")
+    first = ctx.selection("first")
+    matched = ctx.select_dir("first_matched")
+    if not (matched / "done.json").exists():
+        report = json.loads((div / "spectrum.json").read_text())
+        counts: dict[str, int] = {}
+        for dom, row in report["domains"].items():
+            if row.get("dir") is None:
+                continue
+            for part in ("train", "valid"):
+                for rec in read_jsonl(div / row["dir"] / f"{part}.jsonl"):
+                    key = _prompt_key(rec)
+                    counts[key] = counts.get(key, 0) + 1
+            for part in ("train", "valid"):
+                src = first / row["dir"] / f"{part}.jsonl"
+                out = []
+                for rec in read_jsonl(src):
+                    out += [rec] * counts[_prompt_key(rec)]
+                write_jsonl_atomic(matched / row["dir"] / f"{part}.jsonl", out)
+        rep_first = json.loads((first / "spectrum.json").read_text())
+        rep_first["matched_to"] = str(div)  # first-win records repeated to the diverse count per prompt
+        write_json_atomic(matched / "spectrum.json", rep_first)
+        write_json_atomic(matched / "done.json", {"from": [str(div), str(first)]})
+    return {"diverse": div, "first_matched": matched}
+
+
+def _prompt_key(rec: dict) -> str:
+    return json.dumps(rec["messages"][:-1], sort_keys=True)
+
+
+def domains_with_data(sel_dir: Path) -> list[str]:
+    report = json.loads((sel_dir / "spectrum.json").read_text())
+    return [d for d, row in report["domains"].items() if row.get("dir")]
+
+
+def specialists(ctx: Ctx, arm: str, seed: int) -> dict[str, str]:
+    """The per-domain specialists of one selection arm and seed (experiment 1; diverse seed = exp 2's)."""
+    data = spectrum_data(ctx)[arm]
+    doms = domains_with_data(data)
+    if not doms:
+        raise UserError("the base model's rollouts have no correct solution in any domain: nothing to train on")
+    probe = str(ctx.tasks("probe"))
+    return ctx.sft(f"{arm}-s{seed}", {d: {"data": str(data / d), "probe_tasks": probe} for d in doms}, seed)
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI plumbing shared by the scripts
+
+
+def options(f):
+    for opt in reversed([
+        click.option("--tiny", is_flag=True,
+                     help="Tiny random model, minimal sizes: checks the script runs end to end."),
+        click.option("--work-dir", default=None,
+                     help="Cache directory (default runs/experiments, or runs/experiments-tiny)."),
+        click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                     help="Override a config key, e.g. --set sft.iters=40 --set sft_seeds=[0,1]."),
+        click.option("--no-progress", is_flag=True, help="No progress bars."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def make_ctx(tiny: bool, work_dir: Optional[str], overrides: tuple[str, ...], no_progress: bool) -> Ctx:
+    cfg = _tiny_defaults() if tiny else copy.deepcopy(DEFAULTS)
+    cfg = apply_overrides(cfg, list(overrides))
+    unknown = sorted(set(cfg) - set(DEFAULTS))
+    if unknown:
+        raise UserError(f"unknown experiment key(s) {', '.join(unknown)}; valid: {', '.join(sorted(DEFAULTS))}")
+    work = Path(work_dir or ("runs/experiments-tiny" if tiny else "runs/experiments"))
+    if tiny:
+        _register_tiny_verifier()
+        if cfg["model"] == "demo":
+            from mlx_ssp.testing import make_tiny_model
+
+            mdir = work / "tiny_model"
+            if not (mdir / "config.json").exists():
+                make_tiny_model(mdir, "qwen3")
+            cfg["model"] = str(mdir)
+    work.mkdir(parents=True, exist_ok=True)
+    return Ctx(cfg, work, tiny, progress=not no_progress)
+
+
+def main(fn):
+    """Run a click command; UserError -> one line, exit 2 (as the CLI does)."""
+    try:
+        fn(standalone_mode=False)
+    except UserError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.exceptions.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)

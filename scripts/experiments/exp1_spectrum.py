@@ -1,0 +1,136 @@
+"""Experiment 1 (Spectrum): diverse-K selection vs first-win selection at the same number of SFT examples.
+
+VibeThinker-1.5B (arXiv:2511.06221) section 3.2 argues that SFT data should keep *many distinct*
+correct solutions per problem (the "spectrum") rather than the first correct one, and that the
+specialist should be chosen by Pass@K. This script tests that claim on the demo model:
+
+1. K rollouts per train prompt of the base model (shared with experiment 2), verified;
+2. two selections from the same rollouts: ``diverse`` (``mlx_ssp select --policy diverse``: up to M
+   distinct correct solutions per prompt, greedy farthest-point) and ``first`` (the first correct
+   one); the first-win solution of each prompt is *repeated* to the number of solutions the diverse
+   set holds for that prompt, so both arms train on the same prompts, the same number of examples
+   per prompt and the same number of gradient steps: the only difference is the diversity of the
+   solutions. (Subsampling the diverse set to one per prompt would instead halve the data and
+   confound diversity with data size.)
+3. one LoRA specialist per domain and arm (``run_sft``: same iterations, seed, probe-based checkpoint
+   choice by Pass@K), for every seed in ``sft_seeds``;
+4. each specialist (and the base model) evaluated on its own domain's held-out tasks: Pass@1 and
+   Pass@K (unbiased estimator, n samples per task), with the same sampling seeds for every model.
+
+Prints a table (per domain and seed: base, first-win, diverse, diverse - first with a paired
+standard error across held-out tasks) and writes WORK_DIR/exp1/results.{json,md}.
+
+    python scripts/experiments/exp1_spectrum.py            # demo model (minutes)
+    python scripts/experiments/exp1_spectrum.py --tiny     # tiny random model (seconds; checks plumbing)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+ARMS = ("first_matched", "diverse")
+
+
+def spectrum_stats(ctx: common.Ctx) -> dict:
+    """Per domain and arm: SFT examples, prompts, distinct correct per prompt, mean pairwise distance."""
+    from mlx_ssp.io import read_jsonl
+
+    data = common.spectrum_data(ctx)
+    rep = json.loads((data["diverse"] / "spectrum.json").read_text())
+    out = {}
+    for dom, row in rep["domains"].items():
+        if not row.get("dir"):
+            out[dom] = {"n_prompts": row["n_prompts"], "prompts_with_correct": 0}
+            continue
+        n = {arm: len(read_jsonl(data[arm] / row["dir"] / "train.jsonl")) for arm in ARMS}
+        out[dom] = {
+            "n_prompts": row["n_prompts"],
+            "prompts_with_correct": row["prompts_with_correct"],
+            "mean_correct_per_prompt": row["mean_correct_per_prompt"],
+            "mean_distinct_correct_per_prompt": row["mean_distinct_correct_per_prompt"],
+            "mean_selected_per_prompt": row["mean_selected_per_prompt"],
+            "mean_pairwise_distance_selected": row["mean_pairwise_distance"],
+            "train_examples": n,
+        }
+    return out
+
+
+def run(ctx: common.Ctx) -> dict:
+    k = ctx.eval_cfg.k
+    stats = spectrum_stats(ctx)
+    rows = []
+    per_seed: dict = {}
+    pooled_diffs: dict[str, list[float]] = {"pass@1": [], "pass@k": []}
+    for seed in ctx.sft_seeds:
+        specs = {arm: common.specialists(ctx, arm, seed) for arm in ARMS}
+        evals = {
+            arm: {d: ctx.evaluate(f"{arm}-s{seed}-{d}", p, [d]) for d, p in specs[arm].items()} for arm in ARMS
+        }
+        base = ctx.evaluate("base", None)  # after the specialists: the comparison comes first
+        per_seed[seed] = {}
+        for d in specs["diverse"]:
+            r = {
+                "base": common.scores(base, k, d),
+                "first_matched": common.scores(evals["first_matched"][d], k, d),
+                "diverse": common.scores(evals["diverse"][d], k, d),
+                "diverse_minus_first": common.paired(evals["first_matched"][d], evals["diverse"][d], k, d),
+                "first_minus_base": common.paired(base, evals["first_matched"][d], k, d),
+                "diverse_minus_base": common.paired(base, evals["diverse"][d], k, d),
+                "chosen_step": {arm: json.loads((ctx.sft_dir(f"{arm}-s{seed}") / d / "result.json").read_text())
+                                ["chosen_step"] for arm in ARMS},
+            }
+            per_seed[seed][d] = r
+            for m, xs in common.task_diffs(evals["first_matched"][d], evals["diverse"][d], k, d).items():
+                pooled_diffs[m] += xs
+            rows.append([d, str(seed), str(r["diverse"]["n_tasks"]),
+                         common.fmt(r["base"]["pass@1"]), common.fmt(r["first_matched"]["pass@1"]),
+                         common.fmt(r["diverse"]["pass@1"]),
+                         common.fdiff(r["diverse_minus_first"], "pass@1"),
+                         common.fmt(r["base"]["pass@k"]), common.fmt(r["first_matched"]["pass@k"]),
+                         common.fmt(r["diverse"]["pass@k"]),
+                         common.fdiff(r["diverse_minus_first"], "pass@k")])
+    # pooled over domains and seeds: every (task, seed) paired difference; the SE treats them as
+    # independent, which understates it when seeds of one task are correlated
+    pooled = {m: common.mean_se(xs) for m, xs in pooled_diffs.items()}
+    n_pooled = len(pooled_diffs["pass@1"])
+    head = ["domain", "seed", "held-out tasks", "base pass@1", "first-win pass@1", "diverse pass@1",
+            "diverse - first (±SE)", f"base pass@{k}", f"first-win pass@{k}", f"diverse pass@{k}",
+            "diverse - first (±SE)"]
+    text = "\n".join([
+        f"## Experiment 1: diverse vs first-win selection (K={k}, n={ctx.eval_cfg.n or k} samples per held-out task)",
+        "",
+        common.md_table(head, rows),
+        "",
+        common.md_table(
+            ["domain", "prompts", "with a correct rollout", "correct/prompt", "distinct correct/prompt",
+             "selected/prompt (diverse)", "mean pairwise distance (diverse)", "SFT examples first-win / diverse"],
+            [[d, str(s["n_prompts"]), str(s["prompts_with_correct"]),
+              common.fmt(s.get("mean_correct_per_prompt")), common.fmt(s.get("mean_distinct_correct_per_prompt")),
+              common.fmt(s.get("mean_selected_per_prompt")), common.fmt(s.get("mean_pairwise_distance_selected")),
+              (f"{s['train_examples']['first_matched']} / {s['train_examples']['diverse']}"
+               if "train_examples" in s else "-")] for d, s in stats.items()]),
+        "",
+        f"pooled diverse - first over domains x seeds ({n_pooled} task x seed pairs): "
+        f"pass@1 {common.fmt(*pooled['pass@1'], signed=True)}, pass@{k} {common.fmt(*pooled['pass@k'], signed=True)}",
+    ])
+    results = {"k": k, "spectrum": stats, "per_seed": per_seed, "pooled_diverse_minus_first": pooled}
+    common.write_results(ctx, "exp1", results, text)
+    return results
+
+
+@click.command()
+@common.options
+def cli(tiny, work_dir, overrides, no_progress):
+    """Experiment 1: diverse-K vs first-win selection at equal SFT examples."""
+    run(common.make_ctx(tiny, work_dir, overrides, no_progress))
+
+
+if __name__ == "__main__":
+    common.main(cli)

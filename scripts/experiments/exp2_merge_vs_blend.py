@@ -1,0 +1,129 @@
+"""Experiment 2 (merge vs blend): merged specialists vs one LoRA trained on all domains' data mixed.
+
+VibeThinker-1.5B (arXiv:2511.06221) section 3.2 trains one specialist per domain and merges them
+(a parameter average) instead of training one model on the mixture, on the argument that the
+domains interfere (negative transfer) when trained together. This script measures, on every
+domain's held-out tasks:
+
+- ``specialist``: that domain's own specialist (experiment 1's diverse-selection specialist, seed =
+  the first of ``sft_seeds``, so the two experiments share it);
+- ``merged``: the specialists merged with the ``merge:`` method (default ``linear``, the plain
+  average, as VibeThinker) through ``mlx_ssp.merge.engine.merge_models``;
+- ``blend``: ONE LoRA trained by ``run_sft`` on the union of every domain's diverse-selection data
+  (the same examples the specialists saw, shuffled together), for as many iterations as all
+  specialists together (equal training compute), its checkpoint chosen by Pass@K on the union of
+  the probe tasks (``probe.max_tasks`` per domain, as each specialist gets);
+- ``base``: the untrained model, for reference.
+
+The negative-transfer question is "merged (or blend) minus specialist on the specialist's own
+domain"; both differences are reported with a paired standard error across held-out tasks.
+
+    python scripts/experiments/exp2_merge_vs_blend.py [--tiny] [--work-dir DIR] [--set KEY=VALUE]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def blend_data(ctx: common.Ctx, domains: list[str]) -> tuple[Path, Path]:
+    """(train/valid dir of all domains' diverse data mixed, probe task file relabelled to 'blend')."""
+    from mlx_ssp.io import read_jsonl, write_json_atomic, write_jsonl_atomic
+    from mlx_ssp.tasks import write_tasks
+
+    out = ctx.select_dir("blend")
+    probe = ctx.path("tasks", ctx.k_tasks, "probe_blend.jsonl")
+    if not (out / "done.json").exists():
+        div = common.spectrum_data(ctx)["diverse"]
+        for part in ("train", "valid"):
+            # mlx-lm's batch iterator shuffles, so the concatenation order does not matter
+            recs = [r for d in domains for r in read_jsonl(div / d / f"{part}.jsonl")]
+            write_jsonl_atomic(out / "blend" / f"{part}.jsonl", recs)
+        write_json_atomic(out / "done.json", {"domains": domains})
+    if not probe.exists():
+        tasks = ctx.load_tasks("probe", domains)
+        # SFT probes the tasks of its own domain; the verifier of each task is unchanged
+        write_tasks(probe, [t.model_copy(update={"domain": "blend"}) for t in tasks])
+    return out / "blend", probe
+
+
+def merged_model(ctx: common.Ctx) -> tuple[str, dict[str, str]]:
+    """(merged model dir, {domain: specialist dir}): shared with experiment 3."""
+    seed = ctx.sft_seeds[0]
+    specs = common.specialists(ctx, "diverse", seed)
+    return ctx.merge(f"diverse-s{seed}-{ctx.merge_cfg.method}", list(specs.values())), specs
+
+
+def run(ctx: common.Ctx) -> dict:
+    k = ctx.eval_cfg.k
+    seed = ctx.sft_seeds[0]
+    merged, specs = merged_model(ctx)
+    domains = list(specs)
+    spec_eval = {d: ctx.evaluate(f"diverse-s{seed}-{d}", p, [d]) for d, p in specs.items()}
+    merged_eval = ctx.evaluate(f"merged-diverse-s{seed}-{ctx.merge_cfg.method}", merged, domains)
+    data, probe = blend_data(ctx, domains)
+    iters = ctx.raw["sft"]["iters"] * len(domains)
+    # probe as many tasks of every domain as a specialist probes of its own (probe.max_tasks takes
+    # the first N of the file, so N per domain times the number of domains)
+    per = ctx.raw["sft"].get("probe", {}).get("max_tasks", 32)
+    blend = ctx.sft(f"mixed-s{seed}", {"blend": {"data": str(data), "probe_tasks": str(probe)}}, seed, iters=iters,
+                    probe_max_tasks=None if per is None else per * len(domains))
+    blend_eval = ctx.evaluate(f"mixed-s{seed}", blend["blend"], domains)
+    base = ctx.evaluate("base", None)
+
+    per_domain = {}
+    rows = []
+    for d in domains:
+        r = {
+            "base": common.scores(base, k, d),
+            "specialist": common.scores(spec_eval[d], k, d),
+            "merged": common.scores(merged_eval, k, d),
+            "blend": common.scores(blend_eval, k, d),
+            "merged_minus_specialist": common.paired(spec_eval[d], merged_eval, k, d),
+            "blend_minus_specialist": common.paired(spec_eval[d], blend_eval, k, d),
+            "merged_minus_blend": common.paired(blend_eval, merged_eval, k, d),
+        }
+        per_domain[d] = r
+        for m, label in (("pass@1", "pass@1"), ("pass@k", f"pass@{k}")):
+            rows.append([d, label, str(r["specialist"]["n_tasks"]), common.fmt(r["base"][m]),
+                         common.fmt(r["specialist"][m], r["specialist"][f"{m}_se"]),
+                         common.fmt(r["merged"][m], r["merged"][f"{m}_se"]),
+                         common.fmt(r["blend"][m], r["blend"][f"{m}_se"]),
+                         common.fdiff(r["merged_minus_specialist"], m), common.fdiff(r["blend_minus_specialist"], m),
+                         common.fdiff(r["merged_minus_blend"], m)])
+    models = (("base", base), ("merged", merged_eval), ("blend", blend_eval))
+    overall = {name: common.scores(ev, k) for name, ev in models}
+    overall["merged_minus_blend"] = common.paired(blend_eval, merged_eval, k)
+    head = ["domain", "metric", "held-out tasks", "base", "specialist (own domain)", "merged", "blend (one LoRA)",
+            "merged - specialist", "blend - specialist", "merged - blend"]
+    text = "\n".join([
+        f"## Experiment 2: merged specialists ({ctx.merge_cfg.method}) vs one blended LoRA "
+        f"(K={k}, n={ctx.eval_cfg.n or k}; blend trained {iters} iters = specialists' total; ± = SE across tasks)",
+        "",
+        common.md_table(head, rows),
+        "",
+        "overall (all domains' held-out tasks): " + ", ".join(
+            f"{n} pass@1 {common.fmt(overall[n]['pass@1'], overall[n]['pass@1_se'])} "
+            f"pass@{k} {common.fmt(overall[n]['pass@k'], overall[n]['pass@k_se'])}" for n, _ in models)
+        + f"; merged - blend pass@1 {common.fdiff(overall['merged_minus_blend'], 'pass@1')}",
+    ])
+    results = {"k": k, "blend_iters": iters, "merged_model": merged, "per_domain": per_domain, "overall": overall}
+    common.write_results(ctx, "exp2", results, text)
+    return results
+
+
+@click.command()
+@common.options
+def cli(tiny, work_dir, overrides, no_progress):
+    """Experiment 2: merged specialists vs one LoRA on all domains' data mixed."""
+    run(common.make_ctx(tiny, work_dir, overrides, no_progress))
+
+
+if __name__ == "__main__":
+    common.main(cli)

@@ -1,0 +1,159 @@
+"""Experiment 3 (Signal): MGPO vs plain GRPO (lambda = 0) at equal steps and rollouts.
+
+VibeThinker-1.5B (arXiv:2511.06221) section 3.4 weights each prompt's GRPO advantages by
+w(q) = exp(-lambda * D_ME(p || 0.5)) (p = the group's accuracy), focusing the update on prompts the
+model solves about half the time. This script runs two RL arms from the same starting point,
+experiment 2's merged model, with ``mlx_ssp.rl.loop.train``:
+
+- ``mgpo``: ``rl.mgpo_lambda`` as configured (must be > 0);
+- ``grpo``: the same config with ``mgpo_lambda = 0`` (w = 1: plain GRPO).
+
+Everything else is identical: steps, prompts per step, group size G, sampling, learning rate, LoRA,
+training seed (so both arms see the same prompt order and the same first-step rollouts). Every
+``rl_eval_every`` steps (and at the last step) the in-memory policy is evaluated on the held-out
+split of every domain (pass@1, pass@K, same sampling seeds for every model); step 0 is the merged
+model's own evaluation. Reported: held-out pass@1 per evaluated step, the gain over step 0 with a
+paired standard error across tasks, the gain per step, and the training pass rate / mean MGPO
+weight of every step.
+
+    python scripts/experiments/exp3_signal.py [--tiny] [--work-dir DIR] [--set rl.steps=10]
+
+Results: WORK_DIR/exp3/results.{json,md} (the latest run) and WORK_DIR/rl/<settings hash>/results.*.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from exp2_merge_vs_blend import merged_model  # noqa: E402
+
+from mlx_ssp.errors import UserError  # noqa: E402
+
+
+def run_arm(ctx: common.Ctx, arm: str, lam: float, start: str, out: Path, domains: list[str]) -> dict[int, dict]:
+    """Train one arm (resumable: the RL loop continues from its last checkpoint); returns
+    {step: held-out eval} for every evaluated step (step 0 excluded)."""
+    from mlx_ssp.models import load_model
+    from mlx_ssp.rl.loop import setup_model, train
+
+    cfg = ctx.rl_cfg.model_copy(update={"mgpo_lambda": lam})
+    steps = cfg.steps
+    every = ctx.rl_eval_every
+    want = sorted({s for s in range(every, steps + 1, every)} | {steps})
+
+    def ev(s: int, **kw) -> dict:  # the held-out evaluation of this arm at step s (cached)
+        return ctx.evaluate(f"rl-{arm}-step{s}", None, domains, ident=f"rl:{out / arm}:step{s}", **kw)
+
+    done = {s: ctx.eval_path(f"rl-{arm}-step{s}", f"rl:{out / arm}:step{s}", domains) for s in want}
+    if all(f.exists() for f in done.values()):
+        return {s: json.loads(f.read_text()) for s, f in done.items()}
+    ctx.log(f"rl {arm} (lambda={lam}): {steps} steps x {cfg.batch_size} prompts x G={cfg.group_size}")
+    model, tok, path = load_model(start)
+    setup_model(model, cfg)
+    tasks = ctx.load_tasks("train")
+
+    def on_step(tr, rec):
+        if tr.step_no in done:
+            ev(tr.step_no, model=tr.model, tokenizer=tok)
+
+    res = train(model, tok, tasks, cfg, out / arm, seed=ctx.seed, model_path=str(path), on_step=on_step)
+    missing = [s for s, f in done.items() if not f.exists()]
+    if missing:  # the run was complete on disk before its evaluations (e.g. killed in between)
+        from mlx_ssp.rl.loop import Trainer, latest_checkpoint
+
+        ckpt = latest_checkpoint(out / arm)
+        if ckpt is None or missing != [steps]:
+            raise UserError(f"{out / arm}: evaluations of steps {missing} are missing; delete the directory to rerun")
+        tr = Trainer(model, tok, tasks, cfg, out / arm, seed=ctx.seed, model_path=str(path))
+        tr.load_checkpoint(ckpt)
+        ev(steps, model=model, tokenizer=tok)
+    del res
+    return {s: json.loads(f.read_text()) for s, f in done.items()}
+
+
+def metrics(path: Path) -> list[dict]:
+    from mlx_ssp.io import read_jsonl
+
+    return read_jsonl(path) if path.exists() else []
+
+
+def run(ctx: common.Ctx) -> dict:
+    k = ctx.eval_cfg.k
+    lam = ctx.rl_cfg.mgpo_lambda
+    if lam <= 0:
+        raise UserError("experiment 3 compares MGPO with GRPO: rl.mgpo_lambda must be > 0 (the GRPO arm uses 0)")
+    start, specs = merged_model(ctx)
+    domains = list(specs)
+    seed = ctx.sft_seeds[0]
+    start_eval = ctx.evaluate(f"merged-diverse-s{seed}-{ctx.merge_cfg.method}", start, domains)
+    tag = common._fingerprint({"rl": ctx.raw["rl"], "every": ctx.rl_eval_every, "start": start})[:8]
+    out = ctx.path("rl", tag)
+    arms = {"mgpo": lam, "grpo": 0.0}
+    evals = {arm: run_arm(ctx, arm, l, start, out, domains) for arm, l in arms.items()}
+    steps = ctx.rl_cfg.steps
+    s0 = common.scores(start_eval, k)
+    p0 = common.fmt(s0["pass@1"], s0["pass@1_se"])
+    rows = [["0 (merged)", p0, p0, "-", "-", "-"]]
+    curve: dict = {arm: {0: s0} for arm in arms}
+    for s in sorted(evals["mgpo"]):
+        sc = {arm: common.scores(evals[arm][s], k) for arm in arms}
+        gain = {arm: common.paired(start_eval, evals[arm][s], k) for arm in arms}
+        diff = common.paired(evals["grpo"][s], evals["mgpo"][s], k)
+        for arm in arms:
+            curve[arm][s] = {**sc[arm], "gain": gain[arm]}
+        rows.append([str(s), common.fmt(sc["mgpo"]["pass@1"], sc["mgpo"]["pass@1_se"]),
+                     common.fmt(sc["grpo"]["pass@1"], sc["grpo"]["pass@1_se"]),
+                     common.fdiff(gain["mgpo"], "pass@1"), common.fdiff(gain["grpo"], "pass@1"),
+                     common.fdiff(diff, "pass@1")])
+    per_step = {arm: {"pass@1_gain_per_step": curve[arm][steps]["gain"]["d_pass@1"] / steps,
+                      "se": (curve[arm][steps]["gain"]["d_pass@1_se"] or 0.0) / steps} for arm in arms}
+    train_rows = []
+    logs = {arm: metrics(out / arm / "metrics.jsonl") for arm in arms}
+    for i in range(steps):
+        r = [str(i + 1)]
+        for arm in arms:
+            m = logs[arm][i] if i < len(logs[arm]) else {}
+            r += [common.fmt(m.get("pass_rate")), common.fmt(m.get("mgpo_weight_mean")),
+                  common.fmt(m.get("frac_groups_mixed"))]
+        train_rows.append(r)
+    c = ctx.rl_cfg
+    text = "\n".join([
+        f"## Experiment 3: MGPO (lambda={lam}) vs GRPO (lambda=0) from the merged model "
+        f"({steps} steps x {c.batch_size} prompts x G={c.group_size}, lr {c.learning_rate}; "
+        f"held-out pass@1 with n={ctx.eval_cfg.n or k}; ± = SE across {s0['n_tasks']} tasks)",
+        "",
+        common.md_table(["step", "MGPO pass@1", "GRPO pass@1", "MGPO gain vs step 0", "GRPO gain vs step 0",
+                         "MGPO - GRPO"], rows),
+        "",
+        "pass@1 gain per step: " + ", ".join(
+            f"{arm.upper()} {common.fmt(per_step[arm]['pass@1_gain_per_step'], per_step[arm]['se'], signed=True)}"
+            for arm in arms),
+        "",
+        common.md_table(["step", "MGPO train pass rate", "MGPO mean w", "MGPO mixed groups",
+                         "GRPO train pass rate", "GRPO mean w", "GRPO mixed groups"], train_rows),
+    ])
+    results = {"k": k, "lambda": lam, "steps": steps, "curve": curve, "per_step": per_step,
+               "train_metrics": logs, "out_dir": str(out)}
+    common.write_results(ctx, "exp3", results, text)
+    # keep every RL setting's results (exp3/results.* is the latest run)
+    for name in ("results.json", "results.md"):
+        shutil.copyfile(ctx.path("exp3", name), out / name)
+    return results
+
+
+@click.command()
+@common.options
+def cli(tiny, work_dir, overrides, no_progress):
+    """Experiment 3: MGPO vs plain GRPO at equal steps and rollouts."""
+    run(common.make_ctx(tiny, work_dir, overrides, no_progress))
+
+
+if __name__ == "__main__":
+    common.main(cli)

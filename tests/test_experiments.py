@@ -1,0 +1,140 @@
+"""The three SSP experiment scripts (scripts/experiments/) run end to end at toy size (--tiny: a tiny
+random model and a stand-in verifier), share their cached work, and hold the properties each
+comparison relies on (equal SFT examples, a true average, lambda = 0 for the GRPO arm)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import mlx_ssp  # noqa: F401
+
+EXP = Path(__file__).resolve().parents[1] / "scripts" / "experiments"
+
+
+def _load(name: str):
+    if str(EXP) not in sys.path:
+        sys.path.insert(0, str(EXP))
+    spec = importlib.util.spec_from_file_location(name, EXP / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(name: str, work: Path, *extra: str) -> dict:
+    mod = _load(name)
+    mod.cli.main(["--tiny", "--work-dir", str(work), "--no-progress", *extra], standalone_mode=False)
+    return json.loads((work / name.split("_")[0] / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("experiments")
+
+
+def _one(work: Path, pattern: str) -> Path:
+    """The single cached directory matching ``pattern`` (directories are keyed by config hashes)."""
+    found = sorted(work.glob(pattern))
+    assert len(found) == 1, (pattern, found)
+    return found[0]
+
+
+def _jsonl(p: Path) -> list[dict]:
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def test_exp1_spectrum_equal_examples(work):
+    res = _run("exp1_spectrum", work)
+    assert res["tiny"] is True and res["per_seed"]
+    rows = res["per_seed"]["0"]
+    assert set(rows) == {"addition", "subtraction"}
+    for dom, r in rows.items():
+        assert r["diverse"]["n_tasks"] == 3 and r["first_matched"]["n_tasks"] == 3
+        for arm in ("diverse", "first_matched"):
+            assert 0.0 <= r[arm]["pass@1"] <= r[arm]["pass@k"] <= 1.0
+        # the paired difference is the difference of the means (same tasks on both sides)
+        d = r["diverse_minus_first"]["d_pass@1"]
+        assert d == pytest.approx(r["diverse"]["pass@1"] - r["first_matched"]["pass@1"])
+    # both arms train on the same prompts and the same number of examples per prompt; first-win
+    # repeats one solution, diverse holds distinct ones
+    for dom in ("addition", "subtraction"):
+        first = _jsonl(_one(work, "select/*/first_matched") / dom / "train.jsonl")
+        div = _jsonl(_one(work, "select/*/diverse") / dom / "train.jsonl")
+        assert len(first) == len(div) > 0
+        key = lambda r: json.dumps(r["messages"][:-1])  # noqa: E731
+        per_first: dict = {}
+        per_div: dict = {}
+        for r in first:
+            per_first.setdefault(key(r), []).append(r["messages"][-1]["content"])
+        for r in div:
+            per_div.setdefault(key(r), []).append(r["messages"][-1]["content"])
+        assert {k: len(v) for k, v in per_first.items()} == {k: len(v) for k, v in per_div.items()}
+        assert all(len(set(v)) == 1 for v in per_first.values())
+        assert all(len(set(v)) == len(v) for v in per_div.values())
+        assert res["spectrum"][dom]["train_examples"]["first_matched"] == len(first)
+    assert (work / "exp1" / "results.md").read_text().startswith("## Experiment 1")
+
+
+def test_exp1_rerun_is_cached_and_config_keys_the_cache(work):
+    spec = _one(work, "sft/*/diverse-s0/specialists/addition/model.safetensors")
+    before = spec.stat().st_mtime_ns
+    n_evals = len(list(work.glob("eval/*/*.json")))
+    _run("exp1_spectrum", work)
+    assert spec.stat().st_mtime_ns == before  # nothing retrained
+    assert len(list(work.glob("eval/*/*.json"))) == n_evals  # nothing re-evaluated
+    common = _load("common")
+    a = common.make_ctx(True, str(work), (), True)
+    b = common.make_ctx(True, str(work), ("select.per_prompt=2",), True)
+    # a changed selection setting reuses the rollouts but gets its own selection and SFT directories
+    assert (a.k_tasks, a.k_rollout, a.k_eval) == (b.k_tasks, b.k_rollout, b.k_eval)
+    assert a.k_select != b.k_select and a.k_sft != b.k_sft and a.k_merge != b.k_merge
+    c = common.make_ctx(True, str(work), ("eval.n=3",), True)
+    assert c.k_eval != a.k_eval and c.k_sft == a.k_sft
+    with pytest.raises(mlx_ssp.errors.UserError, match="unknown experiment key"):
+        common.make_ctx(True, str(work / "other"), ("nope=1",), True)
+
+
+def test_exp2_merge_is_the_average_and_blend_sees_all_domains(work):
+    import mlx.core as mx
+
+    res = _run("exp2_merge_vs_blend", work)
+    assert res["blend_iters"] == 2 * 2  # specialists' total: 2 domains x sft.iters
+    for dom in ("addition", "subtraction"):
+        r = res["per_domain"][dom]
+        for name in ("specialist", "merged", "blend", "base"):
+            assert r[name]["n_tasks"] == 3
+    merged = mx.load(str(Path(res["merged_model"]) / "model.safetensors"))
+    specs = [mx.load(str(_one(work, f"sft/*/diverse-s0/specialists/{d}/model.safetensors")))
+             for d in ("addition", "subtraction")]
+    name = next(n for n in merged if "q_proj" in n and n.startswith("model.layers.1"))  # a LoRA-trained layer
+    assert mx.allclose(merged[name], (specs[0][name] + specs[1][name]) / 2, atol=1e-6).item()
+    assert not mx.array_equal(specs[0][name], specs[1][name]).item()
+    # the blend's checkpoint choice probes every domain (probe.max_tasks per domain)
+    curve = _jsonl(_one(work, "sft/*/mixed-s0/blend/probe_curve.jsonl"))
+    assert curve and all(r["n_tasks"] == 2 * 2 for r in curve)
+    blend = _jsonl(_one(work, "select/*/blend/blend/train.jsonl"))
+    n_div = sum(len(_jsonl(_one(work, "select/*/diverse") / d / "train.jsonl")) for d in ("addition", "subtraction"))
+    assert len(blend) == n_div
+
+
+def test_exp3_mgpo_vs_grpo(work):
+    res = _run("exp3_signal", work)
+    steps = res["steps"]
+    assert steps == 2 and res["lambda"] == 1.0
+    for arm in ("mgpo", "grpo"):
+        assert sorted(int(s) for s in res["curve"][arm]) == [0, 1, 2]
+        m = res["train_metrics"][arm]
+        assert [r["step"] for r in m] == [1, 2]
+    # lambda = 0 is plain GRPO: every group weight is exactly 1
+    assert all(r.get("mgpo_weight_mean", 1.0) == 1.0 for r in res["train_metrics"]["grpo"])
+    # step 0 of both arms is the merged model's evaluation (experiment 2's)
+    exp2 = json.loads((work / "exp2" / "results.json").read_text())
+    assert res["curve"]["mgpo"]["0"]["pass@1"] == pytest.approx(exp2["overall"]["merged"]["pass@1"])
+    cfgs = [json.loads((Path(res["out_dir"]) / arm / "rl_config.json").read_text())["rl"] for arm in ("mgpo", "grpo")]
+    assert cfgs[0]["mgpo_lambda"] == 1.0 and cfgs[1]["mgpo_lambda"] == 0.0
+    rest = [{k: v for k, v in c.items() if k != "mgpo_lambda"} for c in cfgs]
+    assert rest[0] == rest[1]
