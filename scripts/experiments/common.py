@@ -455,6 +455,17 @@ def make_ctx(tiny: bool, work_dir: Optional[str], overrides: tuple[str, ...], no
     return Ctx(cfg, work, tiny, progress=not no_progress)
 
 
+def entry_point(run_fn, doc: str):
+    """The click command of an experiment script: common options -> context -> ``run_fn``."""
+
+    @click.command(help=doc)
+    @options
+    def cli(tiny, work_dir, overrides, no_progress):
+        run_fn(make_ctx(tiny, work_dir, overrides, no_progress))
+
+    return cli
+
+
 def main(fn):
     """Run a click command; UserError -> one line, exit 2 (as the CLI does)."""
     try:

@@ -30,7 +30,6 @@ import json
 import sys
 from pathlib import Path
 
-import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -125,11 +124,7 @@ def run(ctx: common.Ctx) -> dict:
     return results
 
 
-@click.command()
-@common.options
-def cli(tiny, work_dir, overrides, no_progress):
-    """Experiment 1: diverse-K vs first-win selection at equal SFT examples."""
-    run(common.make_ctx(tiny, work_dir, overrides, no_progress))
+cli = common.entry_point(run, "Experiment 1: diverse-K vs first-win selection at equal SFT examples.")
 
 
 if __name__ == "__main__":

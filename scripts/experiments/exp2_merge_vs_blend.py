@@ -26,7 +26,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -118,11 +117,7 @@ def run(ctx: common.Ctx) -> dict:
     return results
 
 
-@click.command()
-@common.options
-def cli(tiny, work_dir, overrides, no_progress):
-    """Experiment 2: merged specialists vs one LoRA on all domains' data mixed."""
-    run(common.make_ctx(tiny, work_dir, overrides, no_progress))
+cli = common.entry_point(run, "Experiment 2: merged specialists vs one LoRA on all domains' data mixed.")
 
 
 if __name__ == "__main__":

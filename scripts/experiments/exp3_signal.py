@@ -28,7 +28,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -148,11 +147,7 @@ def run(ctx: common.Ctx) -> dict:
     return results
 
 
-@click.command()
-@common.options
-def cli(tiny, work_dir, overrides, no_progress):
-    """Experiment 3: MGPO vs plain GRPO at equal steps and rollouts."""
-    run(common.make_ctx(tiny, work_dir, overrides, no_progress))
+cli = common.entry_point(run, "Experiment 3: MGPO vs plain GRPO at equal steps and rollouts.")
 
 
 if __name__ == "__main__":
