@@ -4,9 +4,10 @@ Measures, side by side in one process, for hidden [N, D] float32 and an untied f
 [V, D]: peak MLX memory and forward+backward wall time (gradient w.r.t. the hidden states, the
 LoRA case: the head is frozen) of
   naive:   log_softmax(h @ W^T / T) then gather the targets (full [N x V] logits),
-  chunked: mlx_ssp.rl.token_logprobs (chunks of --chunk tokens, recompute in the vjp),
+  chunked: mlx_ssp.rl.token_logprobs (chunks of --chunk tokens, recompute in the vjp: 3 head
+           matmuls, 2 exp passes),
   saved:   the same with save_grad=True (d logp / d h rows computed in the forward; the RL
-           loop's training path), two head matmuls in all like naive instead of three.
+           loop's training path): two head matmuls (as naive) and one exp pass (naive: two).
 Each variant runs --repeat times after one warm-up; the median is reported.
 
     python scripts/bench_logprobs.py                      # the setting: 4096 x 151936 x 1024
@@ -26,7 +27,7 @@ import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_ssp.rl.logprobs import chunk_impl_name, naive_token_logprobs, token_logprobs
+from mlx_ssp.rl.logprobs import auto_chunk_size, chunk_impl_name, naive_token_logprobs, token_logprobs
 
 
 def run(fn, h, g, repeat):
@@ -53,12 +54,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: auto, ~64 MB of logits)")
+    ap.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: auto, from a 768 MiB budget)")
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip-naive", action="store_true")
     a = ap.parse_args()
 
+    load0 = os.getloadavg()[0]
     mx.random.seed(0)
     head = nn.Linear(a.hidden, a.vocab, bias=False)
     head.freeze()  # the LoRA case: no head gradient
@@ -78,9 +80,10 @@ def main() -> None:
 
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} "
           f"{platform.system()}, mlx {mx.__version__}, device {mx.default_device()}, impl {chunk_impl_name()}")
-    print(f"# tokens {a.tokens}, vocab {a.vocab}, hidden {a.hidden}, float32, chunk {a.chunk}, T {a.temperature}, "
+    chunk = a.chunk or auto_chunk_size(a.vocab)
+    print(f"# tokens {a.tokens}, vocab {a.vocab}, hidden {a.hidden}, float32, chunk {chunk}, T {a.temperature}, "
           f"forward+backward (grad w.r.t. hidden), median of {a.repeat}")
-    print(f"{'variant':8s} {'time_s':>8s} {'peak_MB':>9s}   (machine load avg {os.getloadavg()[0]:.1f})")
+    print(f"{'variant':8s} {'time_s':>8s} {'peak_MB':>9s}   (load avg {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end)")
     for name, t, m in rows:
         print(f"{name:8s} {t:8.3f} {m / 2**20:9.1f}")
     if not a.skip_naive:

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from mlx_ssp.rl import naive_token_logprobs, selective_log_softmax_reference, token_logprobs
-from mlx_ssp.rl.logprobs import _chunk_impl, auto_chunk_size, head_of, model_token_logprobs
+from mlx_ssp.rl.logprobs import (
+    CHUNK_BYTES,
+    LIVE_CHUNK_BUFFERS,
+    _chunk_impl,
+    auto_chunk_size,
+    head_of,
+    model_token_logprobs,
+)
 
 
 def _close(a, b, atol=2e-5, rtol=1e-4):
@@ -166,7 +173,11 @@ def test_chunked_memory_is_bounded():
 def test_kernel_dispatch_env(monkeypatch):
     monkeypatch.setenv("MLX_SSP_KERNELS", "reference")
     assert _chunk_impl() is selective_log_softmax_reference
-    assert auto_chunk_size(151936) == 110 and auto_chunk_size(10) > 1000
+    # the default chunk comes from the memory budget: its live [chunk x V] buffers fit in it
+    cs = auto_chunk_size(151936)
+    assert cs % 16 == 0 and 256 <= cs <= 512
+    assert LIVE_CHUNK_BUFFERS * 4 * 151936 * cs <= CHUNK_BYTES
+    assert auto_chunk_size(10) > 1000 and auto_chunk_size(10**9) == 16
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_llama"])
@@ -184,3 +195,52 @@ def test_model_logprobs_match_full_logits(fixture, request):
     _close(ours, ref, atol=1e-4)
     tied = fixture == "tiny_qwen3"
     assert isinstance(head_of(model), nn.Embedding) == tied
+
+
+@pytest.mark.parametrize("save_grad", [False, True])
+def test_extreme_logits_stay_exact(save_grad):
+    """Very unlikely targets (log-prob in the hundreds) are exact, not -inf, in both modes."""
+    mx.random.seed(8)
+    head = nn.Linear(16, 500, bias=False)
+    head.freeze()
+    h, t, c = mx.random.normal((40, 16)) * 300, mx.random.randint(0, 500, (40,)), mx.random.normal((40,))
+    ours = token_logprobs(h, head, t, 0.5, 7, save_grad=save_grad)
+    ref = naive_token_logprobs(h, head, t, 0.5)
+    assert float(ref.min()) < -200  # the test really reaches far below exp's float32 range
+    _close(ours, ref, rtol=1e-5, atol=1e-3)
+    ga = mx.grad(lambda x: (token_logprobs(x, head, t, 0.5, 7, save_grad=save_grad) * c).sum())(h)
+    gb = mx.grad(lambda x: (naive_token_logprobs(x, head, t, 0.5) * c).sum())(h)
+    _close(ga, gb, atol=1e-3)
+
+
+@pytest.mark.parametrize("save_grad", [False, True])
+def test_live_chunk_buffers_within_budget(save_grad):
+    """Forward+backward over many chunks keeps at most LIVE_CHUNK_BUFFERS [chunk x V] buffers alive
+    (the count auto_chunk_size budgets for), not one per intermediate or per chunk."""
+    mx.random.seed(9)
+    V, D, chunk, n = 20000, 32, 64, 512
+    head = nn.Linear(D, V, bias=False)
+    head.freeze()
+    h, t, g = mx.random.normal((n, D)), mx.random.randint(0, V, (n,)), mx.random.normal((n,))
+    mx.eval(head.parameters(), h, t, g)
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(mx.grad(lambda x: (token_logprobs(x, head, t, 0.9, chunk, save_grad=save_grad) * g).sum())(h))
+    buffers = (mx.get_peak_memory() - base) / (chunk * V * 4)
+    assert buffers <= LIVE_CHUNK_BUFFERS + 0.5, buffers
+
+
+def test_under_mx_compile_stays_correct():
+    """Inside mx.compile chunks cannot be evaluated eagerly: the op falls back to one lazy graph."""
+    mx.random.seed(10)
+    head = nn.Linear(8, 60, bias=False)
+    head.freeze()
+    mx.eval(head.parameters())
+    h, t = mx.random.normal((20, 8)), mx.random.randint(0, 60, (20,))
+    for save_grad in (False, True):
+        f = mx.compile(lambda x: token_logprobs(x, head, t, 0.9, 3, save_grad=save_grad))
+        _close(f(h), naive_token_logprobs(h, head, t, 0.9))
+        ga = mx.compile(mx.grad(lambda x: token_logprobs(x, head, t, 0.9, 3, save_grad=save_grad).sum()))(h)
+        _close(ga, mx.grad(lambda x: naive_token_logprobs(x, head, t, 0.9).sum())(h))

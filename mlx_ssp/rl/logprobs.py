@@ -5,19 +5,20 @@ RL needs ``log pi(y_t | y_<t)`` of the sampled tokens only, at the sampling temp
 and their log-softmax (4096 tokens x 151,936 Qwen3 vocab = 2.5 GB each in float32), plus the same
 again in the backward pass. This module computes it in chunks of ``chunk_size`` tokens:
 
-- forward: for each chunk, logits = head(h_chunk) (one [chunk x V] buffer), then the selective
-  log-softmax ``x[t] - logsumexp(x)`` with ``x = logits / T`` in float32;
+- forward: for each chunk, logits = head(h_chunk) (one [chunk x V] buffer), the target logit by a
+  gather on the flat index, and ``logsumexp(x)`` with ``x = logits / T`` in float32 (one exp
+  pass); the per-token logsumexp is kept (a [tokens] vector) for the backward;
 - backward (``mx.custom_function`` vjp): each chunk's logits are *recomputed* from h and the head,
-  and ``d logits = g[:, None] * (onehot(t) - softmax(x)) / T``; the gradient flows on into the
-  hidden states (and into the head's weight when it is trained), chunk by chunk.
-
-This is the cut-cross-entropy idea (Wijmans et al., 2024, "Cut Your Losses in Large-Vocabulary
-Language Models"), at chunk rather than tile granularity, in plain MLX. It is the reference that the
-custom kernels in :mod:`mlx_ssp.rl.kernels` must equal and the path used where they cannot run.
+  ``d logits = (g / T) * (onehot(t) - exp(x - lse))`` is formed in one exp pass with the one-hot
+  part scatter-added at the targets only, and the gradient flows on into the hidden states (and
+  into the head's weight when it is trained), chunk by chunk.
 
 Kernel dispatch: :func:`_chunk_impl` returns ``mlx_ssp.rl.kernels.selective_log_softmax`` when that
 module exists and says a kernel is available, else :func:`selective_log_softmax_reference`.
-``MLX_SSP_KERNELS=reference`` forces the reference.
+``MLX_SSP_KERNELS=reference`` forces the reference. With the reference, the chunked op runs the
+same math written out per chunk (:class:`_Fused`, which keeps the forward's logsumexp for the
+backward); a kernel is called per chunk as ``impl(logits, targets, T)`` with its own vjp
+(:class:`_Impl`).
 
 Heads: ``nn.Linear`` (with or without bias), a tied ``nn.Embedding`` (its ``as_linear``),
 ``nn.QuantizedLinear`` and ``nn.QuantizedEmbedding`` (``mx.quantized_matmul``; no gradient into the
@@ -28,15 +29,23 @@ Deviations from a fused kernel: the whole chunk's logits exist at once (a kernel
 too); the backward pays one extra head matmul per chunk (the recompute), which is the price of not
 keeping [tokens x vocab] alive between forward and backward. ``save_grad=True`` (frozen heads,
 callers that will differentiate: the RL loop's training path) avoids that extra matmul by
-computing each chunk's d logp / d hidden rows in the forward pass (:func:`_make_saved_op`).
-With more than one chunk, each chunk is evaluated eagerly and detached (:func:`_materialize`):
-MLX's lazy graph would otherwise hold every chunk's buffers at once.
+computing each chunk's d logp / d hidden rows in the forward pass (:func:`_make_saved_op`): two
+head matmuls and one exp pass per chunk, as naive.
+
+Memory: the default chunk is the largest whose live [chunk x V] float32 buffers fit a 768 MiB
+budget (:func:`auto_chunk_size`; 432 tokens at Qwen3's vocab). With more than one chunk, each
+chunk is evaluated eagerly and its results detached (:func:`_materialize`), since MLX's lazy graph
+would otherwise hold every chunk's buffers at once; on the CPU path the chunk is built and
+evaluated on a helper thread (:func:`_outside_trace`), because inside ``mx.grad`` MLX keeps every
+intermediate of an evaluated graph alive (measured 6-7 [chunk x V] buffers per backward chunk
+instead of 2).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -69,13 +78,11 @@ def _sls_ref_for(temperature: float):
     def sls_vjp(primals, cotangent, output):
         logits, targets = primals
         x = _scaled(logits, temperature)
-        g = cotangent.astype(mx.float32)
-        # d lp_i / d x_iv = onehot(t_i) - softmax(x_i); then chain through x = logits / T
-        d = mx.exp(x - mx.logsumexp(x, axis=-1, keepdims=True)) * (-g[:, None])
-        idx = targets[:, None]
-        d = mx.put_along_axis(d, idx, mx.take_along_axis(d, idx, axis=-1) + g[:, None], axis=-1)
-        if temperature != 1.0:
-            d = d * (1.0 / temperature)
+        # d lp_i / d x_iv = onehot(t_i) - softmax(x_i); chained through x = logits / T, the one-hot
+        # part is a scatter-add of g / T at the targets only
+        gt = cotangent.astype(mx.float32) * (1.0 / temperature)
+        d = mx.exp(x - mx.logsumexp(x, axis=-1, keepdims=True)) * (-gt)[:, None]
+        d = d.reshape(-1).at[_flat_index(targets, x.shape[1])].add(gt).reshape(x.shape)
         return d.astype(logits.dtype), mx.zeros_like(targets)
 
     return sls
@@ -179,81 +186,266 @@ def head_vocab(head: nn.Module) -> int:
     return int(head["weight"].shape[0]) if "weight" in head else 0
 
 
-#: Default chunk: about this many logits per chunk (16M float32 = 64 MB per [chunk x V] buffer).
-CHUNK_ELEMENTS = 1 << 24
+#: Default memory budget for one chunk's [chunk x vocab] float32 buffers (see auto_chunk_size).
+CHUNK_BYTES = 3 << 28  # 768 MiB
+#: [chunk x vocab] float32 buffers alive at once at the peak of a chunk (measured on the CPU path
+#: with mx.get_peak_memory: 2 in the recompute backward, 3 in the save_grad forward).
+LIVE_CHUNK_BUFFERS = 3
 
 
-def auto_chunk_size(vocab: int) -> int:
-    """Tokens per chunk so that one [chunk x vocab] float32 buffer is about 64 MB (at least 16)."""
-    return max(16, CHUNK_ELEMENTS // max(1, vocab))
+def auto_chunk_size(vocab: int, budget_bytes: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk: the largest multiple of 16 whose live [chunk x vocab] float32 buffers
+    (:data:`LIVE_CHUNK_BUFFERS` of them) fit in ``budget_bytes`` (at least 16).
+
+    Qwen3's 151,936 vocab gives 432 tokens (3 x 263 MB). Larger chunks cost no time on the CPU
+    (every phase scales linearly in the chunk) but memory; smaller ones only add per-chunk
+    overhead, so the budget, not speed, sets the default."""
+    per_token = LIVE_CHUNK_BUFFERS * 4 * max(1, vocab)
+    return max(16, (budget_bytes // per_token) // 16 * 16)
+
+
+# -- per-chunk engines ----------------------------------------------------------------------------
+# An engine does one chunk's math given its logits: the forward (log-probs, optional entropy, and
+# what the backward keeps), the gradient into the chunk's hidden rows and head params, and the
+# save_grad forward (log-probs plus d logp / d hidden rows for cotangent 1).
+
+
+def _flat_index(targets: mx.array, vocab: int) -> mx.array:
+    """Row-major index of (i, targets[i]) in a flattened [n x vocab] array."""
+    dtype = mx.int32 if targets.shape[0] * vocab < 2**31 else mx.int64
+    return mx.arange(targets.shape[0], dtype=dtype) * vocab + targets.astype(dtype)
+
+
+def _onehot_add(d: mx.array, targets: mx.array, values: mx.array) -> mx.array:
+    """``d + values[:, None] * onehot(targets)``: a scatter-add at the targets only (in place where
+    MLX can donate ``d``; no [chunk x V] one-hot, no put_along_axis)."""
+    return d.reshape(-1).at[_flat_index(targets, d.shape[1])].add(values).reshape(d.shape)
+
+
+class _Fused:
+    """The reference math written out per chunk (the path wherever no custom kernel runs).
+
+    Per chunk: forward = 1 head matmul + one exp pass (logsumexp); the log-prob is a gather of
+    the target logit on the flat index. Backward = the recompute matmul + one element-wise
+    pass using the forward's saved logsumexp, ``d logits = (g / T) * (onehot - exp(x - lse))``
+    (the one-hot by :func:`_onehot_add`), then the gradient matmul(s). save_grad: one matmul, a
+    max, one exp pass, a scale and one-hot add, and the gradient matmul (2 matmuls in all, as
+    naive)."""
+
+    saves_lse = True
+
+    def __init__(self, temperature: float):
+        self.inv_t = 1.0 / temperature
+
+    def _picked(self, logits, tc):
+        flat = _flat_index(tc, logits.shape[1])
+        return mx.take(logits.reshape(-1), flat).astype(mx.float32) * self.inv_t
+
+    def forward(self, logits, tc, want_entropy):
+        picked = self._picked(logits, tc)
+        if not want_entropy:
+            lse = mx.logsumexp(logits.astype(mx.float32) * self.inv_t, axis=-1)
+            return picked - lse, None, lse
+        ex, s, lse = self._stats(logits)
+        return picked - lse, self._entropy(ex, s, lse, logits), lse
+
+    def _entropy(self, ex, s, lse, logits):
+        """lse - E_p[x] with p = ex / s; the row sums of ex * logits as a batched dot product, so
+        no [chunk x V] product buffer exists."""
+        dot = (ex[:, None, :] @ logits.astype(mx.float32)[:, :, None])[:, 0, 0]
+        return lse - dot * (self.inv_t / s[:, 0])
+
+    def _stats(self, logits):
+        """exp((logits - max) / T), its row sums and logsumexp(logits / T): one exp pass."""
+        m = mx.max(logits, axis=-1, keepdims=True)
+        ex = mx.exp((logits - m).astype(mx.float32) * self.inv_t)
+        s = ex.sum(axis=-1, keepdims=True)
+        return ex, s, (m.astype(mx.float32) * self.inv_t + mx.log(s))[:, 0]
+
+    def grads(self, logits_fn, hc, params, tc, g, lse):
+        logits = logits_fn(hc, *params)  # the recompute
+        gt = g.astype(mx.float32) * self.inv_t
+        # d logits = (g / T) * (onehot - exp(x - lse)), with the forward's lse: one exp pass
+        d = mx.exp(logits.astype(mx.float32) * self.inv_t - lse[:, None]) * (-gt)[:, None]
+        d = _onehot_add(d, tc, gt)
+        _, grads = mx.vjp(logits_fn, [hc, *params], [d.astype(logits.dtype)])
+        return grads
+
+    def saved(self, logits_fn, hc, tc, want_entropy):
+        logits = logits_fn(hc)
+        picked = self._picked(logits, tc)
+        ex, s, lse = self._stats(logits)
+        ent = self._entropy(ex, s, lse, logits) if want_entropy else None
+        # d lp / d logits for cotangent 1: (onehot - ex / s) / T, in place over ex
+        d = _onehot_add(ex * (-self.inv_t / s), tc, mx.full(tc.shape, self.inv_t, mx.float32))
+        _, (j,) = mx.vjp(logits_fn, [hc], [d.astype(logits.dtype)])
+        return picked - lse, j, ent
+
+
+class _Impl:
+    """A per-chunk ``impl(logits, targets, T)`` with its own vjp (the custom kernels)."""
+
+    saves_lse = False
+
+    def __init__(self, impl, temperature: float):
+        self.impl, self.t = impl, temperature
+
+    def forward(self, logits, tc, want_entropy):
+        lp = self.impl(logits, tc, self.t)
+        return lp, (_entropy(logits, self.t) if want_entropy else None), None
+
+    def grads(self, logits_fn, hc, params, tc, g, lse):
+        _, grads = mx.vjp(lambda x, *p: self.impl(logits_fn(x, *p), tc, self.t), [hc, *params], [g])
+        return grads
+
+    def saved(self, logits_fn, hc, tc, want_entropy):
+        def f(x):
+            logits = logits_fn(x)
+            lp = self.impl(logits, tc, self.t)
+            return (lp, _entropy(logits, self.t)) if want_entropy else (lp,)
+
+        n = hc.shape[0]
+        cot = [mx.ones((n,), mx.float32)] + ([mx.zeros((n,), mx.float32)] if want_entropy else [])
+        outs, (j,) = mx.vjp(f, [hc], cot)
+        return outs[0], j, (outs[1] if want_entropy else None)
+
+
+def _engine(impl, temperature: float):
+    return _Fused(temperature) if impl is selective_log_softmax_reference else _Impl(impl, temperature)
 
 
 # -- the chunked op -----------------------------------------------------------------------------
 
 
-def _materialize(x: mx.array) -> mx.array:
-    """``x`` evaluated now and cut from its graph, so that this chunk's [chunk x V] buffers are
-    freed before the next chunk is built.
-
-    Two MLX behaviours force this: the lazy graph allocates every chunk's buffers before computing
-    any (measured: peak = all chunks), and inside a gradient transformation evaluated arrays keep
-    their inputs alive for the tape (our custom vjp never needs them). A copy through NumPy drops
-    the graph; only the small per-token result ([chunk] or [chunk x D]) is copied. Under
-    mx.compile / vmap evaluation is not allowed: there ``x`` is returned as is (the result stays
-    correct; the memory bound is lost). Detaching also means no higher-order gradients."""
-    try:
-        mx.eval(x)
-    except ValueError:
-        return x
+def _detach(x: mx.array) -> mx.array:
     if x.dtype == mx.bfloat16:  # NumPy has no bfloat16: move the bits
         return mx.array(np.asarray(x.view(mx.uint16))).view(mx.bfloat16)
     return mx.array(np.asarray(x))
 
 
+def _materialize(*xs: mx.array | None) -> tuple:
+    """``xs`` evaluated now (together: one pass over the chunk's graph) and cut from their graph,
+    so that this chunk's [chunk x V] buffers are freed before the next chunk is built.
+
+    Two MLX behaviours force this: the lazy graph allocates every chunk's buffers before computing
+    any (measured: peak = all chunks), and inside a gradient transformation evaluated arrays keep
+    their inputs alive for the tape (our custom vjp never needs them). A copy through NumPy drops
+    the graph; only the small per-token results ([chunk] or [chunk x D]) are copied. Under
+    mx.compile / vmap evaluation is not allowed: there ``xs`` are returned as they are (the result
+    stays correct; the memory bound is lost). Detaching also means no higher-order gradients."""
+    live = [x for x in xs if x is not None]
+    try:
+        mx.eval(*live)
+    except ValueError:
+        return xs
+    return tuple(None if x is None else _detach(x) for x in xs)
+
+
+_WORKER: ThreadPoolExecutor | None = None
+
+
+def _worker() -> ThreadPoolExecutor:
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx_ssp-logprobs")
+    return _WORKER
+
+
+def _outside_trace(fn: Callable, *args) -> tuple:
+    """``fn(*args)`` (a tuple of arrays or None) built and evaluated on a helper thread.
+
+    MLX keeps its transformation state per thread. Inside ``mx.grad`` (where our vjp runs) an
+    evaluation retains every intermediate of the graph, so one chunk's backward held 6-7
+    [chunk x V] buffers at once. On a thread of its own the same chunk is evaluated as plain MLX:
+    buffers are donated and freed as soon as they are consumed (2 live in the backward, 3 in the
+    save_grad forward), and the evaluated results come back already detached. The inputs must be
+    evaluated, graph-free arrays (chunks of h go through :func:`_materialize`; head params are
+    evaluated first). One worker, so chunks still run one at a time."""
+    def run():
+        out = fn(*args)
+        mx.eval(*[x for x in out if x is not None])
+        return out
+
+    return _worker().submit(run).result()
+
+
+def _evaluable(*xs: mx.array) -> bool:
+    """Evaluate ``xs`` now; False where evaluation is not allowed (inside mx.compile / vmap), where
+    the chunks must stay in the caller's lazy graph (correct, without the memory bound)."""
+    try:
+        mx.eval(*xs)
+    except ValueError:
+        return False
+    return True
+
+
+def _chunks(n: int, chunk_size: int):
+    return [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
+
+
+def _cat(xs):
+    return mx.concatenate(xs) if len(xs) > 1 else xs[0]
+
+
 def _make_op(logits_fn, n_params: int, temperature: float, chunk_size: int, impl, want_entropy: bool):
-    """The chunked op as an mx.custom_function of (h, targets, *trained_head_params)."""
+    """The chunked op as an mx.custom_function of (h, targets, *trained_head_params).
 
-    def chunks(n):
-        return [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
-
-    def keep(x, n):
-        # one chunk: stay lazy (forcing evaluation inside the gradient trace would materialise the
-        # whole model's forward at once: measured 2x the activation memory on a tiny model)
-        return _materialize(x) if n > chunk_size else x
+    Outputs: (log-probs, [entropy], [logsumexp per token, kept for the backward by the CPU path])."""
+    eng = _engine(impl, temperature)
+    # one chunk stays lazy (forcing evaluation inside the gradient trace would materialise the
+    # whole model's forward at once: measured 2x the activation memory on a tiny model); with
+    # several, each is evaluated on its own, on the helper thread for the CPU path
+    off_thread = isinstance(eng, _Fused)
 
     @mx.custom_function
     def op(h, targets, *params):
-        lps, ents = [], []
+        lps, ents, lses = [], [], []
         n = h.shape[0]
-        for s, e in chunks(n):
-            logits = logits_fn(h[s:e], *params)
-            lps.append(keep(impl(logits, targets[s:e], temperature), n))
-            if want_entropy:
-                ents.append(keep(_entropy(logits, temperature), n))
-            del logits
-        lp = mx.concatenate(lps) if len(lps) > 1 else lps[0]
-        if not want_entropy:
-            return lp
-        return lp, (mx.concatenate(ents) if len(ents) > 1 else ents[0])
+        threaded = off_thread and n > chunk_size and _evaluable(h, targets)
+        for s, e in _chunks(n, chunk_size):
+            if n <= chunk_size:  # one chunk: stay lazy
+                lp, ent, lse = eng.forward(logits_fn(h, *params), targets, want_entropy)
+            elif threaded:
+                hc, tc = _materialize(h[s:e], targets[s:e])
+                lp, ent, lse = _outside_trace(lambda x, t: eng.forward(logits_fn(x, *params), t, want_entropy), hc, tc)
+            else:
+                hc, tc = _materialize(h[s:e], targets[s:e])
+                lp, ent, lse = _materialize(*eng.forward(logits_fn(hc, *params), tc, want_entropy))
+            lps.append(lp)
+            ents.append(ent)
+            lses.append(lse)
+        out = (_cat(lps),)
+        if want_entropy:
+            out += (_cat(ents),)
+        if eng.saves_lse:
+            out += (_cat(lses),)
+        return out
 
     @op.vjp
     def op_vjp(primals, cotangents, outputs):
         h, targets, *params = primals
         g = cotangents[0] if isinstance(cotangents, (list, tuple)) else cotangents
+        lse = outputs[-1] if eng.saves_lse else None
         dhs, dps = [], [mx.zeros_like(p) for p in params]
         n = h.shape[0]
-        for s, e in chunks(n):
-            tc = targets[s:e]
+        if n <= chunk_size:  # one chunk: lazy, as the forward
+            dh, *dps = eng.grads(logits_fn, h, params, targets, g, lse)
+            return (dh, mx.zeros_like(targets), *dps)
+        # the accumulators and cotangents travel to the helper thread: evaluated here
+        threaded = off_thread and _evaluable(h, targets, g, *dps, *([] if lse is None else [lse]))
+        for s, e in _chunks(n, chunk_size):
+            hc, tc, gc, lc = _materialize(h[s:e], targets[s:e], g[s:e], None if lse is None else lse[s:e])
 
-            def f(hc, *p):
-                return impl(logits_fn(hc, *p), tc, temperature)
+            def step(hc, tc, gc, lc, *acc):
+                grads = eng.grads(logits_fn, hc, params, tc, gc, lc)
+                return (grads[0], *[a + b for a, b in zip(acc, grads[1:])])
 
-            _, grads = mx.vjp(f, [h[s:e], *params], [g[s:e]])  # recomputes this chunk's logits
-            dhs.append(keep(grads[0], n))
-            dps = [keep(a + b, n) for a, b in zip(dps, grads[1:])]
-            del grads
-        dh = mx.concatenate(dhs) if len(dhs) > 1 else dhs[0]
-        return (dh, mx.zeros_like(targets), *dps)
+            if threaded:
+                dh, *dps = _outside_trace(step, hc, tc, gc, lc, *dps)
+            else:
+                dh, *dps = _materialize(*step(hc, tc, gc, lc, *dps))
+            dhs.append(dh)
+        return (_cat(dhs), mx.zeros_like(targets), *dps)
 
     return op
 
@@ -261,34 +453,31 @@ def _make_op(logits_fn, n_params: int, temperature: float, chunk_size: int, impl
 def _make_saved_op(logits_fn, temperature: float, chunk_size: int, impl, want_entropy: bool):
     """The chunked op for a frozen head with the backward done in the forward pass.
 
-    Each lp_i depends only on h_i, so d lp_i / d h_i is one D-vector J_i; the vjp of the chunk with
-    cotangent 1 gives those rows (J_i = (W[t_i] - softmax_i @ W) / T for a linear head) while the
-    chunk's logits are still alive. The backward is then ``dh = g[:, None] * J``: two head matmuls
-    per chunk in all (as naive), instead of three with the recompute, for [tokens x D] of memory.
-    A forward-only caller pays the second matmul for nothing: use it where a gradient follows."""
-
-    def chunks(n):
-        return [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
+    Each lp_i depends only on h_i, so d lp_i / d h_i is one D-vector J_i; it is computed while the
+    chunk's logits are alive (J_i = (W[t_i] - softmax_i @ W) / T for a linear head). The backward
+    is then ``dh = g[:, None] * J``: two head matmuls per chunk in all (as naive), instead of three
+    with the recompute, for [tokens x D] of memory. A forward-only caller pays the second matmul
+    for nothing: use it where a gradient follows."""
+    eng = _engine(impl, temperature)
 
     @mx.custom_function
     def op(h, targets):
         lps, js, ents = [], [], []
         n = h.shape[0]
-        for s, e in chunks(n):
-            tc = targets[s:e]
-
-            def f(hc):
-                logits = logits_fn(hc)
-                lp = impl(logits, tc, temperature)
-                return (lp, _entropy(logits, temperature)) if want_entropy else (lp,)
-
-            cot = [mx.ones((e - s,), mx.float32)] + ([mx.zeros((e - s,), mx.float32)] if want_entropy else [])
-            outs, (j,) = mx.vjp(f, [h[s:e]], cot)
-            for lst, x in zip((lps, ents), outs):
-                lst.append(x if n <= chunk_size else _materialize(x))
-            js.append(j if n <= chunk_size else _materialize(j))
-        cat = lambda xs: mx.concatenate(xs) if len(xs) > 1 else xs[0]  # noqa: E731
-        return (cat(lps), cat(js)) + ((cat(ents),) if want_entropy else ())
+        threaded = isinstance(eng, _Fused) and n > chunk_size and _evaluable(h, targets)
+        for s, e in _chunks(n, chunk_size):
+            if n <= chunk_size:  # one chunk: stay lazy (see _make_op)
+                lp, j, ent = eng.saved(logits_fn, h, targets, want_entropy)
+            else:
+                hc, tc = _materialize(h[s:e], targets[s:e])
+                if threaded:
+                    lp, j, ent = _outside_trace(lambda x, t: eng.saved(logits_fn, x, t, want_entropy), hc, tc)
+                else:
+                    lp, j, ent = _materialize(*eng.saved(logits_fn, hc, tc, want_entropy))
+            lps.append(lp)
+            js.append(j)
+            ents.append(ent)
+        return (_cat(lps), _cat(js)) + ((_cat(ents),) if want_entropy else ())
 
     @op.vjp
     def op_vjp(primals, cotangents, outputs):
@@ -322,8 +511,9 @@ def token_logprobs(
     hidden [..., D], targets [...] int; ``head`` is an mlx-lm LM head (``nn.Linear``,
     ``nn.QuantizedLinear``, or the tied ``nn.Embedding`` / ``nn.QuantizedEmbedding``). Computed
     chunk by chunk over tokens; the custom vjp recomputes each chunk, so [tokens x vocab] never
-    exists beyond one chunk in either direction. ``chunk_size=None`` picks about 64 MB of
-    float32 logits per chunk (:func:`auto_chunk_size`: 110 tokens for Qwen3's 151,936 vocab).
+    exists beyond one chunk in either direction. ``chunk_size=None`` picks the largest chunk whose
+    live float32 [chunk x vocab] buffers fit 768 MiB (:func:`auto_chunk_size`: 432 tokens for
+    Qwen3's 151,936 vocab, about 0.8 GB at the peak).
     ``save_grad=True`` (for callers that will take the gradient, with a frozen head) computes
     each chunk's d logp / d hidden rows in the forward instead of recomputing the chunk in the
     backward: two head matmuls in all instead of three (see :func:`_make_saved_op`). Gradients flow into ``hidden`` and into a
@@ -348,18 +538,21 @@ def token_logprobs(
         out = (lp, _entropy(logits, temperature)) if return_entropy else lp
     else:
         params, logits_fn = build(head)
+        cs = auto_chunk_size(head_vocab(head)) if chunk_size is None else int(chunk_size)
+        if h.shape[0] > cs:
+            mx.eval(*params)  # chunks are built on a helper thread: its inputs must be evaluated
         if not _trainable(head):
             # frozen head (LoRA, quantized): weights are constants of the op, so its backward
             # never computes (or keeps buffers for) a head gradient nobody asked for
             frozen, fn = params, logits_fn
             params, logits_fn = (), (lambda hc: fn(hc, *frozen))
-        cs = auto_chunk_size(head_vocab(head)) if chunk_size is None else int(chunk_size)
         if save_grad and not params:
             outs = _make_saved_op(logits_fn, float(temperature), cs, _chunk_impl(), return_entropy)(h, t)
             out = (outs[0], outs[2]) if return_entropy else outs[0]
         else:
             op = _make_op(logits_fn, len(params), float(temperature), cs, _chunk_impl(), return_entropy)
-            out = op(h, t, *params)
+            outs = op(h, t, *params)
+            out = (outs[0], outs[1]) if return_entropy else outs[0]
     if return_entropy:
         return out[0].reshape(shape), out[1].reshape(shape)
     return out.reshape(shape)
