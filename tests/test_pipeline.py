@@ -203,3 +203,14 @@ def test_smoke_end_to_end_and_resume(tmp_path):
     pipeline.run_pipeline(ROOT / "configs" / "smoke.yaml", (f"run_dir={resumed}",), progress=False, echo=lambda s: None)
     assert (ev / "base.json").stat().st_mtime_ns == before  # not re-evaluated
     assert json.loads((ev / "table.json").read_text()) == table
+
+
+def test_every_shipped_config_validates():
+    """configs/*.yaml load with every section validated (no network: hub ids are not resolved here)."""
+    from mlx_ssp.merge.config import load_merge_config
+
+    for f in sorted((ROOT / "configs").glob("*.yaml")):
+        run = pipeline.load_run(f)
+        assert run.section("tasks").domains, f
+    for f in sorted((ROOT / "configs").glob("*.yml")):
+        assert load_merge_config(f)[0].merge_method
