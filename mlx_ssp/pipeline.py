@@ -407,6 +407,66 @@ def load_run(config_path: str | Path, overrides: tuple[str, ...] = (), progress:
     return run
 
 
+def plan_stage(
+    stage: str, state: dict, fp: str, *, from_stage: Optional[str], only: Optional[str], invalidated: bool
+) -> tuple[str, str]:
+    """What to do with one stage (pure): ``(action, why)`` with action one of ``pass`` (not ours to
+    run: --only another stage), ``skip`` (complete and current), ``run``, ``resume`` (interrupted,
+    same config) or ``rerun`` (outputs exist but are stale or forced: move them aside first).
+    Raises UserError when --from/--only needs an earlier stage that is not complete."""
+    idx = STAGES.index(stage)
+    current = state.get("fingerprint") == fp and bool(state.get("complete"))
+    if only is not None and stage != only:
+        if not current and idx < STAGES.index(only):
+            raise UserError(
+                f"--only {only}: stage '{stage}' before it is not complete for this config; "
+                f"run without --only (or with --from {stage}) first"
+            )
+        return "pass", ""
+    forced = only == stage or (from_stage is not None and idx >= STAGES.index(from_stage))
+    if from_stage is not None and not forced:
+        if not current:
+            raise UserError(
+                f"--from {from_stage}: stage '{stage}' before it is not complete for this config; "
+                "run without --from first"
+            )
+        return "skip", f"kept by --from {from_stage}"
+    stale = bool(state) and state.get("fingerprint") != fp
+    if current and not forced and not invalidated:
+        return "skip", f"fingerprint {fp}"
+    if stale:
+        return "rerun", "its config (or an earlier stage's) changed"
+    if state and forced:
+        return "rerun", "forced by --from/--only"
+    if state and invalidated:
+        return "rerun", "an earlier stage reran"
+    if state:
+        return "resume", "interrupted"
+    return "run", ""
+
+
+def write_resolved_config(run: Run) -> None:
+    """RUN_DIR/config.resolved.yaml: every section with its defaults filled in."""
+    resolved = dict(run.data)
+    resolved.update({s: _dump(run.section(s)) for s in ("model", "tasks", "rollout", "select", "merge", "rl", "eval")})
+    resolved["sft"] = _dump(sft_config(run))
+    resolved["run_dir"], resolved["seed"] = str(run.run_dir), run.seed
+    write_text_atomic(run.run_dir / "config.resolved.yaml", yaml.safe_dump(resolved, sort_keys=False))
+
+
+def execute_stage(run: Run, stage: str, fp: str, log: JsonlAppender) -> dict:
+    """Run one stage between an incomplete and a complete state record (a kill leaves it incomplete)."""
+    t0 = time.time()
+    write_state(run, stage, {"fingerprint": fp, "complete": False, "started": t0})
+    log.write({"stage": stage, "event": "start", "time": t0, "fingerprint": fp})
+    metrics = STAGE_FNS[stage](run)
+    t1 = time.time()
+    done = {"fingerprint": fp, "complete": True, "started": t0, "finished": t1, "seconds": t1 - t0, "metrics": metrics}
+    write_state(run, stage, done)
+    log.write({"stage": stage, "event": "end", "time": t1, "seconds": t1 - t0, "fingerprint": fp, "metrics": metrics})
+    return done
+
+
 def run_pipeline(
     config_path: str | Path,
     overrides: tuple[str, ...] = (),
@@ -416,77 +476,34 @@ def run_pipeline(
     progress: bool = True,
     echo: Callable[[str], None] = click.echo,
 ) -> dict:
-    run = load_run(config_path, overrides, progress)
-    run.run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = {k: v for k, v in run.data.items()}
-    resolved.update({s: _dump(run.section(s)) for s in ("model", "tasks", "rollout", "select", "merge", "rl", "eval")})
-    resolved["sft"] = _dump(sft_config(run))
-    resolved["run_dir"], resolved["seed"] = str(run.run_dir), run.seed
-    write_text_atomic(run.run_dir / "config.resolved.yaml", yaml.safe_dump(resolved, sort_keys=False))
-
     for name, stage in (("--from", from_stage), ("--only", only)):
         if stage is not None and stage not in STAGES:
             raise UserError(f"{name} {stage}: unknown stage; valid: {', '.join(STAGES)}")
-    log = JsonlAppender(run.run_dir / "metrics.jsonl")
+    run = load_run(config_path, overrides, progress)
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    write_resolved_config(run)
     previous = ""
-    invalidated = False  # a stage reran: everything after it must rerun too
+    invalidated = False  # a stage ran: every stage after it must run too
     results: dict[str, dict] = {}
-    try:
-        for i, stage in enumerate(STAGES):
-            fp = fingerprint(run, stage, previous)
-            previous = fp
+    with JsonlAppender(run.run_dir / "metrics.jsonl") as log:
+        for stage in STAGES:
+            fp = previous = fingerprint(run, stage, previous)
             state = read_state(run, stage)
-            forced = (from_stage is not None and STAGES.index(stage) >= STAGES.index(from_stage)) or only == stage
-            if only is not None and stage != only:
-                if state.get("fingerprint") != fp or not state.get("complete"):
-                    if STAGES.index(stage) < STAGES.index(only):
-                        raise UserError(
-                            f"--only {only}: stage '{stage}' before it is not complete for this config; "
-                            f"run without --only (or with --from {stage}) first"
-                        )
+            action, why = plan_stage(stage, state, fp, from_stage=from_stage, only=only, invalidated=invalidated)
+            if action == "pass":
                 continue
-            if from_stage is not None and not forced:
-                if state.get("fingerprint") != fp or not state.get("complete"):
-                    raise UserError(
-                        f"--from {from_stage}: stage '{stage}' before it is not complete for this config; "
-                        f"run without --from first"
-                    )
-                echo(f"[{stage}] complete (kept by --from {from_stage})")
-                continue
-            stale = bool(state) and state.get("fingerprint") != fp
-            if state.get("complete") and not stale and not forced and not invalidated:
-                echo(f"[{stage}] complete, skipping (fingerprint {fp})")
+            if action == "skip":
+                echo(f"[{stage}] complete, skipping ({why})")
                 results[stage] = state.get("metrics", {})
                 continue
-            if stale or (forced and state) or (invalidated and state):
-                why = (
-                    "its config (or an earlier stage's) changed"
-                    if stale
-                    else ("forced by --from/--only" if forced else "an earlier stage reran")
-                )
-                moved = move_stale(run, stage)
-                echo(f"[{stage}] rerunning: {why}; old outputs moved to {moved}")
-            elif state and not state.get("complete"):
-                echo(f"[{stage}] resuming an interrupted run")
+            if action == "rerun":
+                echo(f"[{stage}] rerunning: {why}; old outputs moved to {move_stale(run, stage)}")
             else:
-                echo(f"[{stage}] running")
+                echo(f"[{stage}] " + ("resuming an interrupted run" if action == "resume" else "running"))
             invalidated = True
-            t0 = time.time()
-            write_state(run, stage, {"fingerprint": fp, "complete": False, "started": t0})
-            log.write({"stage": stage, "event": "start", "time": t0, "fingerprint": fp})
-            metrics = STAGE_FNS[stage](run)
-            t1 = time.time()
-            write_state(
-                run, stage,
-                {"fingerprint": fp, "complete": True, "started": t0, "finished": t1, "seconds": t1 - t0,
-                 "metrics": metrics},
-            )
-            log.write({"stage": stage, "event": "end", "time": t1, "seconds": t1 - t0, "fingerprint": fp,
-                       "metrics": metrics})
-            results[stage] = metrics
-            echo(f"[{stage}] done in {t1 - t0:.1f}s")
-    finally:
-        log.close()
+            done = execute_stage(run, stage, fp, log)
+            results[stage] = done["metrics"]
+            echo(f"[{stage}] done in {done['seconds']:.1f}s")
     table_path = run.stage_dir("eval") / "table.json"
     if table_path.exists() and read_state(run, "eval").get("complete"):
         echo("\n" + format_eval_table(json.loads(table_path.read_text())))

@@ -214,3 +214,21 @@ def test_every_shipped_config_validates():
         assert run.section("tasks").domains, f
     for f in sorted((ROOT / "configs").glob("*.yml")):
         assert load_merge_config(f)[0].merge_method
+
+
+def test_plan_stage_decisions():
+    plan = pipeline.plan_stage
+    done = {"fingerprint": "a", "complete": True}
+    kw = dict(from_stage=None, only=None, invalidated=False)
+    assert plan("sft", {}, "a", **kw)[0] == "run"
+    assert plan("sft", done, "a", **kw)[0] == "skip"
+    assert plan("sft", {"fingerprint": "a", "complete": False}, "a", **kw)[0] == "resume"
+    assert plan("sft", done, "b", **kw) == ("rerun", "its config (or an earlier stage's) changed")
+    assert plan("sft", done, "a", **{**kw, "invalidated": True})[0] == "rerun"
+    assert plan("sft", done, "a", **{**kw, "from_stage": "sft"})[0] == "rerun"
+    assert plan("select", done, "a", **{**kw, "from_stage": "sft"})[0] == "skip"
+    assert plan("eval", {}, "a", **{**kw, "only": "sft"})[0] == "pass"
+    with pytest.raises(UserError, match="--only sft"):
+        plan("select", {}, "a", **{**kw, "only": "sft"})
+    with pytest.raises(UserError, match="--from sft"):
+        plan("select", done, "b", **{**kw, "from_stage": "sft"})
