@@ -8,7 +8,7 @@ Each step (VibeThinker-1.5B section 3.4; GRPO, DeepSeekMath arXiv:2402.03300 sec
    verifier rewards); with ``dynamic_sampling`` (DAPO) groups whose rewards are all equal (p in
    {0, 1} for binary rewards: no learning signal) are dropped and more prompts are sampled, at
    most ``max_refill_rounds`` extra rounds;
-3. MGPO advantages A' = w(p) * A (:func:`mlx_ssp.rl.mgpo.mgpo_advantages`);
+3. MGPO advantages A' = w(p) * A (:func:`mlx_ssp.rl.mgpo.mgpo_advantages`, or its kernel twin);
 4. ``mu`` inner updates on the whole batch (micro-batches of ``micro_batch_size`` sequences,
    gradients accumulated so the loss is exactly the full batch's): the forward runs on
    prompt + completion, the completion mask selects the tokens, log-probs come from the chunked
@@ -49,7 +49,7 @@ from mlx_ssp.io import atomic_dir, iter_jsonl, write_json_atomic, write_jsonl_at
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.logprobs import head_of, token_logprobs
 from mlx_ssp.rl.loss import policy_loss
-from mlx_ssp.rl.mgpo import mgpo_advantages
+from mlx_ssp.rl.kernels import grouped_advantages
 from mlx_ssp.tasks import Task, render_prompt
 
 ADAPTER_FILE = "adapters.safetensors"
@@ -320,8 +320,9 @@ class Trainer:
         recs = [r for g in groups for r in g]
         gids = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
         rewards = np.array([float(r["reward"]) for r in recs], np.float32)
-        adv = mgpo_advantages(rewards, gids, lam=cfg.mgpo_lambda, scale_rewards=cfg.scale_rewards, eps=cfg.adv_eps,
-                              num_groups=len(groups))
+        # the one-pass kernel on Metal/CUDA, the plain-MLX reference (mgpo_advantages) elsewhere
+        adv = grouped_advantages(rewards, gids, lam=cfg.mgpo_lambda, scale_rewards=cfg.scale_rewards, eps=cfg.adv_eps,
+                                 num_groups=len(groups))
         rec["mgpo_weight_mean"] = float(adv.w.mean().item())
         rec["adv_abs_mean"] = float(mx.abs(adv.advantages).mean().item())
         batch = build_batch(recs, np.array(adv.advantages))
