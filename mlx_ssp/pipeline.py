@@ -232,25 +232,17 @@ def stage_merge(run: Run) -> dict:
 def stage_rl(run: Run) -> dict:
     """MGPO-GRPO on the merged model (resuming from the last RL checkpoint), then fuse the
     adapters into ``rl/model`` so that eval and later users load one plain model directory."""
-    from mlx_ssp.models import load_model
-    from mlx_ssp.rl.loop import resolve_train_dtype, setup_model, train
+    from mlx_ssp.models import ModelConfig
+    from mlx_ssp.rl.loop import load_and_train
     from mlx_ssp.sft import fuse_and_save
     from mlx_ssp.tasks import load_tasks
 
     cfg = run.section("rl")
     seed = cfg.seed if cfg.seed is not None else run.seed
-    merged = run.stage_dir("merge") / "model"
-    model, tokenizer, path = load_model(str(merged))
-    ref = None
-    if cfg.beta > 0 and cfg.fine_tune_type == "full":
-        ref, _, _ = load_model(str(merged))  # full fine-tuning has no adapters to switch off
-        ref.freeze()
-        if (dt := resolve_train_dtype(cfg)) is not None:
-            ref.set_dtype(dt)
-    setup_model(model, cfg, seed)
     tasks = load_tasks(cfg.tasks) if cfg.tasks else load_tasks(run.tasks_path("train"))
     out = run.stage_dir("rl")
-    summary = train(model, tokenizer, tasks, cfg, out, seed=seed, resume=True, ref_model=ref, model_path=str(path))
+    merged = ModelConfig(path=str(run.stage_dir("merge") / "model"))
+    summary, model, tokenizer, path = load_and_train(merged, tasks, cfg, out, seed=seed)
     fuse_and_save(model, tokenizer, Path(path), out / "model", dequantize=False, overwrite=True)
     last = summary.get("last") or {}
     return {

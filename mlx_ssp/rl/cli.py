@@ -57,18 +57,10 @@ def run(config_path, overrides=(), *, restart: bool = False) -> dict:
     data, cfg, mcfg, seed, out = load_config(config_path, overrides)
     source = str(config_path or "--set")
     tasks = load_train_tasks(data, cfg, source)
-    from mlx_ssp.models import load_model
-    from mlx_ssp.rl.loop import resolve_train_dtype, setup_model, train
+    from mlx_ssp.rl.loop import load_and_train
 
-    model, tokenizer, path = load_model(mcfg)
-    ref = None
-    if cfg.beta > 0 and cfg.fine_tune_type == "full":
-        ref, _, _ = load_model(mcfg)  # full fine-tuning has no adapters to switch off
-        ref.freeze()
-    setup_model(model, cfg, seed)
-    if ref is not None and (dt := resolve_train_dtype(cfg)) is not None:
-        ref.set_dtype(dt)
-    return train(model, tokenizer, tasks, cfg, out, seed=seed, resume=not restart, ref_model=ref, model_path=str(path))
+    summary, *_ = load_and_train(mcfg, tasks, cfg, out, seed=seed, resume=not restart)
+    return summary
 
 
 @click.command("rl")

@@ -541,3 +541,23 @@ def train(model, tokenizer, tasks: list[Task], cfg: RLConfig, out_dir: str | Pat
         bar.close()
     return {"steps": tr.step_no, "skipped_total": tr.skipped_total, "last": last, "checkpoint": tr.last_good_ckpt,
             "out_dir": str(out)}
+
+
+def load_and_train(model_cfg, tasks: list[Task], cfg: RLConfig, out_dir: str | Path, *, seed: int = 0,
+                   resume: bool = True):
+    """Load the policy (plus a frozen reference copy only for full fine-tuning with a KL term: with
+    LoRA the reference is the same model with adapters off), set it up and train.
+    Returns ``(summary, model, tokenizer, model_path)`` so callers can fuse or save the result."""
+    from mlx_ssp.models import load_model
+
+    model, tokenizer, path = load_model(model_cfg)
+    ref = None
+    if cfg.beta > 0 and cfg.fine_tune_type == "full":
+        ref, _, _ = load_model(model_cfg)
+        ref.freeze()
+        if (dt := resolve_train_dtype(cfg)) is not None:
+            ref.set_dtype(dt)
+    setup_model(model, cfg, seed)
+    summary = train(model, tokenizer, tasks, cfg, out_dir, seed=seed, resume=resume, ref_model=ref,
+                    model_path=str(path))
+    return summary, model, tokenizer, path
