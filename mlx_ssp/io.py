@@ -71,19 +71,40 @@ def atomic_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
 
 class JsonlAppender:
     """Append JSON records one line at a time, flushed and fsynced, so a crash loses at most the
-    record being written. On open, a torn last line (no trailing newline) is truncated away."""
+    record being written. On open, a torn last line (no trailing newline) is truncated away.
 
-    def __init__(self, path: str | Path, fsync: bool = True):
+    ``background=True`` hands each ``write_many`` to one writer thread (serialise, write, fsync),
+    so that a producer such as the rollout loop does not wait on the disk; records keep their
+    order, ``close()`` waits for all of them, and a write error is raised by the next
+    ``write_many`` or by ``close()``. A crash then loses at most the records still queued."""
+
+    def __init__(self, path: str | Path, fsync: bool = True, background: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         repair_jsonl_tail(self.path)
         self._f = open(self.path, "a")
         self._fsync = fsync
+        self._queue = None
+        self._error: BaseException | None = None
+        if background:
+            import queue
+            import threading
+
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._drain, name="jsonl-writer", daemon=True)
+            self._thread.start()
 
     def write(self, record: dict) -> None:
         self.write_many([record])
 
     def write_many(self, records: Iterable[dict]) -> None:
+        if self._queue is None:
+            self._write(records)
+            return
+        self._raise_error()
+        self._queue.put(list(records))
+
+    def _write(self, records: Iterable[dict]) -> None:
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         if not data:
             return
@@ -92,8 +113,25 @@ class JsonlAppender:
         if self._fsync:
             os.fsync(self._f.fileno())
 
+    def _drain(self) -> None:
+        while (records := self._queue.get()) is not None:
+            if self._error is None:  # after a failure, keep consuming so that nobody blocks
+                try:
+                    self._write(records)
+                except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                    self._error = e
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise OSError(f"writing {self.path} failed: {err}") from err
+
     def close(self) -> None:
+        if self._queue is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
         self._f.close()
+        self._raise_error()
 
     def __enter__(self) -> "JsonlAppender":
         return self

@@ -4,10 +4,11 @@ Algorithm (VibeThinker-1.5B, arXiv:2511.06221, section 3.2 "Spectrum phase": sam
 solutions per problem and keep the verified ones). For every task, render the prompt with the
 model's chat template, queue K sequences (one per sample index) into one
 ``mlx_lm.generate.BatchGenerator`` (continuous batching; the decoding loop is mlx-lm's), each with
-its own :class:`mlx_ssp.sampling.SequenceSampler` whose PRNG key is derived from
-``(seed, task id, sample index)``. Every generated token comes back with mlx-lm's T=1 log-prob
-vector; the sampler records ``log_softmax(logprobs / T)[token]``, the behaviour log-prob GRPO's
-ratio needs (see :mod:`mlx_ssp.sampling` for truncation and greedy). When all K samples of a task
+its own noise stream whose PRNG key is derived from ``(seed, task id, sample index)``; one shared
+:class:`mlx_ssp.sampling.BatchSampler` draws the whole batch's tokens per step in one batched op
+and records each token's ``log_softmax(logprobs / T)[token]`` (from mlx-lm's T=1 log-prob vector),
+the behaviour log-prob GRPO's ratio needs (see :mod:`mlx_ssp.sampling` for truncation and
+greedy). When all K samples of a task
 are done they are verified with :func:`mlx_ssp.verify.verify` and handed out together, so the CLI
 appends each finished task to ``rollouts.jsonl`` at once (:class:`mlx_ssp.io.JsonlAppender`: a
 crash loses at most the tasks in flight, never leaves half a line).
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 import warnings
 from collections import defaultdict
@@ -118,9 +120,10 @@ def _timed_verify(text: str, task: Task):
 class _Seq:
     """Book-keeping of one in-flight sample."""
 
-    __slots__ = ("task_idx", "sample", "sampler", "tokens", "lps", "detok", "text", "t0", "max_tokens")
+    __slots__ = ("uid", "task_idx", "sample", "sampler", "tokens", "lps", "detok", "text", "t0", "max_tokens")
 
-    def __init__(self, task_idx, sample, sampler, t0, max_tokens):
+    def __init__(self, uid, task_idx, sample, sampler, t0, max_tokens):
+        self.uid = uid
         self.task_idx = task_idx
         self.sample = sample
         self.sampler = sampler
@@ -160,7 +163,7 @@ def iter_rollouts(
     """
     from mlx_lm.generate import BatchGenerator
 
-    from mlx_ssp.sampling import SequenceSampler, behaviour_logprobs, sample_stream_seed
+    from mlx_ssp.sampling import BatchSampler, SequenceSampler, behaviour_logprobs, sample_stream_seed
     from mlx_ssp.tasks import render_prompt
     from mlx_ssp.verify import PARALLEL
 
@@ -203,8 +206,14 @@ def iter_rollouts(
 
     was_training = getattr(model, "training", False)
     model.eval()
+    # One sampler object for every sequence: mlx-lm then samples the batch in one call. The escape
+    # hatch (one sampler per sequence, same samples) exists in case mlx-lm's internals change.
+    shared = None if os.environ.get("MLX_SSP_PER_SEQUENCE_SAMPLER") == "1" else BatchSampler(
+        temp, sampling.top_p, sampling.top_k, sampling.min_p
+    )
     gen = BatchGenerator(
         model,
+        sampler=shared,
         max_tokens=sampling.max_tokens,
         stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
         completion_batch_size=batch_size,
@@ -235,15 +244,17 @@ def iter_rollouts(
         chunk = work[next_work : next_work + n]
         next_work += n
         now = time.perf_counter()
-        samplers = [
-            SequenceSampler(sample_stream_seed(seed, tasks[ti].id, s), temp, sampling.top_p, sampling.top_k, sampling.min_p)
-            for ti, s in chunk
-        ]
+        streams = [sample_stream_seed(seed, tasks[ti].id, s) for ti, s in chunk]
+        samplers = None
+        if shared is None:
+            samplers = [SequenceSampler(st, temp, sampling.top_p, sampling.top_k, sampling.min_p) for st in streams]
         uids = gen.insert(
             [prompts[ti] for ti, _ in chunk], max_tokens=[budget[ti] for ti, _ in chunk], samplers=samplers
         )
-        for uid, (ti, s), smp in zip(uids, chunk, samplers):
-            seq = _Seq(ti, s, smp, now, budget[ti])
+        for j, (uid, (ti, s)) in enumerate(zip(uids, chunk)):
+            if shared is not None:
+                shared.add(uid, streams[j])
+            seq = _Seq(uid, ti, s, None if samplers is None else samplers[j], now, budget[ti])
             if stop_strings:
                 seq.detok = tokenizer.detokenizer
             live[uid] = seq
@@ -277,7 +288,10 @@ def iter_rollouts(
             "latency_s": round(time.perf_counter() - seq.t0, 4),
             "verify_s": 0.0,
         }
-        seq.sampler.drop()
+        if shared is not None:
+            shared.drop(seq.uid)
+        else:
+            seq.sampler.drop()
         if verify and pool is not None and task.verifier in PARALLEL:
             # sandboxed verifiers wait on subprocesses: run them beside generation
             pending.append((seq.task_idx, rec, pool.submit(_timed_verify, text, task)))
@@ -323,8 +337,11 @@ def iter_rollouts(
                     top_up()
                     continue
                 raise RuntimeError(f"mlx-lm's BatchGenerator stopped with {len(live)} sequence(s) unfinished")
-            # behaviour log-probs of this step's tokens: one batched computation
-            lps = behaviour_logprobs([r.logprobs for r in responses], [r.token for r in responses], temp)
+            # behaviour log-probs of this step's tokens (computed with the draw on the batched path)
+            if shared is not None:
+                lps = [shared.behaviour_logprob(r.uid) for r in responses]
+            else:
+                lps = behaviour_logprobs([r.logprobs for r in responses], [r.token for r in responses], temp)
             stats["gen_tokens"] += len(responses)
             finished_groups = []
             to_remove = []
@@ -584,7 +601,8 @@ def run_rollouts(model_spec, tasks_path: str | Path, cfg: RolloutConfig, out: st
             )
 
         # several ranks: rounds of 8 batches per rank, each round appended whole by rank 0
-        with (JsonlAppender(out) if main else contextlib.nullcontext()) as app:
+        # the writer thread fsyncs while generation goes on
+        with (JsonlAppender(out, background=True) if main else contextlib.nullcontext()) as app:
             for group in dist.iter_sharded_groups(shard, missing, stats=stats, round_size=8 * cfg.batch_size * dist.size()):
                 if app is not None:
                     app.write_many(group)

@@ -1,37 +1,41 @@
-"""Per-sequence samplers for ``mlx_lm.generate.BatchGenerator`` with reproducible keys, and
-behaviour log-probs.
+"""Reproducible batched sampling for ``mlx_lm.generate.BatchGenerator``, and behaviour log-probs.
 
 Reproducibility. Every sample owns a 64-bit stream seed derived from ``(seed, task id, sample
 index)`` (BLAKE2b). Its token t is drawn by Gumbel-max, ``argmax(filter(logprobs) + T * g_t)``
-(= ``argmax(filter(logprobs) / T + g_t)``), with noise rows from
-``mx.random.gumbel(key=mx.random.key(splitmix64(stream + c * golden)))`` for chunk ``c = t // C``
-(C depends only on the vocabulary size). The draw therefore depends only on
-the sample's identity and on its own logits, never on the batch it shares, the task order, or a
-resume. (The logits come from a batched, padded forward pass whose float32 rounding can differ
-by ~1e-6 between batch shapes, so a near-exact tie between two tokens could in principle resolve
-differently; the tests check identical samples across batch sizes and task orders.)
+(= ``argmax(filter(logprobs) / T + g_t)``, exactly a draw from ``softmax(filter(logprobs) / T)``),
+with the noise row ``g_t = mx.random.gumbel((V,), key=step_key(stream, t))``. The draw therefore
+depends only on the sample's identity and on its own logits, never on the batch it shares, the
+task order, or a resume. (The logits come from a batched, padded forward pass whose float32
+rounding can differ by ~1e-6 between batch shapes, so a near-exact tie between two tokens could in
+principle resolve differently; the tests check identical samples across batch sizes and orders.)
 
-Why Gumbel-max with chunked noise rather than ``mx.random.categorical(key=...)`` per token (the
-same distribution): ``BatchGenerator`` calls a per-sequence sampler in a Python loop over the
-batch, so every op in it is paid B times per step; drawing C steps of noise at once cuts the
-per-token cost of the sampler to an add and an argmax (the noise is pre-scaled by T).
+Speed. mlx-lm's ``GenerationBatch._step`` makes one batched sampler call when every sequence has
+the same sampler object, and otherwise calls one sampler per sequence in a Python loop (B small
+graphs per step: on a small model that costs as much as the forward pass). :class:`BatchSampler`
+is that one shared object: it maps rows to sequences, builds the (B, 2) key array of the step in
+Python, and draws all B noise rows with one ``vmap``-ed ``gumbel`` (bit-identical to B separate
+keyed draws), so a step costs a constant number of ops, like mlx-lm's own ``categorical`` sampler.
+:class:`SequenceSampler` draws the same tokens one sequence at a time (the fallback).
 
-Behaviour log-probs. ``BatchGenerator`` returns with each token the normalised log-probs at T=1.
-:func:`behaviour_logprobs` turns a step's rows into ``log_softmax(logprobs / T)[token]`` in one
-batched op: the *untruncated* tempered log-prob. Why untruncated: GRPO's ratio is
-``exp(logp_new - logp_old)`` where the trainer computes ``logp_new`` from the full tempered
-softmax; storing the untruncated value makes the on-policy ratio exactly 1, whereas a truncated
-(renormalised) value would bias every ratio by the dropped mass. With the RL defaults (top_p=1,
-top_k=0, min_p=0) the stored value *is* the log-prob of the distribution sampled from; with
-truncation on, it is the log-prob under the full tempered policy (top-p/top-k/min-p act on the
-T=1 log-probs before temperature, mlx-lm's order). Greedy decoding (T=0) has a point-mass
-behaviour distribution (log-prob 0 everywhere, which carries nothing); for T=0 the stored value
-is the T=1 log-prob instead, and records say so in ``logprob_temperature``.
+Behaviour log-probs. mlx-lm hands back with each token the normalised log-probs at T=1. What is
+stored is ``log_softmax(logprobs / T)[token]``: the *untruncated* tempered log-prob. Why
+untruncated: GRPO's ratio is ``exp(logp_new - logp_old)`` where the trainer computes ``logp_new``
+from the full tempered softmax; storing the untruncated value makes the on-policy ratio exactly
+1, whereas a truncated (renormalised) value would bias every ratio by the dropped mass. With the
+RL defaults (top_p=1, top_k=0, min_p=0) the stored value *is* the log-prob of the distribution
+sampled from; with truncation on, it is the log-prob under the full tempered policy
+(top-p/top-k/min-p act on the T=1 log-probs before temperature, mlx-lm's order). Greedy decoding
+(T=0) has a point-mass behaviour distribution (log-prob 0 everywhere, which carries nothing); for
+T=0 the stored value is the T=1 log-prob instead, and records say so in ``logprob_temperature``.
+:class:`BatchSampler` computes them in the same graph as the draw (scheduled with it, so reading
+them later does not wait on the next forward pass); :func:`behaviour_logprobs` does it for a
+step's rows on the per-sequence path.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 
 import mlx.core as mx
 
@@ -72,46 +76,36 @@ def _filters(top_p: float, top_k: int, min_p: float):
     return fs
 
 
-def noise_chunk(vocab_size: int) -> int:
-    """Steps of Gumbel noise drawn at once per sequence: a function of the vocabulary size only (so
-    samples do not depend on the batch), about 4 MB per sequence, at most 32 steps."""
-    return max(1, min(32, (1 << 20) // max(1, vocab_size)))
+def _key_words(stream: int, t: int) -> tuple[int, int]:
+    """The two uint32 words of ``step_key(stream, t)`` (mx.random.key's layout: high word first)."""
+    x = splitmix64((stream + t * _GOLDEN) & _MASK64)
+    return x >> 32, x & 0xFFFFFFFF
+
+
+_GUMBEL_ROWS: dict[int, object] = {}
+
+
+def _gumbel_rows(vocab_size: int):
+    """keys (B, 2) -> (B, V) Gumbel noise, row b keyed by keys[b]: vmap of the single-key draw,
+    so row b is bit-identical to ``mx.random.gumbel((V,), key=keys[b])``."""
+    f = _GUMBEL_ROWS.get(vocab_size)
+    if f is None:
+        f = _GUMBEL_ROWS[vocab_size] = mx.vmap(lambda k: mx.random.gumbel((vocab_size,), key=k))
+    return f
 
 
 class SequenceSampler:
-    """The sampler of one sequence. ``BatchGenerator`` calls it once per generated token with
-    that sequence's (1, V) T=1 log-probs; the t-th call draws token t by Gumbel-max,
-    ``argmax(filter(logprobs) + T * g_t)`` (the same argmax as ``filter(logprobs) / T + g_t``), which is
-    exactly a draw from ``softmax(filter(logprobs) / T)``.
-    The noise rows ``g_t`` come from ``mx.random.gumbel`` keyed by ``step_key(stream, t // C)`` in
-    chunks of C = :func:`noise_chunk` steps: one random op per C tokens instead of one per token,
-    because the per-sequence sampler runs in a Python loop over the batch and its op count is the
-    overhead over mlx-lm's single batched sampler."""
+    """The sampler of one sequence (the per-sequence fallback of :class:`BatchSampler`, same tokens).
+    Called once per generated token with that sequence's (1, V) T=1 log-probs; the t-th call returns
+    ``argmax(filter(logprobs) + T * g_t)`` with ``g_t`` keyed by ``step_key(stream, t)``."""
 
-    __slots__ = ("stream", "temperature", "filters", "t", "_chunk", "_buf", "_c")
+    __slots__ = ("stream", "temperature", "filters", "t")
 
     def __init__(self, stream: int, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
         self.stream = stream
         self.temperature = float(temperature)
         self.filters = _filters(top_p, top_k, min_p) if temperature > 0 else []
         self.t = 0
-        self._chunk = -1
-        self._buf = None
-        self._c = 0
-
-    def noise(self, t: int, vocab_size: int) -> mx.array:
-        """The (1, V) row ``T * g_t`` of Gumbel noise for token ``t``."""
-        if not self._c:
-            self._c = noise_chunk(vocab_size)
-        chunk, row = divmod(t, self._c)
-        if chunk != self._chunk:
-            g = mx.random.gumbel((self._c, vocab_size), key=step_key(self.stream, chunk))
-            if self.temperature != 1.0:
-                g = g * self.temperature
-            # one split op per chunk, so that a step costs no slicing op
-            self._buf = mx.split(g, self._c, axis=0)
-            self._chunk = chunk
-        return self._buf[row]
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         t = self.t
@@ -120,11 +114,114 @@ class SequenceSampler:
             return mx.argmax(logprobs, axis=-1)
         for f in self.filters:
             logprobs = f(logprobs)
-        # argmax(x / T + g) == argmax(x + T * g) for T > 0: two ops per token
-        return mx.argmax(logprobs + self.noise(t, logprobs.shape[-1]), axis=-1)
+        g = mx.random.gumbel((logprobs.shape[-1],), key=step_key(self.stream, t))
+        # argmax(x / T + g) == argmax(x + T * g) for T > 0
+        return mx.argmax(logprobs + self.temperature * g, axis=-1)
 
-    def drop(self) -> None:
-        self._buf = None
+    def drop(self) -> None:  # nothing buffered; kept so both samplers release the same way
+        pass
+
+
+class _StepLogprobs:
+    """The behaviour log-probs of one batched draw, converted to Python floats once, on first use."""
+
+    __slots__ = ("array", "_values")
+
+    def __init__(self, array: mx.array):
+        self.array = array
+        self._values = None
+
+    def __getitem__(self, row: int) -> float:
+        if self._values is None:
+            self._values = self.array.tolist()  # (B, 1): one nested list per row
+        return self._values[row][0]
+
+
+class BatchSampler:
+    """One sampler shared by every sequence of a ``BatchGenerator``, drawing a whole step at once
+    (see the module docstring for why), and recording each token's behaviour log-prob.
+
+    Rows are mapped to sequences through the ``uids`` of the batch that calls it (the calling
+    frame's ``self``: mlx-lm's ``GenerationBatch._step``). If a future mlx-lm calls the sampler from
+    somewhere without that ``uids`` list, the call fails with a message naming the fallback:
+    ``MLX_SSP_PER_SEQUENCE_SAMPLER=1`` (one sampler per sequence, slower on small models, same
+    samples)."""
+
+    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
+        self.temperature = float(temperature)
+        self.filters = _filters(top_p, top_k, min_p) if temperature > 0 else []
+        self._t: dict[int, int] = {}  # uid -> tokens drawn so far
+        self._stream: dict[int, int] = {}
+        # uid -> behaviour log-probs of its drawn tokens not yet handed out, oldest first
+        self._pending: dict[int, deque] = {}
+
+    def add(self, uid: int, stream: int) -> None:
+        """Register the sequence ``uid`` (as returned by ``BatchGenerator.insert``) and its stream seed."""
+        self._t[uid] = 0
+        self._stream[uid] = stream
+        self._pending[uid] = deque()
+
+    def drop(self, uid: int) -> None:
+        """Forget a finished sequence (and the log-prob of a look-ahead token mlx-lm drew for it)."""
+        self._t.pop(uid, None)
+        self._stream.pop(uid, None)
+        self._pending.pop(uid, None)
+
+    @property
+    def n_live(self) -> int:
+        """Sequences registered and not yet dropped. (Not ``__len__``: mlx-lm tests the sampler with
+        ``sampler or greedy_sampler``, and an empty one would be falsy.)"""
+        return len(self._t)
+
+    def behaviour_logprob(self, uid: int) -> float:
+        """The behaviour log-prob of the oldest token of ``uid`` not yet asked for: call it once per
+        token mlx-lm returns for that sequence, in order."""
+        step, row = self._pending[uid].popleft()
+        return step[row]
+
+    @staticmethod
+    def _caller_uids(n: int) -> list:
+        import sys
+
+        owner = sys._getframe(2).f_locals.get("self")
+        uids = getattr(owner, "uids", None)
+        if not isinstance(uids, list) or len(uids) != n:
+            import mlx_lm
+
+            raise RuntimeError(
+                f"mlx-lm {getattr(mlx_lm, '__version__', '?')} called the batch sampler from "
+                f"{type(owner).__name__} without a matching `uids` list, so rows cannot be mapped to "
+                "sequences; set MLX_SSP_PER_SEQUENCE_SAMPLER=1 (same samples, slower) or pin mlx-lm<=0.32"
+            )
+        return uids
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        uids = self._caller_uids(logprobs.shape[0])
+        T = self.temperature
+        try:
+            ts = [self._t[u] for u in uids]
+        except KeyError as e:
+            raise RuntimeError(f"batch sampler: sequence uid {e.args[0]} was never registered with add()") from None
+        for u, t in zip(uids, ts):
+            self._t[u] = t + 1
+        if T <= 0:
+            tokens = mx.argmax(logprobs, axis=-1)
+        else:
+            keys = mx.array([_key_words(self._stream[u], t) for u, t in zip(uids, ts)], dtype=mx.uint32)
+            x = logprobs
+            for f in self.filters:  # mlx-lm's filters work row-wise on (B, V)
+                x = f(x)
+            g = _gumbel_rows(logprobs.shape[-1])(keys)
+            tokens = mx.argmax(x + (g if T == 1.0 else T * g), axis=-1)  # x * 1.0 is exact: same tokens
+        # behaviour log-probs in the same graph; scheduled now so that reading them never waits
+        lp = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
+        if T > 0 and T != 1.0:  # the rows are normalised at T=1 already
+            lp = lp / T - mx.logsumexp(logprobs * (1.0 / T), axis=-1, keepdims=True)
+        mx.async_eval(lp)
+        step = _StepLogprobs(lp)
+        for row, u in enumerate(uids):
+            self._pending[u].append((step, row))
+        return tokens
 
 
 def behaviour_logprobs(rows: list[mx.array], tokens: list[int], temperature: float) -> list[float]:

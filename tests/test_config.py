@@ -86,6 +86,16 @@ def test_atomic_and_jsonl_io(tmp_path):
     with JsonlAppender(j) as w:  # reopening repairs the torn tail
         w.write({"a": 3})
     assert [r["a"] for r in read_jsonl(j)] == [1, 3]
+    b = tmp_path / "bg.jsonl"  # the background writer: same lines, same order, all there after close
+    with JsonlAppender(b, background=True) as w:
+        for i in range(50):
+            w.write_many([{"i": i, "j": k} for k in range(3)])
+    assert [(r["i"], r["j"]) for r in read_jsonl(b)] == [(i, k) for i in range(50) for k in range(3)]
+    w = JsonlAppender(b, background=True)
+    w.write({"bad": object()})  # not JSON: the error surfaces in the caller, not lost in the thread
+    with pytest.raises(OSError, match="bg.jsonl"):
+        w.close()
+    assert len(read_jsonl(b)) == 150
     j.write_text('{"a": 1}\nnot json\n')
     with pytest.raises(UserError, match=r"r.jsonl:2"):
         read_jsonl(j)

@@ -92,6 +92,51 @@ def test_same_seed_same_samples_whatever_batch_size_or_order(qwen):
     assert len({tuple(a[("t0", s)]) for s in range(3)}) == 3
 
 
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.2, top_k=5)])
+def test_batch_sampler_draws_the_same_tokens_as_per_sequence_samplers(qwen, monkeypatch, sampling):
+    """The shared BatchSampler (one draw per step for the batch) gives token for token what one
+    SequenceSampler per sequence gives: the speed-up changes nothing about the samples."""
+    model, tok = qwen
+    sc = SamplingConfig(max_tokens=20, **sampling)
+
+    def run(bs):
+        recs = generate_rollouts(model, tok, make_tasks(4), k=3, sampling=sc, seed=11, batch_size=bs, progress=False)
+        return {(r["task_id"], r["sample"]): (r["token_ids"], r["logprobs"]) for r in recs}
+
+    batched = run(5)
+    monkeypatch.setenv("MLX_SSP_PER_SEQUENCE_SAMPLER", "1")
+    for per_seq in (run(5), run(2)):
+        assert {key: v[0] for key, v in per_seq.items()} == {key: v[0] for key, v in batched.items()}
+        for key, (_, lps) in per_seq.items():  # log-probs: same up to float32 rounding of the batch shape
+            assert mx.allclose(mx.array(lps), mx.array(batched[key][1]), atol=1e-5).item()
+
+
+def test_batch_sampler_needs_the_calling_batch_uids():
+    """Called from anywhere without a matching ``uids`` list (an incompatible mlx-lm), it refuses
+    with the fallback named instead of mis-assigning noise rows."""
+    from mlx_ssp.sampling import BatchSampler
+
+    bs = BatchSampler(1.0)
+    bs.add(0, 123)
+    with pytest.raises(RuntimeError, match="MLX_SSP_PER_SEQUENCE_SAMPLER"):
+        bs(mx.zeros((1, 8)))
+
+    class FakeBatch:  # stands in for mlx-lm's GenerationBatch calling from its _step
+        uids = [0, 1]
+
+        def _step(self, lp):
+            return bs(lp)
+
+    with pytest.raises(RuntimeError, match="uid 1 was never registered"):
+        FakeBatch()._step(mx.zeros((2, 8)))
+    bs.add(1, 456)
+    a = FakeBatch()._step(mx.zeros((2, 8))).tolist()
+    assert bs.n_live == 2
+    bs.drop(0)
+    assert bs.n_live == 1
+    assert len(a) == 2
+
+
 def test_records_ordered_and_complete(qwen):
     model, tok = qwen
     tasks = make_tasks(3)

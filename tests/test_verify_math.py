@@ -87,3 +87,26 @@ def test_math_speed_is_reasonable():
     for i in range(200):
         verify(f"The total is 1,23{i % 10}\nAnswer: 1,23{i % 10}", t)
     assert (time.perf_counter() - t0) / 200 < 0.05  # well under 50 ms each even on a busy machine
+
+
+def test_integer_fast_path_agrees_with_math_verify():
+    """Plain integers skip math-verify; its verdict on them must be the one math-verify gives."""
+    import random
+
+    from mlx_ssp.verify.math import _judge, _judge_math_verify
+
+    rng = random.Random(0)
+    pairs = [("7", "007"), ("-3", "3"), ("+5", "5"), ("0", "-0"), ("999999999999999", "999999999999998"),
+             ("123456789012345", "123456789012345"), ("18", "18")]
+    for _ in range(60):
+        a = rng.choice([rng.randrange(-50, 50), rng.randrange(10**15)])
+        b = rng.choice([a, a + rng.choice([-1, 1]), -a, rng.randrange(10**6)])
+        pairs.append((str(a), str(b)))
+    for gold, pred in pairs:
+        assert _judge(gold, pred) is (_judge_math_verify(gold, pred) is True), (gold, pred)
+    # not plain integers: math-verify decides
+    assert _judge("1000", "1,000") is _judge_math_verify("1000", "1,000")
+    assert _judge("0.5", "1/2") is True
+    # the verdict through the verifier
+    assert verify("so the answer is 0018", _task("18", "lenient")).reward == 1.0
+    assert verify("so the answer is 17", _task("18", "lenient")).reason == "wrong_answer"
