@@ -613,3 +613,108 @@ def test_parity_with_mergekit(tiny_llama, tmp_path, dt, monkeypatch):
             # float32: torch's addcmul / sum order can differ in the last bit
             np.testing.assert_allclose(ours[n], theirs[n], rtol=0, atol=1e-6 if dt == "float32" else 0,
                                        err_msg=f"{method} {n}")
+
+
+# ------------------------------------------------------------------ threads and the positional writer
+
+
+@pytest.mark.parametrize("method", ["ties", "dare_ties", "linear", "breadcrumbs_ties"])
+def test_workers_do_not_change_a_byte(trio, tmp_path, method):
+    """Tensors merged side by side on 1, 2 or 3 threads give byte-identical shard files."""
+    m = trio["bfloat16"]
+    kw = dict(merge_method=method,
+              models=[{"model": str(m[1]), "parameters": {"weight": 0.7, "density": 0.4}},
+                      {"model": str(m[2]), "parameters": {"weight": 0.4, "density": 0.6}}])
+    if method == "linear":
+        for e in kw["models"]:
+            del e["parameters"]["density"]
+    else:
+        kw["base_model"] = str(m[0])
+    files = []
+    for w in (1, 2, 3):
+        out = tmp_path / f"w{w}"
+        res = run_merge(cfg_of(**kw), out, progress=False, seed=5, workers=w, out_shard_size="700")
+        assert res["workers"] == w and res["shards"] > 1
+        files.append({p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors*"))})
+    assert files[0] == files[1] == files[2]
+
+
+def test_sharded_writer_any_order_and_checks(tmp_path):
+    """The writer puts each tensor at its planned offset whatever the order; it refuses a tensor
+    outside the plan, a wrong size, a second write, and closing with a tensor missing."""
+    rng = np.random.default_rng(0)
+    arrays = {f"t{i}": rng.standard_normal((3, i + 1)).astype(np.float32) for i in range(6)}
+    plan = [sio.PlannedTensor(n, "F32", a.shape) for n, a in arrays.items()]
+    outs = []
+    for order in (list(arrays), list(arrays)[::-1]):
+        d = tmp_path / f"o{len(outs)}"
+        d.mkdir()
+        w = sio.ShardedWriter(d, plan, max_shard_bytes=100)
+        for n in order:
+            w.write(n, arrays[n].tobytes())
+        w.close()
+        outs.append({p.name: p.read_bytes() for p in sorted(d.iterdir())})
+        got = {}
+        for f in d.glob("*.safetensors"):
+            got.update({k: np.array(v) for k, v in mx.load(str(f)).items()})
+        assert set(got) == set(arrays) and all(np.array_equal(got[n], arrays[n]) for n in arrays)
+    assert outs[0] == outs[1] and len([n for n in outs[0] if n.endswith(".safetensors")]) > 1
+    d = tmp_path / "bad"
+    d.mkdir()
+    w = sio.ShardedWriter(d, plan, max_shard_bytes=100)
+    with pytest.raises(RuntimeError, match="not in the plan"):
+        w.write("nope", b"")
+    with pytest.raises(RuntimeError, match="bytes"):
+        w.write("t0", b"123")
+    w.write("t0", arrays["t0"].tobytes())
+    with pytest.raises(RuntimeError, match="twice"):
+        w.write("t0", arrays["t0"].tobytes())
+    with pytest.raises(RuntimeError, match="5 of 6 tensors unwritten"):
+        w.close()
+    w.abort()
+
+
+def test_worker_error_stops_the_merge_and_leaves_nothing(trio, tmp_path, monkeypatch):
+    """An error on a merging thread reaches the caller; the half-built output is removed."""
+    from mlx_ssp.merge import engine
+
+    m = trio["float32"]
+    real = engine.merge_tensor
+
+    def boom(job, p, seed):
+        if p.name == "model.layers.1.mlp.down_proj.weight":
+            raise OSError("disk on fire")
+        return real(job, p, seed)
+
+    monkeypatch.setattr(engine, "merge_tensor", boom)
+    with pytest.raises(OSError, match="disk on fire"):
+        run_merge(cfg_of(merge_method="ties", base_model=str(m[0]),
+                         models=[{"model": str(m[1]), "parameters": {"weight": 1, "density": 0.5}}]),
+                  tmp_path / "out", progress=False, workers=3)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_threaded_cli_exits_cleanly(trio, tmp_path):
+    """Merging threads release their mlx streams before they end: without that, mlx aborts the
+    process at exit (exit code 134) after a complete merge, which scripts and CI read as failure."""
+    m = trio["bfloat16"]
+    cfg = tmp_path / "t.yml"
+    cfg.write_text(yaml.safe_dump({"merge_method": "ties", "base_model": str(m[0]), "models": [
+        {"model": str(m[i]), "parameters": {"weight": 0.5, "density": 0.5}} for i in (1, 2)]}))
+    outs = []
+    for i in range(4):  # the abort was a race at exit: several runs
+        out = tmp_path / f"o{i}"
+        r = subprocess.run([sys.executable, "-m", "mlx_ssp.cli", "merge", str(cfg), str(out), "--quiet", "--workers", "3"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert json.loads(r.stdout)["workers"] == 3
+        outs.append((out / "model.safetensors").read_bytes())
+    assert all(o == outs[0] for o in outs)
+
+
+def test_workers_setting_is_validated():
+    from mlx_ssp.config import validate
+
+    with pytest.raises(UserError, match="workers"):
+        validate(MergeStageConfig, {"workers": 0}, source="run.yaml", prefix="merge")
+    assert validate(MergeStageConfig, {"workers": 3}, source="run.yaml", prefix="merge").workers == 3

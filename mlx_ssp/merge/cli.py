@@ -21,10 +21,14 @@ from mlx_ssp.cli import set_option
 @click.option("--vocab-mismatch", type=click.Choice(["error", "truncate", "pad"]), default="error", show_default=True,
               help="Embedding/lm_head rows that differ from the reference model: fail, cut longer ones, or fill "
                    "shorter ones with the reference's rows.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Tensors merged side by side on threads [default: 2 on the CPU, 1 on a GPU]; each adds one "
+                   "tensor's working set to the peak memory. The output does not depend on it.")
 @click.option("--dry-run", is_flag=True, help="Check the config and every tensor, print the plan, write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @set_option
-def cli(config, out_dir, overwrite, out_shard_size, copy_tokenizer, seed, vocab_mismatch, dry_run, quiet, overrides):
+def cli(config, out_dir, overwrite, out_shard_size, copy_tokenizer, seed, vocab_mismatch, workers, dry_run, quiet,
+        overrides):
     """Merge the models of a mergekit CONFIG (linear, task_arithmetic, ties, dare_linear, dare_ties,
     breadcrumbs) into OUT_DIR, streaming one tensor at a time. --set key=value edits the config."""
     from mlx_ssp.errors import UserError
@@ -42,5 +46,6 @@ def cli(config, out_dir, overwrite, out_shard_size, copy_tokenizer, seed, vocab_
                                "tensors": len(job.plans), "compute_dtypes": dtypes}, indent=2))
         return
     res = write_merge(job, Path(out_dir), overwrite=overwrite, out_shard_size=out_shard_size,
-                      copy_tokenizer=copy_tokenizer, seed=seed, config_text=text, progress=not quiet)
+                      copy_tokenizer=copy_tokenizer, seed=seed, config_text=text, progress=not quiet,
+                      workers=workers)
     click.echo(json.dumps(res))

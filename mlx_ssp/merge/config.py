@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlx_ssp.config import StrictModel, format_validation_error, read_yaml
 from mlx_ssp.errors import UserError
@@ -213,6 +213,8 @@ class MergeStageConfig(StrictModel):
     out_shard_size: str = "5GB"
     vocab_mismatch: Literal["error", "truncate", "pad"] = "error"
     copy_tokenizer: bool = True
+    #: tensors merged side by side (None: 2 on the CPU, 1 on a GPU); the output does not depend on it
+    workers: Optional[int] = Field(default=None, ge=1)
 
     @field_validator("dtype", "out_dtype", mode="before")
     @classmethod

@@ -9,7 +9,10 @@
    before a byte is written, with a message naming the tensor and the model.
 3. Merge in file order, reading each input tensor with one ``pread``; LoRA adapters are fused on
    the fly (``W + scale * B^T A^T`` in the weight's dtype, as ``mlx_lm fuse`` does); the result is
-   appended to the current output shard. Peak memory is about (inputs x largest tensor) + constant.
+   written at its planned place in its output shard. ``workers`` tensors (default 2 on the CPU)
+   are merged side by side on threads, each with its own mlx stream: mlx's CPU kernels and the NumPy selects
+   are single-threaded and release the GIL, so a second core nearly halves the time. Peak memory
+   is about workers x (inputs x largest tensor) + constant; ``--workers 1`` for the least.
 4. The output directory is built in a temporary sibling and renamed into place at the end.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,12 +239,13 @@ def _fit_rows(x: mx.array, rows: int, fill) -> mx.array:
     return x
 
 
-def merge_tensor(job: MergeJob, p: TensorPlan, seed: int) -> mx.array:
-    """Merge one planned tensor; returns it in the output dtype with the reference's shape."""
+def merge_tensor(job: MergeJob, p: TensorPlan, seed: int) -> list[mx.array]:
+    """Merge one planned tensor; returns it in the output dtype, flat, as consecutive slices
+    (row-major order: the bytes of the reference's shape, written one slice after the other)."""
     spec = METHODS[job.cfg.merge_method]
     ref_src = job.sources[job.reference]
     if p.copy:
-        return ref_src.load(p.name)
+        return [ref_src.load(p.name)]
     cd = DTYPES[p.cd]
     out_dt = DTYPES[_code_name(p.out)]
     rows = p.shape[0] if p.shape else 0
@@ -254,26 +259,99 @@ def merge_tensor(job: MergeJob, p: TensorPlan, seed: int) -> mx.array:
         return f
 
     if spec.name == "linear":
-        out = linear([loader(i) for i in p.inputs], [pm["weight"] for pm in p.per_model],
-                     p.params["normalize"], cd, out=out_dt)
-    else:
-        base = loader(p.base)()
-        out = task_vector_merge(
-            base, [loader(i) for i in p.inputs], [pm["weight"] for pm in p.per_model],
-            [pm.get("density", 1.0) for pm in p.per_model],
-            sparsify=spec.sparsify, consensus=spec.consensus, normalize=p.params["normalize"],
-            rescale_on=bool(p.params.get("rescale", False)), lam=p.params.get("lambda", 1.0), cd=cd,
-            sign_vote=p.params.get("sign_vote", "weighted"), rescale_mode=p.params.get("rescale_mode", "l1"),
-            seeds=[dare_seed(seed, p.name, str(i)) for i in p.inputs],
-            gammas=[pm.get("gamma", 0.01) for pm in p.per_model], out=out_dt,
-        )
-    return out.reshape(p.shape)
+        return linear([loader(i) for i in p.inputs], [pm["weight"] for pm in p.per_model],
+                      p.params["normalize"], cd, out=out_dt, as_parts=True)
+    base = loader(p.base)()
+    return task_vector_merge(
+        base, [loader(i) for i in p.inputs], [pm["weight"] for pm in p.per_model],
+        [pm.get("density", 1.0) for pm in p.per_model],
+        sparsify=spec.sparsify, consensus=spec.consensus, normalize=p.params["normalize"],
+        rescale_on=bool(p.params.get("rescale", False)), lam=p.params.get("lambda", 1.0), cd=cd,
+        sign_vote=p.params.get("sign_vote", "weighted"), rescale_mode=p.params.get("rescale_mode", "l1"),
+        seeds=[dare_seed(seed, p.name, str(i)) for i in p.inputs],
+        gammas=[pm.get("gamma", 0.01) for pm in p.per_model], out=out_dt, as_parts=True,
+    )
+
+
+#: mlx releases with per-thread streams (safe to evaluate independent graphs from several threads)
+_THREADED_MLX = (0, 31, 2)
+
+
+def resolve_workers(workers: Optional[int] = None) -> int:
+    """Tensors merged side by side: ``workers`` if given, else 2 when merging on the CPU (1 on a
+    1-CPU machine) and 1 on a GPU (threads there are untested: no Metal/CUDA run yet); always 1
+    on an mlx older than 0.31.2, whose streams are not per-thread."""
+    try:
+        version = tuple(int(x) for x in mx.__version__.split(".")[:3])
+    except ValueError:
+        version = _THREADED_MLX
+    if version < _THREADED_MLX:
+        return 1
+    if workers is None:
+        import os
+
+        if mx.default_device() != mx.cpu:
+            return 1
+        return min(2, os.cpu_count() or 1)
+    if workers < 1:
+        raise UserError(f"workers must be >= 1, got {workers}")
+    return workers
+
+
+def _run_parallel(items: list, fn, workers: int, on_done) -> None:
+    """``fn(item)`` for every item on ``workers`` threads; each thread takes one item at a time
+    (memory: one tensor's working set per thread) on its own mlx stream, since mlx evaluates a
+    stream's graphs only on the thread that created it. Each thread destroys its streams before it
+    ends (``mx.clear_streams``): mlx requires it, or the process may abort at exit. The first error
+    stops the others after their current item and is raised here."""
+    import queue
+
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for item in items:
+        todo.put(item)
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def work() -> None:
+        try:
+            with mx.stream(mx.new_stream(mx.default_device())):
+                while not stop.is_set():
+                    try:
+                        item = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    try:
+                        fn(item)
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                        stop.set()
+                        results.put(e)
+                        return
+                    results.put(None)
+        finally:
+            if hasattr(mx, "clear_streams"):
+                mx.clear_streams()
+
+    threads = [threading.Thread(target=work, name=f"merge-{i}", daemon=True) for i in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(len(items)):
+            err = results.get()
+            if err is not None:
+                raise err
+            on_done()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
 
 
 def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_shard_size: int | str = "5GB",
                 copy_tokenizer: bool = True, seed: int = 0, config_text: str = "",
-                progress: bool = True) -> dict:
-    """Merge every planned tensor into ``out_dir`` (atomic: built beside it, renamed at the end)."""
+                progress: bool = True, workers: Optional[int] = None) -> dict:
+    """Merge every planned tensor into ``out_dir`` (atomic: built beside it, renamed at the end).
+    ``workers`` tensors are merged side by side (:func:`resolve_workers`); the output does not
+    depend on it (each tensor's result depends only on its inputs, and DARE seeds on its name)."""
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
@@ -286,16 +364,27 @@ def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_sh
     t0 = time.perf_counter()
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         writer = sio.ShardedWriter(tmp, plan, shard_bytes, metadata={"merged_by": "mlx_ssp"})
+        n_workers = resolve_workers(workers)
+
+        def merge_one(p: TensorPlan) -> None:
+            parts = merge_tensor(job, p, seed)
+            mx.eval(parts)
+            writer.write(p.name, [sio.to_bytes(x) for x in parts])
+
+        bar = tqdm(total=len(job.plans), desc=f"merge {job.cfg.merge_method}", unit="tensor", disable=not progress)
         try:
-            for p in tqdm(job.plans, desc=f"merge {job.cfg.merge_method}", unit="tensor", disable=not progress):
-                x = merge_tensor(job, p, seed)
-                mx.eval(x)
-                writer.write(p.name, sio.to_bytes(x))
-                del x
+            if n_workers == 1:
+                for p in job.plans:
+                    merge_one(p)
+                    bar.update()
+            else:
+                _run_parallel(job.plans, merge_one, n_workers, bar.update)
             writer.close()
         except BaseException:
             writer.abort()
             raise
+        finally:
+            bar.close()
         ref = job.sources[job.reference]
         conf = dict(job.ref_config)
         out_codes = {p.out for p in job.plans if not p.copy}
@@ -318,12 +407,12 @@ def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_sh
         (tmp / "mergekit_config.yml").write_text(config_text or "")
     elapsed = time.perf_counter() - t0
     return {"out_dir": str(out_dir), "tensors": len(job.plans), "bytes": writer.total_bytes,
-            "shards": len(writer.names), "seconds": round(elapsed, 3)}
+            "shards": len(writer.names), "workers": n_workers, "seconds": round(elapsed, 3)}
 
 
 def run_merge(cfg: MergeConfig, out_dir: Path, *, overwrite: bool = False, out_shard_size: int | str = "5GB",
               copy_tokenizer: bool = True, seed: int = 0, vocab_mismatch: str = "error", config_text: str = "",
-              progress: bool = True) -> dict:
+              progress: bool = True, workers: Optional[int] = None) -> dict:
     """Plan (all checks) then write: the one entry point the CLI and the pipeline share."""
     if Path(out_dir).exists() and not overwrite:
         raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
@@ -333,7 +422,8 @@ def run_merge(cfg: MergeConfig, out_dir: Path, *, overwrite: bool = False, out_s
 
         config_text = yaml.safe_dump(cfg.model_dump(exclude_none=True), sort_keys=False)
     return write_merge(job, Path(out_dir), overwrite=overwrite, out_shard_size=out_shard_size,
-                       copy_tokenizer=copy_tokenizer, seed=seed, config_text=config_text, progress=progress)
+                       copy_tokenizer=copy_tokenizer, seed=seed, config_text=config_text, progress=progress,
+                       workers=workers)
 
 
 def stage_to_config(models: list[Path], base: Optional[Path], stage: MergeStageConfig) -> MergeConfig:
@@ -377,4 +467,4 @@ def merge_models(models: list[Path], base: Optional[Path], stage_cfg: MergeStage
     return run_merge(cfg, Path(out_dir), overwrite=overwrite, out_shard_size=stage_cfg.out_shard_size,
                      copy_tokenizer=stage_cfg.copy_tokenizer,
                      seed=stage_cfg.seed if stage_cfg.seed is not None else (seed or 0),
-                     vocab_mismatch=stage_cfg.vocab_mismatch, progress=progress)
+                     vocab_mismatch=stage_cfg.vocab_mismatch, progress=progress, workers=stage_cfg.workers)

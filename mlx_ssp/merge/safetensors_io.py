@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -161,19 +162,36 @@ def scan_model(model_dir: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-_BUF: list = [np.empty(0, dtype=np.uint8)]
+_TLS = threading.local()  # one read buffer per merging thread
 
 
 def _read_buffer(n: int) -> memoryview:
-    if _BUF[0].size < n:
-        _BUF[0] = np.empty(n, dtype=np.uint8)
-    return memoryview(_BUF[0])[:n]
+    buf = getattr(_TLS, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _TLS.buf = np.empty(n, dtype=np.uint8)
+    return memoryview(buf)[:n]
+
+
+_LAZY_CODES = ("F32", "F16", "BF16")
 
 
 def read_tensor(info: TensorInfo):
-    """Read one tensor as an ``mx.array`` of its stored dtype (one pread, no mmap)."""
+    """Read one tensor as an ``mx.array`` of its stored dtype.
+
+    Float tensors (the bulk) go through ``mx.load``, whose arrays are lazy: only the one asked for
+    is read, straight into the array's memory (half the time of a pread into a buffer and a copy).
+    Other dtypes: one pread into a reused buffer, then a copy. The file was checked against its
+    header when it was scanned (:func:`scan_file`)."""
     import mlx.core as mx
 
+    if info.dtype in _LAZY_CODES:
+        try:
+            a = mx.load(str(info.file))[info.name]
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise UserError(f"{info.file}: cannot read tensor '{info.name}': {e}") from None
+        if tuple(a.shape) != info.shape or a.dtype != getattr(mx, DTYPES[info.dtype][2]):
+            raise UserError(f"{info.file}: tensor '{info.name}' changed since the merge was planned")
+        return a
     itemsize, np_code, mx_name = DTYPES[info.dtype]
     # one reused read buffer: mx.array copies it, and a fresh large buffer per tensor would cost
     # zeroing plus a page fault per 4 KiB page
@@ -231,10 +249,12 @@ class PlannedTensor:
 
 
 class ShardedWriter:
-    """Write planned tensors, in plan order, into shards of at most ``max_shard_bytes``.
+    """Write planned tensors into shards of at most ``max_shard_bytes``, in any order.
 
-    Each shard's header is written when the shard is opened (the plan fixes every offset), and each
-    tensor's bytes are appended by :meth:`write` as they arrive. ``close`` writes the index."""
+    The plan fixes every offset, so all shard headers are written when the writer is created and
+    :meth:`write` puts each tensor's bytes at its place with ``pwrite``: several threads may write
+    at once (``pwrite`` needs no shared file position). ``close`` checks that every planned tensor
+    was written once and writes the index."""
 
     def __init__(self, out_dir: Path, plan: list[PlannedTensor], max_shard_bytes: int, metadata: dict | None = None):
         self.out_dir = Path(out_dir)
@@ -252,53 +272,72 @@ class ShardedWriter:
             "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)
         ]
         self.shards = shards
-        self.queue = [(si, t) for si, s in enumerate(shards) for t in s]
-        self.pos = 0
-        self._f = None
-        self._shard = -1
         self.total_bytes = sum(t.nbytes for t in plan)
+        self._where: dict[str, tuple[int, int, int]] = {}  # name -> (shard, file offset, nbytes)
+        self._written: set[str] = set()
+        self._lock = threading.Lock()
+        self._fds: list[int] = []
+        try:
+            for si, shard in enumerate(shards):
+                header: dict = {"__metadata__": self.metadata}
+                off, offs = 0, []
+                for t in shard:
+                    header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+                    offs.append(off)
+                    off += t.nbytes
+                text = json.dumps(header, separators=(",", ":")).encode()
+                text += b" " * (-len(text) % 8)  # align the data area to 8 bytes
+                start = 8 + len(text)
+                for t, a in zip(shard, offs):
+                    self._where[t.name] = (si, start + a, t.nbytes)
+                fd = os.open(self.out_dir / self.names[si], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                self._fds.append(fd)
+                _pwrite_all(fd, struct.pack("<Q", len(text)) + text, 0)
+                os.ftruncate(fd, start + off)  # full size now: a missing tensor reads as zeros, never short
+        except BaseException:
+            self.abort()
+            raise
 
-    def _open(self, si: int) -> None:
-        if self._f is not None:
-            self._f.close()
-        header: dict = {"__metadata__": self.metadata}
-        off = 0
-        for t in self.shards[si]:
-            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
-            off += t.nbytes
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)  # align the data area to 8 bytes
-        self._f = open(self.out_dir / self.names[si], "wb")
-        self._f.write(struct.pack("<Q", len(text)))
-        self._f.write(text)
-        self._shard = si
-
-    def expected(self) -> PlannedTensor:
-        return self.queue[self.pos][1]
-
-    def write(self, name: str, data: bytes) -> None:
-        si, t = self.queue[self.pos]
-        if t.name != name or len(data) != t.nbytes:
-            raise RuntimeError(f"writer expected tensor {t.name} ({t.nbytes} bytes), got {name} ({len(data)} bytes)")
-        if si != self._shard:
-            self._open(si)
-        self._f.write(data)
-        self.pos += 1
+    def write(self, name: str, data) -> None:
+        """Write one tensor's bytes at its planned place (thread-safe). ``data`` is one buffer, or a
+        list of buffers that are the tensor's bytes in order (written one after the other)."""
+        where = self._where.get(name)
+        if where is None:
+            raise RuntimeError(f"writer: tensor {name} is not in the plan")
+        si, off, nbytes = where
+        pieces = data if isinstance(data, list) else [data]
+        got = sum(memoryview(b).nbytes for b in pieces)
+        if got != nbytes:
+            raise RuntimeError(f"writer expected tensor {name} to be {nbytes} bytes, got {got}")
+        with self._lock:
+            if name in self._written:
+                raise RuntimeError(f"writer: tensor {name} written twice")
+            self._written.add(name)
+        for b in pieces:
+            _pwrite_all(self._fds[si], b, off)
+            off += memoryview(b).nbytes
 
     def close(self) -> None:
-        if self.pos != len(self.queue):
-            raise RuntimeError(f"writer closed after {self.pos} of {len(self.queue)} tensors")
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-        weight_map = {t.name: self.names[si] for si, t in self.queue}
+        missing = [n for n in self._where if n not in self._written]
+        if missing:
+            raise RuntimeError(f"writer closed with {len(missing)} of {len(self._where)} tensors unwritten "
+                               f"(first: {missing[0]})")
+        self.abort()
+        weight_map = {t.name: self.names[si] for si, s in enumerate(self.shards) for t in s}
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     def abort(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        """Close the shard files (what was written stays; the caller discards the directory)."""
+        while self._fds:
+            os.close(self._fds.pop())
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def parse_size(text: str | int) -> int:
