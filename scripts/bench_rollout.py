@@ -7,7 +7,8 @@ Measured side by side in one process, after a warm-up, on the same prompts and s
   of the samples (``--seq-samples``) to keep the run short; tokens/s is what matters.
 - ``raw``: ``mlx_lm.batch_generate`` over all N*K prompts (batch ``--batch-size``), nothing else.
 - ``ours``: :func:`mlx_ssp.rollout.iter_rollouts` with verification, behaviour log-probs and the
-  records appended to a JSONL file (fsync per task), i.e. what ``mlx_ssp rollout`` does.
+  records appended to a JSONL file (fsync per task, writer thread), i.e. what ``mlx_ssp rollout``
+  does; with ``--engine-only``, without verification and writes (the engine's own cost).
 
 raw and ours alternate ``--repeats`` times and the best of each is kept (the machine is shared).
 Prints tokens/s, the speedup of ours over sequential, ours' overhead over raw (best against best,
@@ -64,6 +65,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seq-samples", type=int, default=8, help="samples timed one at a time")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--engine-only", action="store_true",
+                    help="ours without verification and without the JSONL writes: the rollout engine alone")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -111,8 +114,9 @@ def main() -> None:
         t0, c0 = time.perf_counter(), time.process_time()
         with JsonlAppender(out, background=True) as app:  # as `mlx_ssp rollout` writes
             for group in iter_rollouts(model, tok, tasks, k=args.k, sampling=sc, seed=i, batch_size=args.batch_size,
-                                       progress=False, stats=stats):
-                app.write_many(group)
+                                       progress=False, stats=stats, verify=not args.engine_only):
+                if not args.engine_only:
+                    app.write_many(group)
         return stats["gen_tokens"], time.perf_counter() - t0, time.process_time() - c0, stats["verify_s"]
 
     # warm-up: compile paths and allocator
@@ -121,8 +125,11 @@ def main() -> None:
     batch_generate(model, tok, all_prompts[: args.batch_size], max_tokens=4, sampler=sampler)
     list(iter_rollouts(model, tok, tasks[:2], k=2, sampling=sc.model_copy(update={"max_tokens": 4}), progress=False))
     from mlx_ssp.verify import verify
+    from mlx_ssp.verify.math import equivalent
 
-    for t in tasks:  # the verifier's first parse builds its grammar (~0.1 s): not a per-rollout cost
+    # math-verify's first LaTeX parse builds its grammar (~0.2 s): a one-off, not a per-rollout cost
+    equivalent("\\frac{1}{2}", "0.5")
+    for t in tasks:
         verify(f"So the answer is {t.answer}.", t)
 
     def rate(x):  # (tokens/wall s, tokens/CPU s)
@@ -146,6 +153,7 @@ def main() -> None:
     paired = sorted(100 * (rate(r)[0] / rate(o)[0] - 1) for r, o in zip(raws, ourss))
     res = {
         "model": args.model,
+        "engine_only": args.engine_only,
         "model_path": str(path),
         "tasks": len(tasks),
         "k": args.k,
