@@ -8,10 +8,10 @@ its own noise stream whose PRNG key is derived from ``(seed, task id, sample ind
 :class:`mlx_ssp.sampling.BatchSampler` draws the whole batch's tokens per step in one batched op
 and records each token's ``log_softmax(logprobs / T)[token]`` (from mlx-lm's T=1 log-prob vector),
 the behaviour log-prob GRPO's ratio needs (see :mod:`mlx_ssp.sampling` for truncation and
-greedy). When all K samples of a task
-are done they are verified with :func:`mlx_ssp.verify.verify` and handed out together, so the CLI
-appends each finished task to ``rollouts.jsonl`` at once (:class:`mlx_ssp.io.JsonlAppender`: a
-crash loses at most the tasks in flight, never leaves half a line).
+greedy). When all K samples of a task are done they are verified with
+:func:`mlx_ssp.verify.verify` and handed out together, so the CLI appends each finished task to
+``rollouts.jsonl`` at once (:class:`mlx_ssp.io.JsonlAppender` on a writer thread: a crash loses at
+most the tasks in flight, never leaves half a line).
 
 Record keys: ``task_id, domain, sample, prompt, prompt_token_ids, completion, token_ids, logprobs,
 logprob_temperature, finish_reason ("stop" | "length"), stop (the stop string hit, or null),

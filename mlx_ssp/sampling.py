@@ -191,7 +191,7 @@ class BatchSampler:
             raise RuntimeError(
                 f"mlx-lm {getattr(mlx_lm, '__version__', '?')} called the batch sampler from "
                 f"{type(owner).__name__} without a matching `uids` list, so rows cannot be mapped to "
-                "sequences; set MLX_SSP_PER_SEQUENCE_SAMPLER=1 (same samples, slower) or pin mlx-lm<=0.32"
+                "sequences; set MLX_SSP_PER_SEQUENCE_SAMPLER=1 (same samples, slower) or use mlx-lm 0.32.x"
             )
         return uids
 

@@ -320,13 +320,11 @@ def _run_parallel(items: list, fn, workers: int, on_done) -> None:
                         item = todo.get_nowait()
                     except queue.Empty:
                         return
-                    try:
-                        fn(item)
-                    except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                        stop.set()
-                        results.put(e)
-                        return
+                    fn(item)
                     results.put(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, never lost
+            stop.set()
+            results.put(e)
         finally:
             if hasattr(mx, "clear_streams"):
                 mx.clear_streams()
