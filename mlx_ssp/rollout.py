@@ -120,13 +120,12 @@ def _timed_verify(text: str, task: Task):
 class _Seq:
     """Book-keeping of one in-flight sample."""
 
-    __slots__ = ("uid", "task_idx", "sample", "sampler", "tokens", "lps", "detok", "text", "t0", "max_tokens")
+    __slots__ = ("uid", "task_idx", "sample", "tokens", "lps", "detok", "text", "t0", "max_tokens")
 
-    def __init__(self, uid, task_idx, sample, sampler, t0, max_tokens):
+    def __init__(self, uid, task_idx, sample, t0, max_tokens):
         self.uid = uid
         self.task_idx = task_idx
         self.sample = sample
-        self.sampler = sampler
         self.tokens: list[int] = []
         self.lps: list[float] = []
         self.detok = None
@@ -251,10 +250,10 @@ def iter_rollouts(
         uids = gen.insert(
             [prompts[ti] for ti, _ in chunk], max_tokens=[budget[ti] for ti, _ in chunk], samplers=samplers
         )
-        for j, (uid, (ti, s)) in enumerate(zip(uids, chunk)):
+        for uid, (ti, s), stream in zip(uids, chunk, streams):
             if shared is not None:
-                shared.add(uid, streams[j])
-            seq = _Seq(uid, ti, s, None if samplers is None else samplers[j], now, budget[ti])
+                shared.add(uid, stream)
+            seq = _Seq(uid, ti, s, now, budget[ti])
             if stop_strings:
                 seq.detok = tokenizer.detokenizer
             live[uid] = seq
@@ -290,8 +289,6 @@ def iter_rollouts(
         }
         if shared is not None:
             shared.drop(seq.uid)
-        else:
-            seq.sampler.drop()
         if verify and pool is not None and task.verifier in PARALLEL:
             # sandboxed verifiers wait on subprocesses: run them beside generation
             pending.append((seq.task_idx, rec, pool.submit(_timed_verify, text, task)))

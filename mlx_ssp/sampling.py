@@ -118,9 +118,6 @@ class SequenceSampler:
         # argmax(x / T + g) == argmax(x + T * g) for T > 0
         return mx.argmax(logprobs + self.temperature * g, axis=-1)
 
-    def drop(self) -> None:  # nothing buffered; kept so both samplers release the same way
-        pass
-
 
 class _StepLogprobs:
     """The behaviour log-probs of one batched draw, converted to Python floats once, on first use."""
