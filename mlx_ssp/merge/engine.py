@@ -1,4 +1,4 @@
-"""The streaming merge: plan and validate every tensor, then merge and write one tensor at a time.
+"""The streaming merge: plan and validate every tensor, then merge and write tensor by tensor.
 
 1. Resolve each model reference (a directory, a hub id, ``demo``, or ``path+adapter_dir``) and scan
    its safetensors headers (no tensor data is read).
@@ -7,12 +7,13 @@
    parameter (filters, gradients, defaults), the compute dtype (``dtype``, else the widest input
    dtype) and the output dtype (``out_dtype``, else the compute dtype). Any bad input stops here,
    before a byte is written, with a message naming the tensor and the model.
-3. Merge in file order, reading each input tensor with one ``pread``; LoRA adapters are fused on
-   the fly (``W + scale * B^T A^T`` in the weight's dtype, as ``mlx_lm fuse`` does); the result is
-   written at its planned place in its output shard. ``workers`` tensors (default 2 on the CPU)
-   are merged side by side on threads, each with its own mlx stream: mlx's CPU kernels and the NumPy selects
-   are single-threaded and release the GIL, so a second core nearly halves the time. Peak memory
-   is about workers x (inputs x largest tensor) + constant; ``--workers 1`` for the least.
+3. Merge in file order, reading each input tensor lazily (only its bytes); LoRA adapters are
+   fused on the fly (``W + scale * B^T A^T`` in the weight's dtype, as ``mlx_lm fuse`` does); the
+   result is written at its planned place in its output shard. ``workers`` tensors (default 2 on
+   the CPU) are merged side by side on threads, each with its own mlx stream: mlx's CPU kernels
+   and the NumPy selects are single-threaded and release the GIL, so a second core nearly halves
+   the time. Peak memory is about workers x (inputs x largest tensor) + constant; ``--workers 1``
+   for the least.
 4. The output directory is built in a temporary sibling and renamed into place at the end.
 """
 

@@ -2,14 +2,17 @@
 
 A safetensors file is an 8-byte little-endian header length, a JSON header mapping each tensor
 name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the end of the
-header), then the raw little-endian bytes. Reading parses the header ourselves and reads one
-tensor's byte range with ``os.pread``: no memory map (its pages would count against the resident
-set), no framework (``safetensors.numpy`` cannot represent bfloat16). Bytes become an
-``mx.array`` through a same-width integer view (bf16 -> uint16 -> ``mx.view``).
+header), then the raw little-endian bytes. Headers are parsed here and checked against the file
+size (truncation is found before any merging). A float tensor is read through ``mx.load``, whose
+arrays are lazy: only the tensor asked for is read, straight into its array; other dtypes with one
+``os.pread`` into a reused buffer (a same-width integer view for the bytes). No memory map (its
+pages would count against the resident set), no other framework (``safetensors.numpy`` cannot
+represent bfloat16).
 
-Writing plans every output tensor (name, dtype, shape) up front, so each shard's header is known
-before its first byte: the header is written first and each tensor's bytes are appended as soon as
-the tensor is merged. Nothing holds a whole shard in memory.
+Writing plans every output tensor (name, dtype, shape) up front, so every shard's header and every
+tensor's byte offset are known before the first byte: the headers are written first and each
+tensor's bytes are ``pwrite``-n at their place as soon as the tensor is merged, in any order (so
+several threads can merge at once). Nothing holds a whole shard in memory.
 
 Every structural problem (short file, header length past the end, bad JSON, offsets outside the
 data area or overlapping, a byte count that does not match dtype x shape, an index that names a
