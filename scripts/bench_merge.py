@@ -2,11 +2,15 @@
 
 Builds three Llama-shaped bf16 models with random weights (default: hidden 1024, intermediate 4096,
 14 layers, 16 heads, vocab 32000, separate lm_head: ~300M parameters, 3 shards each) in a temp
-dir, then for each method runs, in one process each: our merge, mergekit-yaml (when installed), and
-records wall time and peak RSS (ru_maxrss of the child). The I/O floor is the time to read every
-input tensor the merge reads and write one output model's bytes. Prints a table and a JSON line.
+dir, then for each method runs, in one process each: the I/O floor, our merge and mergekit-yaml (when
+installed), recording wall time and peak RSS (ru_maxrss of the child). The I/O floor is the time to
+read every input tensor the merge reads and write one output model's bytes. ``--repeat N`` runs N
+such rounds back to back and reports medians (speedup: the median of the per-round ratios, with
+their range), since the pace of a shared machine drifts between minutes. Prints a table and a JSON
+line per method.
 
     python scripts/bench_merge.py                      # full size, all methods
+    python scripts/bench_merge.py --repeat 3 --keep /tmp/bfull   # the BENCHMARKS.md figures
     python scripts/bench_merge.py --small --methods ties  # quick look
     python scripts/bench_merge.py --layers 2 --no-mergekit --methods ties,dare_ties  # full-width proxy
 """
@@ -119,6 +123,7 @@ def main() -> None:
     ap.add_argument("--no-mergekit", action="store_true")
     ap.add_argument("--keep", default=None, help="build/keep models in this dir")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count (a quicker proxy at full width)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of (floor, ours, mergekit); medians are reported")
     args = ap.parse_args()
     args.hidden, args.intermediate, args.layers_, args.heads, args.vocab = (
         (256, 1024, 4, 4, 8000) if args.small else (1024, 4096, 14, 16, 32000))
@@ -138,31 +143,47 @@ def main() -> None:
     for name in args.methods.split(","):
         cfg = root / f"{name}.yml"
         cfg.write_text(yaml.safe_dump(cfgs[name]))
-        used = models if name == "linear" else models
-        floor = io_floor(used, root / "floor")
-        ours_out = root / f"ours_{name}"
-        shutil.rmtree(ours_out, ignore_errors=True)
-        ours = timed(["mlx_ssp", "merge", str(cfg), str(ours_out), "--quiet", "--seed", "1"])
-        row = {"method": name, "ours_s": round(ours[0], 2), "ours_rss_mib": round(ours[1]), "io_floor_s": round(floor, 2),
-               "ours_over_floor": round(ours[0] / floor, 2)}
+        # ours, mergekit and the I/O floor back to back, `--repeat` times: this machine's pace
+        # drifts by 10-30% within minutes, so each ratio is taken within one round, and the
+        # table reports medians over rounds (with the range of the per-round speedups)
+        ours_s, ours_rss, mk_s, mk_rss, floors = [], [], [], [], []
+        for _ in range(args.repeat):
+            floors.append(io_floor(models, root / "floor"))
+            ours_out = root / f"ours_{name}"
+            shutil.rmtree(ours_out, ignore_errors=True)
+            wall, rss = timed(["mlx_ssp", "merge", str(cfg), str(ours_out), "--quiet", "--seed", "1"])
+            ours_s.append(wall)
+            ours_rss.append(rss)
+            shutil.rmtree(ours_out, ignore_errors=True)
+            if have_mk:
+                mk_out = root / f"mk_{name}"
+                shutil.rmtree(mk_out, ignore_errors=True)
+                wall, rss = timed(["mergekit-yaml", str(cfg), str(mk_out), "--random-seed", "1"])
+                mk_s.append(wall)
+                mk_rss.append(rss)
+                shutil.rmtree(mk_out, ignore_errors=True)
+        med = lambda v: float(np.median(v))  # noqa: E731
+        row = {"method": name, "rounds": args.repeat, "ours_s": round(med(ours_s), 2), "ours_rss_mib": round(max(ours_rss)),
+               "io_floor_s": round(med(floors), 2),
+               "ours_over_floor": round(med([o / f for o, f in zip(ours_s, floors)]), 2),
+               "ours_s_all": [round(x, 2) for x in ours_s]}
         if have_mk:
-            mk_out = root / f"mk_{name}"
-            shutil.rmtree(mk_out, ignore_errors=True)
-            mk = timed(["mergekit-yaml", str(cfg), str(mk_out), "--random-seed", "1"])
-            row.update({"mergekit_s": round(mk[0], 2), "mergekit_rss_mib": round(mk[1]),
-                        "speedup": round(mk[0] / ours[0], 2), "rss_ratio": round(ours[1] / mk[1], 2)})
-            shutil.rmtree(mk_out, ignore_errors=True)
-        shutil.rmtree(ours_out, ignore_errors=True)
+            per_round = [m / o for m, o in zip(mk_s, ours_s)]
+            row.update({"mergekit_s": round(med(mk_s), 2), "mergekit_rss_mib": round(min(mk_rss)),
+                        "speedup": round(med(per_round), 2),
+                        "speedup_range": [round(min(per_round), 2), round(max(per_round), 2)],
+                        "rss_ratio": round(max(ours_rss) / min(mk_rss), 2), "mergekit_s_all": [round(x, 2) for x in mk_s]})
         rows.append(row)
         print(json.dumps(row), flush=True)
     shutil.rmtree(root / "floor", ignore_errors=True)
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
-    print("\n| method | ours s | ours RSS MiB | mergekit s | mergekit RSS MiB | speedup | RSS ratio | I/O floor s | ours/floor |")
+    print("\n| method | ours s | ours RSS MiB | mergekit s | mergekit RSS MiB | speedup (range) | RSS ratio | I/O floor s | ours/floor |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        rng = f" ({r['speedup_range'][0]}-{r['speedup_range'][1]})" if "speedup_range" in r and r["rounds"] > 1 else ""
         print(f"| {r['method']} | {r['ours_s']} | {r['ours_rss_mib']} | {r.get('mergekit_s', '-')} | "
-              f"{r.get('mergekit_rss_mib', '-')} | {r.get('speedup', '-')} | {r.get('rss_ratio', '-')} | "
+              f"{r.get('mergekit_rss_mib', '-')} | {r.get('speedup', '-')}{rng} | {r.get('rss_ratio', '-')} | "
               f"{r['io_floor_s']} | {r['ours_over_floor']} |")
     print(f"command: python scripts/bench_merge.py {' '.join(sys.argv[1:])}")
     print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (at the end; {os.cpu_count()} CPUs)")

@@ -712,6 +712,74 @@ def test_threaded_cli_exits_cleanly(trio, tmp_path):
     assert all(o == outs[0] for o in outs)
 
 
+def test_parallel_schedule_largest_first_within_budget():
+    """Threads take the largest pending tensor that fits the in-flight budget: two of the large
+    (vocabulary-sized) tensors are never in flight together, everything runs exactly once, the
+    large ones start first (the run ends on small ones), and same-size tensors run side by side."""
+    import threading
+    import time as _time
+
+    from mlx_ssp.merge.engine import _run_parallel, inflight_budget
+
+    sizes = [64, 8, 8, 8, 8, 8, 8, 1, 8, 64]  # embed first, lm_head last, as in a file
+    assert inflight_budget(sizes, 2) == 64 + 8 and inflight_budget(sizes, 3) == 64 + 16
+    assert inflight_budget([8] * 5, 3) == 24 and inflight_budget([], 2) == 0
+    for workers in (2, 3):
+        lock, live, seen, starts = threading.Lock(), [], [], []
+        peak = {"n": 0, "elems": 0}
+
+        def fn(i):
+            with lock:
+                live.append(i)
+                starts.append(i)
+                peak["n"] = max(peak["n"], len(live))
+                peak["elems"] = max(peak["elems"], sum(sizes[j] for j in live))
+                assert sum(sizes[j] >= 64 for j in live) <= 1
+            _time.sleep(0.002 * sizes[i] ** 0.5)
+            with lock:
+                live.remove(i)
+                seen.append(i)
+
+        _run_parallel(list(range(len(sizes))), fn, workers, lambda: None, sizes=sizes)
+        assert sorted(seen) == list(range(len(sizes)))
+        assert starts[0] == 0 and peak["n"] == workers
+        assert peak["elems"] <= inflight_budget(sizes, workers)
+        assert starts.index(9) < starts.index(8) and starts[-1] == 7  # lm_head is not left for the end
+    # equal sizes: file order, all workers busy
+    order = []
+    _run_parallel(list(range(6)), order.append, 2, lambda: None, sizes=[5] * 6)
+    assert sorted(order) == list(range(6))
+
+
+def test_merge_raises_the_cpu_buffer_cache_and_restores_it(trio, tmp_path, monkeypatch):
+    """During a CPU merge mlx keeps up to 1 GiB of freed buffers for reuse (the 32 MiB default
+    sends every large one back to the OS, and page faults then cost a third of the system time);
+    the caller's limit is back afterwards."""
+    from mlx_ssp.merge import engine
+
+    def current():
+        lim = mx.set_cache_limit(0)
+        mx.set_cache_limit(lim)
+        return lim
+
+    seen, real = [], engine.merge_tensor
+
+    def spy(job, p, seed):
+        seen.append(current())
+        return real(job, p, seed)
+
+    monkeypatch.setattr(engine, "merge_tensor", spy)
+    before = mx.set_cache_limit(32 << 20)
+    try:
+        m = trio["float32"]
+        run_merge(cfg_of(merge_method="linear", models=[{"model": str(m[i]), "parameters": {"weight": 1}} for i in (1, 2)]),
+                  tmp_path / "out", progress=False, workers=1)
+        assert seen and all(v == engine._CPU_BUFFER_CACHE for v in seen)
+        assert current() == 32 << 20
+    finally:
+        mx.set_cache_limit(before)
+
+
 def test_workers_setting_is_validated():
     from mlx_ssp.config import validate
 

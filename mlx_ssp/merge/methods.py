@@ -103,17 +103,23 @@ _SCRATCH = threading.local()
 _COUNT_CHUNK = 1 << 20
 
 
-def _scratch(dtype, n: int) -> np.ndarray:
+def _scratch(dtype, n: int, tag: str = "") -> np.ndarray:
     bufs = _SCRATCH.__dict__
-    b = bufs.get(np.dtype(dtype))
+    key = (np.dtype(dtype), tag)
+    b = bufs.get(key)
     if b is None or b.size < n:
-        b = bufs[np.dtype(dtype)] = np.empty(n, dtype=dtype)
+        b = bufs[key] = np.empty(n, dtype=dtype)
     return b[:n]
 
 
 def _count(a: np.ndarray, op, v) -> int:
-    """``count_nonzero(op(a, v))`` in cache-sized slices (no full-size boolean temporary)."""
-    return sum(int(np.count_nonzero(op(a[i : i + _COUNT_CHUNK], v))) for i in range(0, a.size, _COUNT_CHUNK))
+    """``count_nonzero(op(a, v))`` in cache-sized slices into a reused boolean buffer."""
+    out = _scratch(np.bool_, min(a.size, _COUNT_CHUNK), "count")
+    total = 0
+    for i in range(0, a.size, _COUNT_CHUNK):
+        c = a[i : i + _COUNT_CHUNK]
+        total += int(np.count_nonzero(op(c, v, out=out[: c.size])))
+    return total
 
 
 def kth_largest_bits(absbits: np.ndarray, k: int, inplace: bool = False) -> tuple[int, int, int]:
@@ -151,9 +157,13 @@ def _nth_equal(bits: np.ndarray, v, nth: int, chunk: int = 1 << 20, mask=None) -
     """Flat index of the ``nth`` (1-based) element equal to ``v`` (after ``& mask`` when given),
     scanning in chunks so that no full-size index array is allocated."""
     seen = 0
+    eq_buf = _scratch(np.bool_, min(bits.size, chunk), "count")
+    and_buf = _scratch(bits.dtype, min(bits.size, chunk), "and")
     for i in range(0, bits.size, chunk):
         c_bits = bits[i : i + chunk]
-        eq = (c_bits & mask if mask is not None else c_bits) == v
+        if mask is not None:
+            c_bits = np.bitwise_and(c_bits, mask, out=and_buf[: c_bits.size])
+        eq = np.equal(c_bits, v, out=eq_buf[: c_bits.size])
         c = int(np.count_nonzero(eq))
         if seen + c >= nth:
             return i + int(np.flatnonzero(eq)[nth - seen - 1])
@@ -397,8 +407,10 @@ def task_vector_merge(
     work = F32 if cd == mx.float16 else cd
     w = [float(rnd(_scalar(x), cd).item()) for x in weights]
     delta_k = _kernel(("delta", str(cd)), lambda: (lambda x, b: (_f(x) - _f(b)).astype(cd)))
-    wmul_k = _kernel(("wmul", str(cd)), lambda: (lambda d, m, w: (_f(d) * m * w).astype(cd)))
-    wmul0_k = _kernel(("wmul0", str(cd)), lambda: (lambda d, w: (_f(d) * w).astype(cd)))
+    # weighted deltas leave their kernels as float32 holding cd-rounded values: the vote reads
+    # each of them several times, and a bf16 input would need a separate cast pass per read
+    wmul_k = _kernel(("wmul", str(cd)), lambda: (lambda d, m, w: rnd(_f(d) * m * w, cd)))
+    wmul0_k = _kernel(("wmul0", str(cd)), lambda: (lambda d, w: rnd(_f(d) * w, cd)))
     # Per model, the whole-tensor steps: the delta, its selection (top-k threshold, DARE or
     # breadcrumbs mask) and the L1 rescale. The elementwise tail (mask, weight, vote, combine) then
     # runs in slices of CHUNK elements, so no full-size float32 temporary is ever allocated (large
@@ -441,7 +453,7 @@ def task_vector_merge(
                     s = s + _f(v)
                 if cd == mx.float16:  # bf16 rounding never changes a sign; fp16 can underflow to 0
                     s = s.astype(cd)
-            sg = (s >= 0).astype(F32) * 2 - 1  # +1 / -1
+            sg = mx.where(s >= 0, 1.0, -1.0)  # +1 / -1 (a select of constants compiles branch-free)
             mixed, div = None, None
             for x, wi in zip(wd, ws):
                 x = _f(x)
@@ -493,15 +505,17 @@ def task_vector_merge(
             if factor is not None:
                 # the rescaled masked delta, rounded to q then cd, then weighted, as mergekit does
                 fs = _scalar(factor)
+                # q is cd or float32, so rounding to q then to cd is one rounding to cd; written as
+                # one cast, the kernel stays shallow enough for mx.compile to fuse it whole (deeper
+                # graphs are cut, and the cut-off input casts run as separate full passes)
                 if consensus and sign_vote == "unweighted":
-                    raw.append(_kernel(("rescaled", str(q), str(cd)),
-                                       lambda: (lambda d, m, s: rnd(_f(d) * m * s, q).astype(cd)))(dc, m, fs))
-                wd.append(_kernel(("wrescaled", str(q), str(cd)),
-                                  lambda: (lambda d, m, s, w: (_f(rnd(_f(d) * m * s, q).astype(cd)) * w).astype(cd))
-                                  )(dc, m, fs, wi))
+                    raw.append(_kernel(("rescaled", str(cd)),
+                                       lambda: (lambda d, m, s: rnd(_f(d) * m * s, cd)))(dc, m, fs))
+                wd.append(_kernel(("wrescaled", str(cd)),
+                                  lambda: (lambda d, m, s, w: rnd(rnd(_f(d) * m * s, cd) * w, cd)))(dc, m, fs, wi))
                 continue
             if consensus and sign_vote == "unweighted":
-                raw.append(dc if m is None else (_f(dc) * m).astype(cd))
+                raw.append(dc if m is None else rnd(_f(dc) * m, cd))
             wd.append(wmul0_k(dc, wi) if m is None else wmul_k(dc, m, wi))
         vote = raw if sign_vote == "unweighted" else wd
         if consensus:
