@@ -753,7 +753,7 @@ def test_parallel_schedule_largest_first_within_budget():
 
 def test_merge_raises_the_cpu_buffer_cache_and_restores_it(trio, tmp_path, monkeypatch):
     """During a CPU merge mlx keeps up to 1 GiB of freed buffers for reuse (the 32 MiB default
-    sends every large one back to the OS, and page faults then cost a third of the system time);
+    sends every large one back to the OS, to be faulted in and zeroed again for the next tensor);
     the caller's limit is back afterwards."""
     from mlx_ssp.merge import engine
 

@@ -328,22 +328,28 @@ def _run_parallel(items: list, fn, workers: int, on_done, sizes: Optional[list[i
     budget = inflight_budget(sizes, workers)
     # pending items, largest first (stable: equal sizes keep their order)
     pending = sorted(range(len(items)), key=lambda i: -sizes[i])
-    state = {"inflight": 0}
+    inflight = 0  # elements of the items being merged now
     cond = threading.Condition()
     results: queue.SimpleQueue = queue.SimpleQueue()
     stop = threading.Event()
 
     def take() -> Optional[int]:
+        nonlocal inflight
         with cond:
             while not stop.is_set() and pending:
-                room = budget - state["inflight"]
                 for k, i in enumerate(pending):
-                    if sizes[i] <= room or state["inflight"] == 0:
+                    if sizes[i] <= budget - inflight or inflight == 0:
                         del pending[k]
-                        state["inflight"] += sizes[i]
+                        inflight += sizes[i]
                         return i
                 cond.wait()
             return None
+
+    def done(i: int) -> None:
+        nonlocal inflight
+        with cond:
+            inflight -= sizes[i]
+            cond.notify_all()
 
     def work() -> None:
         try:
@@ -352,9 +358,7 @@ def _run_parallel(items: list, fn, workers: int, on_done, sizes: Optional[list[i
                     try:
                         fn(items[i])
                     finally:
-                        with cond:
-                            state["inflight"] -= sizes[i]
-                            cond.notify_all()
+                        done(i)
                     results.put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, never lost
             stop.set()
@@ -383,9 +387,9 @@ def _run_parallel(items: list, fn, workers: int, on_done, sizes: Optional[list[i
 
 
 #: mlx's CPU buffer cache holds 32 MiB by default: larger freed buffers go back to the OS, and the
-#: next tensor's arrays pay a page fault and a page zeroing per 4 KiB (measured: a third of a
-#: merge's system time). 1 GiB roughly halves the faults; peak RSS rises by ~10% (the cache only
-#: keeps what the largest tensors had in flight anyway).
+#: next tensor's arrays pay a page fault and a page zeroing per 4 KiB. Measured on a 300M-parameter
+#: bf16 merge: 1 GiB cuts the minor faults by 35-50% and the system time by ~15%; peak RSS rises by
+#: ~10% (the cache only keeps what the largest tensor had in flight anyway).
 _CPU_BUFFER_CACHE = 1 << 30
 
 
