@@ -433,7 +433,7 @@ def task_vector_merge(
             factor = rescale_factor(d, sel, rescale_mode, densities[i], q)
         ds.append(d)
         sels.append(sel)
-        factors.append((factor, q))
+        factors.append(factor)
     n = len(ds)
     ws = [_scalar(x) for x in w]
 
@@ -499,15 +499,15 @@ def task_vector_merge(
     for lo in range(0, base.size, CHUNK):
         hi = min(base.size, lo + CHUNK)
         wd, raw = [], []
-        for d, sel, (factor, q), wi in zip(ds, sels, factors, ws):
+        for d, sel, factor, wi in zip(ds, sels, factors, ws):
             dc = d[lo:hi]
             m = sel.select(d, lo, hi) if isinstance(sel, MagnitudeCut) else (None if sel is None else sel[lo:hi])
             if factor is not None:
-                # the rescaled masked delta, rounded to q then cd, then weighted, as mergekit does
+                # the rescaled masked delta, rounded to the rescale dtype then cd, then weighted, as
+                # mergekit does; the rescale dtype is cd or float32, so that is one rounding to cd,
+                # written as one cast so mx.compile fuses the kernel whole (graphs deeper than its
+                # limit are cut, and the cut-off input casts run as separate full passes)
                 fs = _scalar(factor)
-                # q is cd or float32, so rounding to q then to cd is one rounding to cd; written as
-                # one cast, the kernel stays shallow enough for mx.compile to fuse it whole (deeper
-                # graphs are cut, and the cut-off input casts run as separate full passes)
                 if consensus and sign_vote == "unweighted":
                     raw.append(_kernel(("rescaled", str(cd)),
                                        lambda: (lambda d, m, s: rnd(_f(d) * m * s, cd)))(dc, m, fs))
