@@ -3,11 +3,14 @@
 Subcommands are imported lazily (``mlx_ssp --help`` must not pay for mlx, datasets or torch).
 Each stage module exposes a click command named ``cli``; a stage that is not built in this
 version exits non-zero with one line saying so. A :class:`UserError` anywhere becomes one line on
-stderr and exit status 2, never a traceback.
+stderr and exit status 2, never a traceback; so does a full disk or quota (``ENOSPC``/``EDQUOT``,
+from any stage: every output is written atomically or resumably, so a rerun after freeing space
+is safe).
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 
@@ -46,8 +49,26 @@ def _not_built(name: str, help_text: str, reason: str) -> click.Command:
     return cmd
 
 
+#: errnos that mean "the disk (or the quota) is full": the user's to fix, not a bug
+DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def disk_full_message(exc: BaseException) -> str | None:
+    """One line for an exception caused (anywhere in its chain) by a full disk, else None."""
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            where = f" writing {e.filename}" if e.filename else ""
+            what = "disk quota exceeded" if e.errno != errno.ENOSPC else "no space left on device"
+            return f"{what}{where}; free some space (or write elsewhere) and rerun"
+        e = e.__cause__ or e.__context__
+    return None
+
+
 class StageGroup(click.Group):
-    """Lazy subcommands, and UserError -> one clean line."""
+    """Lazy subcommands; UserError and a full disk -> one clean line."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
@@ -78,6 +99,12 @@ class StageGroup(click.Group):
             return super().invoke(ctx)
         except UserError as e:
             click.echo(f"error: {e}", err=True)
+            ctx.exit(2)
+        except Exception as e:  # noqa: BLE001 - only a full disk is answered here; the rest re-raised
+            msg = disk_full_message(e)
+            if msg is None:
+                raise
+            click.echo(f"error: {msg}", err=True)
             ctx.exit(2)
 
 

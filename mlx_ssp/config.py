@@ -59,17 +59,92 @@ def section_model(name: str) -> type[BaseModel]:
         raise UserError(f"config section '{name}' is not available in this version ({e})") from None
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping; a missing or malformed file is a UserError naming the file."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"config file not found: {p}")
+#: Bounds of the one YAML loader. A config is a few KiB; an "alias bomb" (anchors that refer to
+#: anchors, ``a: &a [x, x]``, ``b: &b [*a, *a]``, ...) is a few hundred bytes whose expansion is
+#: exponential, and every consumer (``--set``, pydantic, copies) walks it expanded.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_NODES = 100_000
+
+
+def _expanded_size(root: yaml.Node, limit: int) -> int:
+    """Nodes of the document with every alias expanded (memoised, so linear in the node graph);
+    stops counting once past ``limit``. A cycle (a node inside its own alias) is infinite."""
+    size: dict[int, int] = {}
+    active: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            active.discard(key)
+            kids = _children(node)
+            size[key] = min(limit + 1, 1 + sum(size[id(c)] for c in kids))
+            continue
+        if key in size:
+            continue
+        if key in active:
+            return limit + 1
+        active.add(key)
+        stack.append((node, True))
+        for c in _children(node):
+            if id(c) in active:
+                return limit + 1
+            if id(c) not in size:
+                stack.append((c, False))
+    return size[id(root)]
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [x for kv in node.value for x in kv]
+    return []
+
+
+class NotYAMLError(UserError):
+    """The text does not parse as YAML (as opposed to YAML that is too large)."""
+
+
+def load_yaml_text(text: str, source: str) -> Any:
+    """Parse one YAML document (safe tags only) with the size and alias-expansion bounds above;
+    malformed or oversized input is a UserError naming ``source``."""
+    if len(text) > MAX_YAML_BYTES:
+        raise UserError(f"{source}: {len(text)} characters is more than a config may hold ({MAX_YAML_BYTES})")
+    loader = yaml.SafeLoader(text)
     try:
-        data = yaml.safe_load(p.read_text())
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_size(node, MAX_YAML_NODES) > MAX_YAML_NODES:
+            raise UserError(
+                f"{source}: the YAML expands to more than {MAX_YAML_NODES} values through its aliases (*name); "
+                "write the values out or use fewer aliases"
+            )
+        return loader.construct_document(node)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise UserError(f"{p}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+        raise NotYAMLError(f"{source}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    except RecursionError:
+        raise UserError(f"{source}: the YAML is nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; a missing, malformed, oversized or non-UTF-8 file is a UserError naming
+    the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file not found: {p}")
+    if p.stat().st_size > MAX_YAML_BYTES:
+        raise UserError(f"{p}: {p.stat().st_size} bytes is more than a config file may hold ({MAX_YAML_BYTES})")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{p}: not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    data = load_yaml_text(text, str(p))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -86,9 +161,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not sep or not key.strip():
         raise UserError(f"--set expects KEY=VALUE (for example rollout.k=8), got '{item}'")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
+        value = load_yaml_text(raw, f"--set {key.strip()}") if raw.strip() else ""
+    except NotYAMLError:
+        value = raw  # not YAML: the text as is (an oversized or alias-expanding value stays an error)
     if isinstance(value, str) and _FLOAT.match(value.strip()):
         value = float(value)  # YAML 1.1 reads "1e-3" as a string
     return [k for k in key.strip().split(".")], value

@@ -1,16 +1,98 @@
-"""File IO that loses nothing: atomic writes, crash-safe JSONL appends, line-numbered read errors."""
+"""File IO that loses nothing: atomic writes, crash-safe JSONL appends, line-numbered read errors.
+
+Atomic writes build the output in a temporary sibling named ``.NAME.tmp-PID@HOST.*`` and rename it
+into place; the next atomic write of the same target removes the siblings whose creator (that pid
+on this host) is dead, so a killed job leaves nothing behind for long. Outputs get the permissions
+a plain write would give them (0666/0777 less the umask; an overwritten file keeps its mode), not
+the private modes of ``mkstemp``/``mkdtemp``. :func:`exclusive_lock` keeps two runs from writing
+one output at once.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
+import socket
+import stat
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from mlx_ssp.errors import UserError
+
+log = logging.getLogger(__name__)
+
+#: this host's name as it appears in temporary names (only our own host's pids can be checked)
+_HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
+
+
+def current_umask() -> int:
+    """The process umask. Read from /proc where possible: ``os.umask`` can only read it by setting
+    it, and a file another thread creates in between would get the temporary value."""
+    with suppress(OSError, ValueError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def plain_file_mode(path: Path) -> int:
+    """The mode ``open(path, "w")`` would leave: the existing file's, else 0666 less the umask."""
+    with suppress(OSError):
+        st = path.stat()
+        if stat.S_ISREG(st.st_mode):
+            return stat.S_IMODE(st.st_mode)
+    return 0o666 & ~current_umask()
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a pid we can check: keep its files
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def _tmp_tag() -> str:
+    return f"{os.getpid()}@{_HOST}"
+
+
+def clean_stale_temps(path: Path) -> list[Path]:
+    """Remove the temporary siblings of ``path`` (``.NAME.tmp-PID@HOST.*``, and ``.NAME.old-PID@HOST``
+    once ``path`` exists again) left by processes of this host that are no longer alive. Returns
+    what was removed. Siblings of other hosts, of live processes or without a pid are kept."""
+    pat = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-(\d+)@{re.escape(_HOST)}(?:\.|$)")
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return []
+    removed = []
+    for e in entries:
+        m = pat.match(e.name)
+        if m is None or _pid_alive(int(m.group(2))):
+            continue
+        if m.group(1) == "old" and not path.exists():
+            continue  # killed between the two renames: this is the only copy of the previous output
+        if e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path, ignore_errors=True)
+        else:
+            with suppress(FileNotFoundError):
+                os.unlink(e.path)
+        removed.append(Path(e.path))
+    if removed:
+        log.info("removed %d stale temporary sibling(s) of %s left by killed runs", len(removed), path)
+    return removed
 
 
 @contextmanager
@@ -18,8 +100,12 @@ def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it into place only if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
-    os.close(fd)
+    clean_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{_tmp_tag()}.", suffix=suffix + ".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, plain_file_mode(path))  # mkstemp makes it 0600
+    finally:
+        os.close(fd)
     tmp_path = Path(tmp)
     try:
         yield tmp_path
@@ -48,17 +134,20 @@ def write_jsonl_atomic(path: str | Path, records: Iterable[dict]) -> None:
 def atomic_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Build a directory in a temporary sibling and rename it into place at the end.
 
-    A killed job leaves only a ``.NAME.tmp-*`` sibling, never a half-written ``path``. An existing
-    ``path`` is refused unless ``overwrite``."""
+    A killed job leaves only a ``.NAME.tmp-PID@HOST.*`` sibling, never a half-written ``path``, and
+    the next ``atomic_dir`` of the same ``path`` removes it. An existing ``path`` is refused unless
+    ``overwrite``."""
     path = Path(path)
     if path.exists() and not overwrite:
         raise UserError(f"{path} already exists; pass --overwrite to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    clean_stale_temps(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{_tmp_tag()}.", dir=path.parent))
     try:
+        tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes it 0700; a plain mkdir would not
         yield tmp
         if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            old = path.with_name(f".{path.name}.old-{_tmp_tag()}")
             os.replace(path, old)
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
@@ -124,6 +213,8 @@ class JsonlAppender:
     def _raise_error(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
+            if isinstance(err, OSError) and err.errno is not None:  # keep the errno (disk full, ...)
+                raise OSError(err.errno, f"writing {self.path} failed: {err.strerror}", str(self.path)) from err
             raise OSError(f"writing {self.path} failed: {err}") from err
 
     def close(self) -> None:
@@ -179,21 +270,73 @@ def iter_jsonl(path: str | Path, *, what: str = "records") -> Iterator[dict]:
 
 def iter_jsonl_numbered(path: str | Path, *, what: str = "records") -> Iterator[tuple[int, dict]]:
     """(line number, record) for each non-blank line of a JSONL file (``.gz`` too); a missing file,
-    bad JSON or a non-object line is a UserError naming file:line."""
+    bad JSON, bytes that are not UTF-8 or a non-object line is a UserError naming file:line."""
     import gzip
+    import zlib
 
     p = Path(path).expanduser()
     if not p.is_file():
         raise UserError(f"{what} file not found: {p}")
     opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
-            if not isinstance(rec, dict):
-                raise UserError(f"{p}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            yield lineno, rec
+    # surrogateescape turns each undecodable byte into one lone surrogate (valid UTF-8 never
+    # yields those), so a bad byte is found on its own line instead of failing the whole read
+    try:
+        with opener(p, "rt", encoding="utf-8", errors="surrogateescape") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                bad = _BAD_BYTE.search(line)
+                if bad is not None:
+                    byte = ord(bad.group()) - 0xDC00
+                    raise UserError(f"{p}:{lineno}: not valid UTF-8 (byte 0x{byte:02x} at column {bad.start() + 1})")
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+                if not isinstance(rec, dict):
+                    raise UserError(f"{p}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+                yield lineno, rec
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise UserError(f"{p}: not a readable gzip file ({e})") from None
+
+
+#: what surrogateescape makes of a byte that is not UTF-8
+_BAD_BYTE = re.compile("[\udc80-\udcff]")
+
+
+@contextmanager
+def exclusive_lock(path: str | Path, what: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the lock file ``path`` for the block, or fail at once with a
+    UserError naming ``what`` and the holder's pid. The file holds ``PID@HOST`` while held and is
+    removed on release; a lock won on a file its last holder has just removed is retried."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            pid, _, host = holder.partition("@")
+            raise UserError(
+                f"{what} is being written by another run (pid {pid}" + (f" on {host}" if host else "")
+                + f", lock {path}); wait for it to finish or write elsewhere"
+            ) from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # we locked a file that is no longer at ``path``: try again
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{_tmp_tag()}\n".encode(), 0)
+        yield
+    finally:
+        with suppress(OSError):
+            os.unlink(path)  # still ours: unlinked while held, so no one else can hold it
+        os.close(fd)

@@ -15,7 +15,19 @@ most the tasks in flight, never leaves half a line).
 
 Record keys: ``task_id, domain, sample, prompt, prompt_token_ids, completion, token_ids, logprobs,
 logprob_temperature, finish_reason ("stop" | "length"), stop (the stop string hit, or null),
-num_tokens, reward, reason, detail, latency_s (insert to finish), verify_s``.
+num_tokens, reward, reason, detail, latency_s (insert to finish), verify_s``; the file stage adds
+``task_fingerprint`` and ``run_fingerprint`` (below).
+
+Resume (:func:`run_rollouts`): the output is locked for the whole run (a second run on it stops at
+once, naming the holder). Each record carries ``task_fingerprint``, a hash of what decides its task's
+samples and rewards (domain, prompt, answer, verifier, metadata, system prompt), and
+``run_fingerprint``, a hash of the run settings kept in ``.meta.json`` (model, seed, sampling,
+system, context). On resume, records of a task whose fingerprint changed (the prompt or answer was
+edited under the same id) and repeated (task, sample) records are dropped, the file is rewritten
+atomically without them, and those samples are generated again: the user edited the task file and
+expects the output to follow it, and the untouched tasks keep their samples. Records from other
+run settings, or records with no ``.meta.json`` and no ``run_fingerprint`` to vouch for them,
+are refused: mixing them would silently blend two runs.
 
 Choices and deviations (the paper gives none of these details):
 - ``token_ids``/``logprobs`` hold every sampled token, including the EOS token that ended the
@@ -35,6 +47,8 @@ Choices and deviations (the paper gives none of these details):
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import time
@@ -459,7 +473,12 @@ def _is_correct(r: dict) -> bool:
 def summarize(records: list[dict], k: int, max_samples: Optional[int] = None) -> dict:
     """Per-domain pass@1 / pass@k (unbiased estimator over each task's n samples; samples with
     index >= ``max_samples`` ignored), mean completion length and the truncated fraction;
-    ``overall`` averages over all tasks (task-weighted)."""
+    ``overall`` averages over all tasks (task-weighted).
+
+    pass@k needs n >= k (as in :mod:`mlx_ssp.eval`, which refuses n < k): a task with fewer samples
+    has ``pass@k: None`` and is left out of the domain's pass@k, whose ``pass@k_tasks`` says how
+    many tasks it averages (``None`` when none has k samples), rather than reporting its pass@n
+    under the pass@k label."""
     from mlx_ssp.metrics import pass_at_k
 
     by_task = group_by_task(records, max_samples)
@@ -467,14 +486,13 @@ def summarize(records: list[dict], k: int, max_samples: Optional[int] = None) ->
     for tid, recs in by_task.items():
         n = len(recs)
         c = sum(_is_correct(r) for r in recs)
-        kk = min(k, n)
         rows[recs[0]["domain"]].append(
             {
                 "task_id": tid,
                 "n": n,
                 "c": c,
                 "pass@1": pass_at_k(n, c, 1),
-                f"pass@{k}": pass_at_k(n, c, kk),
+                f"pass@{k}": pass_at_k(n, c, k) if n >= k else None,
                 "mean_tokens": sum(r["num_tokens"] for r in recs) / n,
                 "truncated": sum(r["finish_reason"] == "length" for r in recs),
             }
@@ -485,11 +503,13 @@ def summarize(records: list[dict], k: int, max_samples: Optional[int] = None) ->
         if m == 0:
             return {"n_tasks": 0}
         n_samples = sum(t["n"] for t in task_rows)
+        with_k = [t[f"pass@{k}"] for t in task_rows if t[f"pass@{k}"] is not None]
         return {
             "n_tasks": m,
             "n_samples": n_samples,
             "pass@1": sum(t["pass@1"] for t in task_rows) / m,
-            f"pass@{k}": sum(t[f"pass@{k}"] for t in task_rows) / m,
+            f"pass@{k}": sum(with_k) / len(with_k) if with_k else None,
+            f"pass@{k}_tasks": len(with_k),
             "mean_tokens": sum(t["mean_tokens"] * t["n"] for t in task_rows) / n_samples,
             "truncated_frac": sum(t["truncated"] for t in task_rows) / n_samples,
         }
@@ -507,6 +527,8 @@ def format_table(summary: dict, extra: tuple[str, ...] = ()) -> str:
     """A plain-text table of a summary's domains and overall row."""
     k = summary["k"]
     cols = ["n_tasks", "pass@1", f"pass@{k}", *extra, "mean_tokens"]
+    if any(row.get(f"pass@{k}_tasks", row.get("n_tasks")) != row.get("n_tasks") for row in summary["domains"].values()):
+        cols.insert(3, f"pass@{k}_tasks")  # some tasks have fewer than k samples: say over how many
     head = ["domain", *cols]
     lines = []
     items = list(summary["domains"].items()) + [("overall", summary["overall"])]
@@ -529,6 +551,81 @@ def sidecar(out: Path, name: str) -> Path:
     return out.with_name(f"{out.stem}.{name}.json")
 
 
+def lock_path(out: Path) -> Path:
+    """The lock file of an output: ``.rollouts.jsonl.lock`` beside it (the output itself is
+    replaced by atomic rewrites, so it cannot carry the lock)."""
+    return out.with_name(f".{out.name}.lock")
+
+
+def _digest(obj: Any) -> str:
+    blob = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr)
+    return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
+
+
+def task_fingerprint(task: Task, system: Optional[str] = None) -> str:
+    """Hash of what decides a task's samples and rewards: domain, prompt, answer, verifier,
+    metadata (answer extraction, entry points, tool schemas...) and the system prompt added to it.
+    The id is left out: records are keyed by it already."""
+    return _digest({"domain": task.domain, "prompt": task.prompt, "answer": task.answer,
+                    "verifier": task.verifier, "metadata": task.metadata, "system": system})
+
+
+def run_fingerprint(meta: dict) -> str:
+    """Hash of a run's settings (the ``.meta.json`` contents): records with equal ones can share a file."""
+    return _digest(meta)
+
+
+def _read_meta(meta_path: Path) -> Optional[dict]:
+    if not meta_path.exists():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"{meta_path} is not valid JSON; delete it only if you know which run wrote the rollouts") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{meta_path} is not a JSON object")
+    return meta
+
+
+def check_provenance(records: list[dict], out: Path, run_fp: str, meta_known: bool) -> None:
+    """Refuse to resume ``out`` when its records may come from other run settings: a record stamped
+    with another ``run_fingerprint``, or unstamped records (an older file) with no ``.meta.json``."""
+    for i, r in enumerate(records, 1):
+        if "task_id" not in r or "sample" not in r:
+            raise UserError(f"{out}: record {i} lacks task_id or sample (not an mlx_ssp rollouts file?)")
+    stamps = {r.get("run_fingerprint") for r in records}
+    if stamps - {run_fp, None}:
+        n = sum(r.get("run_fingerprint") not in (run_fp, None) for r in records)
+        raise UserError(f"{out}: {n} record(s) were written with different settings (model, seed or sampling); "
+                        "use another output path or --overwrite")
+    if None in stamps and not meta_known:
+        raise UserError(f"{out} has records but no {sidecar(out, 'meta').name} to say which model, seed and sampling "
+                        "wrote them; use another output path or --overwrite")
+
+
+def drop_stale(records: list[dict], fingerprints: dict[str, str]) -> tuple[list[dict], dict[str, int], int]:
+    """(records to keep, task id -> its dropped stale records, repeated records dropped). A record
+    is stale when its task is in ``fingerprints`` with another fingerprint (or the record has none:
+    an older file); of repeated (task, sample) records the first is kept. Records of tasks not in
+    ``fingerprints`` are kept as they are."""
+    keep: list[dict] = []
+    stale: dict[str, int] = defaultdict(int)
+    seen: set[tuple[str, int]] = set()
+    repeated = 0
+    for r in records:
+        tid = r["task_id"]
+        if tid in fingerprints and r.get("task_fingerprint") != fingerprints[tid]:
+            stale[tid] += 1
+            continue
+        key = (tid, r["sample"])
+        if key in seen:
+            repeated += 1
+            continue
+        seen.add(key)
+        keep.append(r)
+    return keep, dict(stale), repeated
+
+
 def _meta(model_path: str, cfg: RolloutConfig, seed: int) -> dict:
     return {
         "model": model_path,
@@ -543,11 +640,10 @@ def run_rollouts(model_spec, tasks_path: str | Path, cfg: RolloutConfig, out: st
                  overwrite: bool = False, progress: bool = True, model=None, tokenizer=None) -> dict:
     """Roll out a task file into ``out`` (JSONL), resuming what is already there; writes
     ``<out stem>.meta.json`` (the settings a resume must match) and ``<out stem>.summary.json``.
-    Returns the summary. All input errors are raised before the model is loaded."""
-    import json
-
-    from mlx_ssp.io import JsonlAppender, read_jsonl, repair_jsonl_tail, write_json_atomic
-    from mlx_ssp.models import ModelConfig, load_model, resolve_model
+    Returns the summary. All input errors are raised before the model is loaded. The output is
+    locked for the whole call (see the module docstring for what a resume keeps)."""
+    from mlx_ssp.io import exclusive_lock
+    from mlx_ssp.models import ModelConfig, resolve_model
     from mlx_ssp.tasks import load_tasks
 
     from mlx_ssp import distributed as dist
@@ -559,22 +655,64 @@ def run_rollouts(model_spec, tasks_path: str | Path, cfg: RolloutConfig, out: st
     mcfg = model_spec if isinstance(model_spec, ModelConfig) else ModelConfig(path=str(model_spec))
     model_path = str(resolve_model(mcfg.path, mcfg.revision)) if model is None else str(mcfg.path)
     meta = _meta(model_path, cfg, seed)
+    lock = exclusive_lock(lock_path(out), f"{out}") if main else contextlib.nullcontext()
+    with lock:
+        return _run_locked(mcfg, tasks, cfg, out, meta, seed, overwrite=overwrite, progress=progress,
+                           model=model, tokenizer=tokenizer)
+
+
+def _load_resumable(out: Path, meta: dict, fingerprints: dict[str, str], overwrite: bool) -> tuple[list[dict], dict]:
+    """The records of ``out`` a resume keeps (rank 0, under the lock), and what was dropped:
+    ``{"stale_records", "stale_tasks", "repeated_records"}``. Other settings are refused; stale and
+    repeated records are removed from the file by one atomic rewrite."""
+    from mlx_ssp.io import read_jsonl, repair_jsonl_tail, write_jsonl_atomic
+
+    dropped = {"stale_records": 0, "stale_tasks": [], "repeated_records": 0}
     meta_path = sidecar(out, "meta")
-    if overwrite and main:
+    if overwrite:
         out.unlink(missing_ok=True)
         meta_path.unlink(missing_ok=True)
+    if not out.exists():
+        return [], dropped
+    old = _read_meta(meta_path)
+    if old is not None:
+        diff = [key for key in meta if old.get(key) != meta[key]]
+        if diff:
+            raise UserError(
+                f"{out} was generated with different settings ({', '.join(diff)}); "
+                "use another output path or --overwrite"
+            )
+    repair_jsonl_tail(out)
+    existing = read_jsonl(out, what="rollouts")
+    check_provenance(existing, out, run_fingerprint(meta), meta_known=old is not None)
+    keep, stale, repeated = drop_stale(existing, fingerprints)
+    if stale or repeated:
+        write_jsonl_atomic(out, keep)
+        dropped.update(stale_records=sum(stale.values()), stale_tasks=sorted(stale), repeated_records=repeated)
+        log.warning(
+            "%s: dropped %d record(s) of %d task(s) that changed since they were sampled (or predate task "
+            "fingerprints) and %d repeated record(s); their samples are generated again",
+            out, dropped["stale_records"], len(stale), repeated,
+        )
+    return keep, dropped
+
+
+def _run_locked(mcfg, tasks: list[Task], cfg: RolloutConfig, out: Path, meta: dict, seed: int, *,
+                overwrite: bool, progress: bool, model, tokenizer) -> dict:
+    from mlx_ssp.io import JsonlAppender, write_json_atomic
+    from mlx_ssp.models import load_model
+
+    from mlx_ssp import distributed as dist
+
+    main = dist.is_main()
+    model_path = meta["model"]
+    meta_path = sidecar(out, "meta")
+    fingerprints = {t.id: task_fingerprint(t, cfg.system) for t in tasks}
+    run_fp = run_fingerprint(meta)
     existing: list[dict] = []
-    if out.exists() and main:
-        if meta_path.exists():
-            old = json.loads(meta_path.read_text())
-            diff = [key for key in meta if old.get(key) != meta[key]]
-            if diff:
-                raise UserError(
-                    f"{out} was generated with different settings ({', '.join(diff)}); "
-                    "use another output path or --overwrite"
-                )
-        repair_jsonl_tail(out)
-        existing = read_jsonl(out, what="rollouts")
+    dropped = {"stale_records": 0, "stale_tasks": [], "repeated_records": 0}
+    if main:
+        existing, dropped = _load_resumable(out, meta, fingerprints, overwrite)
     have: dict[str, set[int]] = defaultdict(set)
     for r in existing:
         have[r["task_id"]].add(r["sample"])
@@ -582,6 +720,8 @@ def run_rollouts(model_spec, tasks_path: str | Path, cfg: RolloutConfig, out: st
     missing = dist.broadcast_object(missing, what="rollout: samples to do")
     todo = sum(len(v) for v in missing.values())
     stats: dict = {}
+    if not todo and main and out.exists() and not meta_path.exists():
+        write_json_atomic(meta_path, meta)  # the records' run fingerprints vouched for these settings
     if todo:
         if model is None:
             model, tokenizer, _ = load_model(mcfg)
@@ -601,6 +741,9 @@ def run_rollouts(model_spec, tasks_path: str | Path, cfg: RolloutConfig, out: st
         # the writer thread fsyncs while generation goes on
         with (JsonlAppender(out, background=True) if main else contextlib.nullcontext()) as app:
             for group in dist.iter_sharded_groups(shard, missing, stats=stats, round_size=8 * cfg.batch_size * dist.size()):
+                for r in group:  # what a later resume checks the record against
+                    r["task_fingerprint"] = fingerprints[r["task_id"]]
+                    r["run_fingerprint"] = run_fp
                 if app is not None:
                     app.write_many(group)
                 existing.extend(group)
@@ -618,6 +761,7 @@ def run_rollouts(model_spec, tasks_path: str | Path, cfg: RolloutConfig, out: st
             "gen_s": round(stats.get("gen_s", 0.0), 3),
             "tokens_per_s": round(stats["gen_tokens"] / stats["gen_s"], 2) if stats.get("gen_s") else None,
             "verify_s": round(stats.get("verify_s", 0.0), 3),
+            **dropped,
         },
     )
     # per-domain tokens/s of this run (all domains share one batch, so it is the run's rate)
@@ -732,6 +876,12 @@ def cli(model, tasks_path, k, system, output, overwrite, no_progress, config_pat
         return
     click.echo(format_table(summary))
     run = summary["this_run"]
+    if run["stale_records"] or run["repeated_records"]:
+        click.echo(
+            f"note: dropped {run['stale_records']} stale record(s) of {len(run['stale_tasks'])} changed task(s) "
+            f"(first: {(run['stale_tasks'] or ['-'])[0]}) and {run['repeated_records']} repeated record(s) from "
+            f"{cfg.output}; those samples were generated again", err=True,
+        )
     if summary["skipped"]:
         click.echo(f"warning: skipped {len(summary['skipped'])} task(s) whose prompt does not fit the context", err=True)
     click.echo(

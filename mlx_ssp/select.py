@@ -25,6 +25,11 @@ distinct correct solutions, and the prompts with no correct solution. The valid 
 whole prompts (``valid_fraction``, at least one); a domain with a single prompt gets valid = train
 (mlx-lm needs a non-empty valid set), flagged ``valid_is_train`` in the report. Deviation: the paper
 does not say how diversity is measured; n-gram Jaccard is our documented default.
+
+Input integrity: a (task, sample) that appears more than once (two runs wrote one file, or files
+were concatenated) is kept once when the copies agree and refused when they differ; records
+stamped with different ``run_fingerprint`` values (other model, seed or sampling) are refused, so
+one selection never mixes two runs.
 """
 
 from __future__ import annotations
@@ -293,6 +298,31 @@ def select(records: list[dict], cfg: SelectConfig, system: Optional[str] = None)
     return data, report
 
 
+def dedupe_records(records: list[dict], source: str | Path) -> tuple[list[dict], int]:
+    """(records with each (task, sample) once, copies dropped). Copies must agree on what selection
+    reads (prompt, completion, reward, finish reason, task fingerprint); records from different
+    runs (``run_fingerprint``) or disagreeing copies are a UserError naming them."""
+    runs = {r["run_fingerprint"] for r in records if r.get("run_fingerprint") is not None}
+    if len(runs) > 1:
+        raise UserError(f"{source}: records from {len(runs)} different runs (model, seed or sampling) are mixed in one file; "
+                        "select from one run's rollouts")
+    first: dict[tuple, tuple[int, tuple]] = {}
+    keep = []
+    for i, r in enumerate(records, 1):
+        key = (r["task_id"], r["sample"])
+        body = (json.dumps(r["prompt"], sort_keys=True), r["completion"], r["reward"], r.get("finish_reason"),
+                r.get("task_fingerprint"))
+        if key in first:
+            j, seen = first[key]
+            if seen != body:
+                raise UserError(f"{source}: records {j} and {i} are both task '{key[0]}' sample {key[1]} but differ; "
+                                "the file mixes two runs")
+            continue
+        first[key] = (i, body)
+        keep.append(r)
+    return keep, len(records) - len(keep)
+
+
 def safe_dirname(domain: str) -> str:
     name = re.sub(r"[^\w.\-]+", "_", domain).strip("._")
     return name or "domain"
@@ -313,12 +343,14 @@ def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, 
             raise UserError(f"{rollouts}: record {i} lacks {', '.join(miss)} (not an mlx_ssp rollouts file?)")
     if all(r["reward"] is None for r in records):
         raise UserError(f"{rollouts}: no record has a reward (generated without verification?)")
+    records, repeated = dedupe_records(records, rollouts)
     system = None
     meta = rollouts.with_name(f"{rollouts.stem}.meta.json")
     if meta.is_file():
         system = json.loads(meta.read_text()).get("system")
     data, report = select(records, cfg, system=system)
     report["input"] = str(rollouts)
+    report["repeated_records_dropped"] = repeated
     names: dict[str, str] = {}
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         for dom, parts in data.items():
@@ -378,6 +410,8 @@ def cli(rollouts, policy, per_prompt, distance, near_duplicate, output, overwrit
         raise UserError("no output directory: pass -o OUT_DIR (or set select.output)")
     report = run_select(cfg.input, cfg, cfg.output, overwrite=overwrite)
     click.echo(format_report(report))
+    if report["repeated_records_dropped"]:
+        click.echo(f"warning: {report['repeated_records_dropped']} repeated (task, sample) record(s) in {cfg.input} were counted once", err=True)
     empty = [d for d, row in report["domains"].items() if not row["n_train"]]
     if empty:
         click.echo(f"warning: no correct solution selected for domain(s) {', '.join(empty)}: no training data written for them", err=True)
