@@ -24,20 +24,18 @@ runs) to save a sandbox start. Registered as parallel: ``verify_many`` runs it o
 from __future__ import annotations
 
 import re
-from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
+from mlx_ssp.sandbox_policy import Limits, task_limits
 from mlx_ssp.verify import VerifyResult, register
 from mlx_ssp.verify.extract import strip_thinking
-from mlx_ssp.verify.sandbox import Limits, run_python
+from mlx_ssp.verify.sandbox import Harness, run_python
 
 if TYPE_CHECKING:
     from mlx_ssp.tasks import Task
 
 _FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _CODE_LANGS = {"", "python", "py", "python3"}
-_LIMIT_KEYS = {f.name for f in fields(Limits)}
-DEFAULT_LIMITS = Limits()
 
 
 def extract_code(completion: str, entry_point: str | None = None) -> str:
@@ -69,8 +67,9 @@ def assemble(completion: str, task: "Task") -> str:
 
 
 def limits_for(task: "Task") -> Limits:
-    over = task.metadata.get("sandbox") or {}
-    return replace(DEFAULT_LIMITS, **over) if over else DEFAULT_LIMITS
+    """The task's limits within the operator's policy (ValueError for a refused request)."""
+    over = task.metadata.get("sandbox")
+    return task_limits(over) if over else task_limits({})
 
 
 def _check(task: "Task") -> None:
@@ -83,9 +82,7 @@ def _check(task: "Task") -> None:
             raise ValueError("'answer' as a list must hold {input, output} test cases")
     else:
         raise ValueError("'answer' must be test code (a string) or a list of {input, output} cases")
-    over = task.metadata.get("sandbox") or {}
-    if not isinstance(over, dict) or set(over) - _LIMIT_KEYS:
-        raise ValueError(f"metadata.sandbox keys must be among {', '.join(sorted(_LIMIT_KEYS))}")
+    limits_for(task)  # unknown keys, bad values, above the operator's ceilings
 
 
 def _last_line(s: str) -> str:
@@ -123,8 +120,10 @@ def verify_code(completion: str, task: "Task") -> VerifyResult:
     limits = limits_for(task)
     ans: Any = task.answer
     if isinstance(ans, str):
-        res = run_python(program + "\n\n" + ans + "\n", limits)
-        if res.ok:
+        md = task.metadata
+        harness = Harness(tests=ans, trusted=md.get("prompt_code") or "", entry=md.get("entry_point"))
+        res = run_python(program, limits, harness=harness)
+        if res.passed:
             return VerifyResult(1.0, "passed", f"{res.wall_s:.2f}s")
         return VerifyResult(0.0, _REASONS.get(res.status, "failed"), _last_line(res.stderr) or res.status)
     for i, case in enumerate(ans):

@@ -28,12 +28,12 @@ this machine enforces; ``mlx_ssp verify`` prints it when it runs code.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -44,25 +44,13 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from mlx_ssp.sandbox_policy import Limits
+
 IS_LINUX = sys.platform.startswith("linux")
 # uids for sandboxed programs: a block per parent process (pid-derived) and one uid per worker slot,
 # so that RLIMIT_NPROC counts only that worker's processes.
 _UID_BASE = 1_000_000
 _UID_SLOTS = 64
-
-
-@dataclass(frozen=True)
-class Limits:
-    wall_s: float = 10.0  # wall-clock seconds, enforced by the parent
-    cpu_s: int = 5  # CPU seconds (RLIMIT_CPU; SIGXCPU then SIGKILL)
-    memory_mb: int = 1024  # address space per process (RLIMIT_AS)
-    nproc: int = 32  # processes/threads of the sandbox uid (RLIMIT_NPROC)
-    fsize_mb: int = 16  # largest file the program may write (RLIMIT_FSIZE)
-    nofile: int = 128  # open file descriptors
-    output_kb: int = 256  # captured stdout+stderr; more and the program is killed
-    tmpfs_mb: int = 64  # size of the work dir (Linux root only)
-    network: bool = False  # allow network access
-    site_packages: bool = False  # make installed packages (numpy...) importable; ~30 ms more per run
 
 
 @dataclass
@@ -73,187 +61,57 @@ class RunResult:
     stderr: str
     wall_s: float
     enforced: dict = field(default_factory=dict)
+    passed: bool | None = None  # with a Harness: the test code ran to its end (never the exit status)
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
 
-# The bootstrap runs as its own interpreter (-I -S: no site, no environment), single-threaded, so it
-# may unshare, mount and change credentials safely before exec'ing the program's interpreter.
-_BOOTSTRAP = r'''
-import ctypes, json, os, resource, signal, sys
-cfg = json.loads(sys.argv[1])
-work = cfg["work"]
-prog = open(os.path.join(work, "prog.py"), "rb").read()
-stdin_data = open(os.path.join(work, "stdin.txt"), "rb").read()
-import resource
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-def fail(msg):
-    os.write(2, ("sandbox-bootstrap: " + msg + "\n").encode()); os._exit(125)
-def mount(src, dst, fstype, flags, data):
-    enc = lambda s: None if s is None else s.encode()
-    if libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)) != 0:
-        fail("mount %s -> %s: %s" % (src, dst, os.strerror(ctypes.get_errno())))
-MS_BIND, MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV = 4096, 16384, 1 << 18, 2, 4
-NEWNS, NEWNET, NEWPID, NEWUSER = 0x20000, 0x40000000, 0x20000000, 0x10000000
-uid = cfg["uid"]
-if cfg["mode"] == "root":
-    flags = NEWNS | NEWPID | (0 if cfg["network"] else NEWNET)
-    if libc.unshare(flags) != 0:
-        fail("unshare: " + os.strerror(ctypes.get_errno()))
-    mount(None, "/", None, MS_REC | MS_PRIVATE, None)
-    for parent, stage, children in cfg["views"]:
-        for c in children:
-            mount(os.path.join(parent, c), os.path.join(stage, c), None, MS_BIND | MS_REC, None)
-        mount(stage, parent, None, MS_BIND | MS_REC, None)
-    mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV,
-          "size=%dm,mode=0700,uid=%d,gid=%d" % (cfg["tmpfs_mb"], uid, uid))
-elif cfg["mode"] == "userns" and cfg["netns"] and not cfg["network"]:
-    if libc.unshare(NEWUSER | NEWNET) != 0:
-        fail("unshare: " + os.strerror(ctypes.get_errno()))
-for name, data in (("prog.py", prog), ("stdin.txt", stdin_data)):
-    with open(os.path.join(work, name), "wb") as f:
-        f.write(data)
-    if cfg["mode"] == "root":
-        os.chown(os.path.join(work, name), uid, uid)
-def wait_status(pid):
-    """Exit status of ``pid``; as a PID-namespace init, also reap every orphan until it is done."""
-    while True:
-        try:
-            got, status = os.waitpid(-1 if os.getpid() == 1 else pid, 0)
-        except ChildProcessError:
-            return 1 << 8
-        except InterruptedError:
-            continue
-        if got == pid:
-            return status
-def die_like(status):
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        try:
-            signal.signal(sig, signal.SIG_DFL)
-        except (OSError, ValueError):
-            pass
-        os.kill(os.getpid(), sig)
-    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
-if cfg["mode"] == "root":
-    rfd, wfd = os.pipe()
-    pid = os.fork()  # the child is PID 1 (a minimal init) of the new PID namespace
-    if pid:
-        os.close(wfd)
-        wait_status(pid)
-        data = os.read(rfd, 64)
-        die_like(int(data) if data else 1 << 8)
-    os.close(rfd)
-lim = cfg["limits"]
-def setlim(res, v):
-    try:
-        resource.setrlimit(res, (v, v))
-    except (ValueError, OSError):
-        pass
-resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1))
-setlim(resource.RLIMIT_AS, lim["memory_mb"] << 20)
-setlim(resource.RLIMIT_FSIZE, lim["fsize_mb"] << 20)
-setlim(resource.RLIMIT_NOFILE, lim["nofile"])
-if cfg["mode"] == "root":
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-    if os.getuid() != uid or os.geteuid() != uid:
-        fail("could not drop privileges")
-    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG (after setuid, which clears it)
-setlim(resource.RLIMIT_NPROC, lim["nproc"])
-if cfg["mode"] == "root":
-    # PID 1 ignores signals it has no handler for (SIGXCPU would not kill it): run the program as
-    # PID 2 and stay as its reaper.
-    prog_pid = os.fork()
-    if prog_pid:
-        status = wait_status(prog_pid)
-        os.write(wfd, str(status).encode())
-        os._exit(0)
-    os.close(wfd)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)
-os.chdir(work)
-fd = os.open("stdin.txt", os.O_RDONLY)
-os.dup2(fd, 0)
-os.close(fd)
-# Run the program in this interpreter (no second interpreter start): a fresh __main__ module, the
-# scrubbed environment, the work dir first on sys.path, installed packages only if asked for.
-import types, traceback
-os.environ.clear()
-os.environ.update(cfg["env"])
-sys.argv = ["prog.py"]
-sys.path.insert(0, work)
-if cfg["limits"]["site_packages"]:
-    import site
-    site.main()
-main = types.ModuleType("__main__")
-main.__file__ = os.path.join(work, "prog.py")
-sys.modules["__main__"] = main
-del cfg, prog, stdin_data, lim
-try:
-    code = compile(open("prog.py", "rb").read(), main.__file__, "exec")
-    exec(code, main.__dict__)
-except SystemExit:
-    raise
-except BaseException:
-    traceback.print_exc()
-    sys.stderr.flush()
-    sys.exit(1)
-'''
+_BOOT = str(Path(__file__).with_name("sandbox_boot.py"))
+#: system directories bound read-only into the filesystem view (root), when they exist
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+_STALE_PREFIX = "mlx_ssp_sbx_"
+
+
+@dataclass(frozen=True)
+class Harness:
+    """Test code for :func:`run_python` (see :mod:`mlx_ssp.verify.sandbox_boot`): it runs in its own
+    process after the program's top level, with ``trusted`` (e.g. HumanEval's ``prompt_code``) and
+    proxies for the program's names; the run passes only if it returns normally."""
+
+    tests: str
+    trusted: str = ""
+    entry: str | None = None
 
 
 def _python() -> str:
     return os.path.realpath(sys.executable)
 
 
+def _under(path: str, dirs: list[str]) -> bool:
+    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
+
+
 @lru_cache(maxsize=1)
-def _views() -> list[tuple[str, list[str]]]:
-    """Directories above the interpreter that others cannot traverse (e.g. /root is 0700), with the
-    child directories that must be visible through them."""
-    paths = {os.path.dirname(_python()), sys.prefix, sys.base_prefix}
-    paths.update(os.path.realpath(p) for k, p in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib"))
-    blocked: dict[str, set[str]] = {}
-    for p in sorted(paths):
-        parts = Path(os.path.realpath(p)).parts
-        cur = Path(parts[0])
-        for part in parts[1:]:
-            try:
-                st = os.stat(cur)
-            except OSError:
-                break
-            if not st.st_mode & 0o001:
-                blocked.setdefault(str(cur), set()).add(part)
-                break
-            cur = cur / part
-    return [(k, sorted(v)) for k, v in sorted(blocked.items())]
-
-
-_STAGE_LOCK = threading.Lock()
-_STAGE_DIR: str | None = None
-
-
-def _staged_views(base: str) -> list[tuple[str, str, list[str]]]:
-    """(blocked dir, world-readable stage dir with mount points, children) for the bootstrap."""
-    global _STAGE_DIR
-    views = _views()
-    if not views:
-        return []
-    with _STAGE_LOCK:
-        if _STAGE_DIR is None or not os.path.isdir(_STAGE_DIR):
-            stage_root = tempfile.mkdtemp(prefix="mlx_ssp_view_", dir=base)
-            os.chmod(stage_root, 0o755)
-            for i, (_, children) in enumerate(views):
-                for c in children:
-                    os.makedirs(os.path.join(stage_root, str(i), c), exist_ok=True)
-                os.chmod(os.path.join(stage_root, str(i)), 0o755)
-            _STAGE_DIR = stage_root
-            atexit.register(shutil.rmtree, stage_root, True)
-    return [(parent, os.path.join(_STAGE_DIR, str(i)), children) for i, (parent, children) in enumerate(views)]
+def _binds() -> list[tuple[str, str, str]]:
+    """(kind, path, link target) of what the filesystem view holds: the system directories (as
+    symlinks where they are, e.g. /bin -> usr/bin) and the interpreter's own directories."""
+    out: list[tuple[str, str, str]] = []
+    dirs: list[str] = []
+    for d in _SYSTEM_DIRS:
+        if os.path.islink(d):
+            out.append(("link", d, os.readlink(d)))
+        elif os.path.isdir(d):
+            out.append(("dir", d, ""))
+            dirs.append(d)
+    paths = {os.path.dirname(_python()), sys.base_prefix, sys.base_exec_prefix}
+    paths.update(sysconfig.get_paths().get(k, "") for k in ("stdlib", "platstdlib"))
+    for p in sorted(os.path.realpath(p) for p in paths if p):
+        if os.path.isdir(p) and not _under(p, dirs):
+            out.append(("dir", p, ""))
+            dirs.append(p)
+    return out
 
 
 def _env(work: str) -> dict[str, str]:
@@ -330,48 +188,101 @@ def _classify(rc: int | None, stderr: str, limits: Limits) -> str:
     return "error"
 
 
-def _traversable(path: str) -> bool:
-    p = Path(os.path.realpath(path))
-    return all(os.stat(a).st_mode & 0o001 for a in [p, *p.parents])
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
-@lru_cache(maxsize=2)
-def _base_dir(mode: str) -> str:
-    """Where work dirs go: the temp dir, unless the sandbox uid could not reach it (TMPDIR under a
-    private home), then /tmp."""
+def clean_stale(base: str) -> int:
+    """Remove work dirs in ``base`` left by dead processes (a SIGKILLed verify or rollout): the
+    name holds the owner's pid; only dirs owned by this user whose owner is gone. Returns the count."""
+    n = 0
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return 0
+    for e in entries:
+        if not e.name.startswith(_STALE_PREFIX):
+            continue
+        pid = e.name[len(_STALE_PREFIX):].split("_", 1)[0]
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if pid.isdigit() and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not _alive(int(pid)):
+            shutil.rmtree(e.path, ignore_errors=True)
+            n += 1
+    return n
+
+
+_cleaned: set[str] = set()
+_clean_lock = threading.Lock()
+
+
+def _work_dir() -> str:
     base = tempfile.gettempdir()
-    if mode == "root" and not _traversable(base) and os.path.isdir("/tmp"):
-        return "/tmp"
-    return base
+    with _clean_lock:
+        if base not in _cleaned:  # once per process: the first run cleans up after dead ones
+            _cleaned.add(base)
+            clean_stale(base)
+    return tempfile.mkdtemp(prefix=f"{_STALE_PREFIX}{os.getpid()}_", dir=base)
 
 
-def run_python(code: str, limits: Limits = Limits(), stdin: str = "") -> RunResult:
-    """Run ``code`` as a Python program in the sandbox; never raises on the program's behaviour."""
+def _read_verdict(fd: int) -> dict:
+    os.set_blocking(fd, False)  # a leftover descendant may hold the write end: take what is there
+    data = b""
+    try:
+        while chunk := os.read(fd, 65536):
+            data += chunk
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(fd)
+    try:
+        v = json.loads(data)
+        return v if isinstance(v, dict) else {}
+    except ValueError:
+        return {}
+
+
+def run_python(code: str, limits: Limits = Limits(), stdin: str = "", harness: Harness | None = None) -> RunResult:
+    """Run ``code`` as a Python program in the sandbox; never raises on the program's behaviour.
+    With ``harness``, ``passed`` says whether its test code ran to the end against the program."""
     mode = _mode()
-    base = _base_dir(mode)
     t0 = time.monotonic()
-    work = tempfile.mkdtemp(prefix="mlx_ssp_sbx_", dir=base)
+    work = _work_dir()
     proc = None
+    vr = vw = -1
     with _Slot() as uid:
         try:
             Path(work, "prog.py").write_text(code, encoding="utf-8")
             Path(work, "stdin.txt").write_text(stdin or "", encoding="utf-8")
+            if harness is not None:
+                Path(work, "tests.json").write_text(json.dumps({"tests": harness.tests, "trusted": harness.trusted,
+                                                                 "entry": harness.entry}), encoding="utf-8")
+            vr, vw = os.pipe()
             cfg = {
                 "work": work,
                 "mode": mode,
                 "uid": uid,
+                "ppid": os.getpid(),
+                "vfd": vw,
+                "alarm_s": int(limits.wall_s) + 3,
+                "harness": harness is not None,
                 "network": limits.network,
                 "tmpfs_mb": limits.tmpfs_mb,
-                "views": _staged_views(base) if mode == "root" else [],
+                "binds": _binds() if mode == "root" else [],
                 "netns": mode == "root" or (mode == "userns" and userns_available()),
                 "limits": asdict(limits),
-                "python": _python(),
                 "env": _env(work),
             }
-            if mode == "root":
-                os.chmod(work, 0o755)  # the tmpfs mounted over it is 0700 and owned by the uid
             proc = subprocess.Popen(
-                [_python(), "-I", "-S", "-c", _BOOTSTRAP, json.dumps(cfg)],
+                [_python(), "-I", "-S", _BOOT, json.dumps(cfg)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -379,10 +290,15 @@ def run_python(code: str, limits: Limits = Limits(), stdin: str = "") -> RunResu
                 env=_env(work),
                 start_new_session=True,  # its own process group, killed as a whole at the end
                 close_fds=True,
+                pass_fds=(vw,),
             )
+            os.close(vw)
+            vw = -1
             out, err, over, timed_out = _collect(proc, limits)
             _kill_group(proc)
             rc = proc.wait()
+            verdict = _read_verdict(vr)
+            vr = -1
         except OSError as e:
             if proc is not None:
                 _kill_group(proc)
@@ -391,6 +307,9 @@ def run_python(code: str, limits: Limits = Limits(), stdin: str = "") -> RunResu
         finally:
             if proc is not None:
                 _kill_group(proc)
+            for fd in (vr, vw):
+                if fd >= 0:
+                    os.close(fd)
             shutil.rmtree(work, ignore_errors=True)
     stdout = out.decode("utf-8", "replace")
     stderr = err.decode("utf-8", "replace")
@@ -400,7 +319,10 @@ def run_python(code: str, limits: Limits = Limits(), stdin: str = "") -> RunResu
         status = "output_limit"
     else:
         status = _classify(rc, stderr, limits)
-    return RunResult(status, rc, stdout, stderr, time.monotonic() - t0, enforced=capabilities_for(mode))
+    passed = None
+    if harness is not None:
+        passed = verdict.get("passed") is True and not (timed_out or over)
+    return RunResult(status, rc, stdout, stderr, time.monotonic() - t0, enforced=capabilities_for(mode), passed=passed)
 
 
 def _collect(proc: subprocess.Popen, limits: Limits) -> tuple[bytes, bytes, bool, bool]:

@@ -1,0 +1,142 @@
+"""Sandbox limits, and the operator's bounds on what a task may ask for (import-light: config only).
+
+A code task may carry ``metadata.sandbox`` (keys of :class:`Limits`) to change its limits. A task file
+is input, so the operator's :class:`SandboxPolicy` (the ``rollout.sandbox`` section of a run file, or
+``mlx_ssp verify --sandbox KEY=VALUE``) bounds it: each numeric field is the most a task may ask
+for (a task may always lower a limit), and ``network`` / ``site_packages`` say whether a task may
+turn those on. A request above the policy is refused, never clamped: the task is reported before
+any generation (a clamp would silently score a task that needs more time as a timeout). The
+defaults are today's limits and no network from a task alone. The defaults themselves are lowered
+to a ceiling set below them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Optional
+
+from pydantic import Field, ValidationError, model_validator
+
+from mlx_ssp.config import StrictModel
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_s: float = 10.0  # wall-clock seconds, enforced by the parent (and a backstop alarm)
+    cpu_s: int = 5  # CPU seconds per process (RLIMIT_CPU; SIGXCPU then SIGKILL)
+    memory_mb: int = 1024  # address space per process (RLIMIT_AS)
+    nproc: int = 32  # processes/threads of the sandbox uid (RLIMIT_NPROC)
+    fsize_mb: int = 16  # largest file the program may write (RLIMIT_FSIZE)
+    nofile: int = 128  # open file descriptors
+    output_kb: int = 256  # captured stdout+stderr; more and the program is killed
+    tmpfs_mb: int = 64  # size of the work dir, the only writable place (Linux root only)
+    network: bool = False  # allow network access
+    site_packages: bool = False  # make installed packages (numpy...) importable; ~30 ms more per run
+
+
+DEFAULT_LIMITS = Limits()
+SWITCHES = ("network", "site_packages")
+NUMERIC = tuple(f.name for f in fields(Limits) if f.name not in SWITCHES)
+
+
+def _known_keys(v: Any, what: str) -> Any:
+    valid = [f.name for f in fields(Limits)]
+    if isinstance(v, dict):
+        bad = sorted(set(v) - set(valid))
+        if bad:
+            raise ValueError(f"unknown {what} key(s) {', '.join(map(str, bad))}; valid: {', '.join(valid)}")
+    return v
+
+
+class SandboxPolicy(StrictModel):
+    """The operator's ceilings on a task's ``metadata.sandbox``; ``network`` / ``site_packages``:
+    whether a task may turn them on."""
+
+    wall_s: float = Field(DEFAULT_LIMITS.wall_s, gt=0)
+    cpu_s: int = Field(DEFAULT_LIMITS.cpu_s, gt=0)
+    memory_mb: int = Field(DEFAULT_LIMITS.memory_mb, gt=0)
+    nproc: int = Field(DEFAULT_LIMITS.nproc, gt=0)
+    fsize_mb: int = Field(DEFAULT_LIMITS.fsize_mb, gt=0)
+    nofile: int = Field(DEFAULT_LIMITS.nofile, gt=0)
+    output_kb: int = Field(DEFAULT_LIMITS.output_kb, gt=0)
+    tmpfs_mb: int = Field(DEFAULT_LIMITS.tmpfs_mb, gt=0)
+    network: bool = False
+    site_packages: bool = True  # read-only access to installed packages
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys(cls, v: Any) -> Any:
+        return _known_keys(v, "sandbox policy")
+
+
+class TaskSandbox(StrictModel):
+    """A task's ``metadata.sandbox``: every key optional."""
+
+    wall_s: Optional[float] = Field(None, gt=0, strict=True)
+    cpu_s: Optional[int] = Field(None, gt=0, strict=True)
+    memory_mb: Optional[int] = Field(None, gt=0, strict=True)
+    nproc: Optional[int] = Field(None, gt=0, strict=True)
+    fsize_mb: Optional[int] = Field(None, gt=0, strict=True)
+    nofile: Optional[int] = Field(None, gt=0, strict=True)
+    output_kb: Optional[int] = Field(None, gt=0, strict=True)
+    tmpfs_mb: Optional[int] = Field(None, gt=0, strict=True)
+    network: Optional[bool] = Field(None, strict=True)
+    site_packages: Optional[bool] = Field(None, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys(cls, v: Any) -> Any:
+        return _known_keys(v, "metadata.sandbox")
+
+
+_policy = SandboxPolicy()
+
+
+def set_policy(policy: SandboxPolicy) -> None:
+    """Install the operator's policy for this process (the CLIs call it before loading tasks)."""
+    global _policy
+    _policy = policy
+
+
+def get_policy() -> SandboxPolicy:
+    return _policy
+
+
+def _first_error(e: ValidationError, what: str) -> str:
+    err = e.errors()[0]
+    key = ".".join(str(x) for x in err["loc"])
+    return f"{what}.{key}: {err['msg']}" if key else f"{what}: {err['msg']}"
+
+
+def task_limits(over: Any, policy: Optional[SandboxPolicy] = None) -> Limits:
+    """The limits of a task whose ``metadata.sandbox`` is ``over``, within ``policy`` (default: the
+    installed one). Raises ValueError naming the key for a bad or refused request."""
+    policy = policy or _policy
+    try:
+        asked = TaskSandbox.model_validate(over or {}).model_dump(exclude_none=True)
+    except ValidationError as e:
+        raise ValueError(_first_error(e, "metadata.sandbox")) from None
+    for k, v in asked.items():
+        if k in SWITCHES:
+            if v and not getattr(policy, k):
+                raise ValueError(f"metadata.sandbox.{k}: true is not allowed by the operator's sandbox policy "
+                                 f"(set sandbox.{k}: true to allow it)")
+        elif v > getattr(policy, k):
+            raise ValueError(f"metadata.sandbox.{k} = {v} is above the operator's ceiling {getattr(policy, k)} "
+                             f"(raise sandbox.{k} to allow it)")
+    base = {k: min(getattr(DEFAULT_LIMITS, k), getattr(policy, k)) for k in NUMERIC}
+    return replace(DEFAULT_LIMITS, **{**base, **asked})
+
+
+def parse_policy(pairs: list[str]) -> SandboxPolicy:
+    """``KEY=VALUE`` strings (the CLI's ``--sandbox``) as a policy; ValueError names the bad one."""
+    kv = {}
+    for p in pairs:
+        k, sep, v = p.partition("=")
+        if not sep or not k.strip():
+            raise ValueError(f"--sandbox {p!r}: expected KEY=VALUE")
+        kv[k.strip()] = v.strip()
+    try:
+        return SandboxPolicy.model_validate(kv)
+    except ValidationError as e:
+        raise ValueError(_first_error(e, "--sandbox")) from None
