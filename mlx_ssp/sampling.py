@@ -29,7 +29,12 @@ sampled from; with truncation on, it is the log-prob under the full tempered pol
 T=0 the stored value is the T=1 log-prob instead, and records say so in ``logprob_temperature``.
 :class:`BatchSampler` computes them in the same graph as the draw (scheduled with it, so reading
 them later does not wait on the next forward pass); :func:`behaviour_logprobs` does it for a
-step's rows on the per-sequence path.
+step's rows on the per-sequence path. Precision: mlx-lm normalises the logits in the model's
+dtype, and a bfloat16 log-prob rounds to 2^-5 near -5 (measured: mean gap 0.0145 to the trainer's
+float32 log-softmax). The rollout engine therefore hands mlx-lm a model wrapped in
+:class:`Float32Logits`: the head's logits are cast to float32 before mlx-lm normalises them, so
+the T=1 log-probs, the draw and the behaviour log-probs are float32 math, as in the trainer. A
+float32 model's logits pass through untouched (same tokens, same log-probs).
 """
 
 from __future__ import annotations
@@ -92,6 +97,22 @@ def _gumbel_rows(vocab_size: int):
     if f is None:
         f = _GUMBEL_ROWS[vocab_size] = mx.vmap(lambda k: mx.random.gumbel((vocab_size,), key=k))
     return f
+
+
+class Float32Logits:
+    """A model whose forward returns float32 logits (see the module docstring), everything else
+    delegated: mlx-lm's generators call it and read ``layers`` / ``make_cache`` from it. Only the
+    last position of each decode step is ever evaluated, so the cast costs one [B x V] buffer."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        logits = self.model(*args, **kwargs)
+        return logits if logits.dtype == mx.float32 else logits.astype(mx.float32)
+
+    def __getattr__(self, name):  # only reached for names this wrapper does not define
+        return getattr(self.model, name)
 
 
 class SequenceSampler:

@@ -257,10 +257,11 @@ class _Fused:
 
     def _stats(self, logits):
         """exp((logits - max) / T), its row sums and logsumexp(logits / T): one exp pass."""
-        m = mx.max(logits, axis=-1, keepdims=True)
-        ex = mx.exp((logits - m).astype(mx.float32) * self.inv_t)
+        m = mx.max(logits, axis=-1, keepdims=True).astype(mx.float32)  # the max is exact in any dtype
+        # subtract in float32: in bfloat16 the difference itself rounds (7e-4 off on a bf16 head)
+        ex = mx.exp((logits.astype(mx.float32) - m) * self.inv_t)
         s = ex.sum(axis=-1, keepdims=True)
-        return ex, s, (m.astype(mx.float32) * self.inv_t + mx.log(s))[:, 0]
+        return ex, s, (m * self.inv_t + mx.log(s))[:, 0]
 
     def grads(self, logits_fn, hc, params, tc, g, lse):
         logits = logits_fn(hc, *params)  # the recompute
@@ -318,8 +319,12 @@ def _engine(impl, temperature: float):
 
 
 def _detach(x: mx.array) -> mx.array:
-    if x.dtype == mx.bfloat16:  # NumPy has no bfloat16: move the bits
-        return mx.array(np.asarray(x.view(mx.uint16))).view(mx.bfloat16)
+    """``x`` evaluated, as a new array with no graph (a copy through NumPy)."""
+    if x.dtype == mx.bfloat16:
+        # NumPy has no bfloat16: through float32 (exact both ways), converted by the constructor.
+        # A .view(bfloat16) here would be an op bound to this thread's stream, which the helper
+        # thread (_outside_trace) cannot run: "There is no Stream(cpu, 0) in current thread"
+        return mx.array(np.asarray(x.astype(mx.float32)), dtype=mx.bfloat16)
     return mx.array(np.asarray(x))
 
 

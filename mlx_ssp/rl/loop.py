@@ -17,18 +17,21 @@ Each step (VibeThinker-1.5B section 3.4; GRPO, DeepSeekMath arXiv:2402.03300 sec
    there and the clip acts from the second; ``behaviour``: the sampler's recorded log-probs,
    for rollouts from another engine); optional k3 KL to the reference (LoRA: adapters off);
 5. optimizer step (mlx.optimizers, grad-norm clipping); a step whose loss or gradients are not
-   finite is skipped and counted; ``max_bad_steps`` in a row stop the run with a checkpoint of
-   the last good state.
+   finite at any inner update is skipped and counted, and changes nothing (with ``mu > 1`` the
+   inner updates already applied are undone from a snapshot); ``max_bad_steps`` in a row stop
+   the run with a checkpoint of the last good state.
 
-Metrics (one JSON line per step in ``metrics.jsonl``), checkpoints every ``checkpoint_every``
-steps in ``checkpoints/step_NNNNNN`` (adapters or weights, optimizer state, RNG and stream state)
-and a resumable run directory. Deviations: no prefix sharing between the G samples of a prompt
+Metrics (one JSON line per step in ``metrics.jsonl``; token statistics are exact whole-batch
+values: sums and counts over micro-batches, inner updates and ranks, divided once), checkpoints
+every ``checkpoint_every`` steps in ``checkpoints/step_NNNNNN`` (adapters or weights, optimizer
+state, RNG and stream state) and a resumable run directory. Deviations: no prefix sharing between the G samples of a prompt
 (the rollout engine's choice); the reference for KL with full fine-tuning is a second copy of
 the model (only LoRA can switch the adapters off).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -48,7 +51,7 @@ from mlx_ssp.errors import UserError
 from mlx_ssp.io import atomic_dir, iter_jsonl, write_json_atomic, write_jsonl_atomic
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.logprobs import head_of, token_logprobs
-from mlx_ssp.rl.loss import policy_loss
+from mlx_ssp.rl.loss import finalize_totals, merge_totals, policy_loss, token_totals
 from mlx_ssp.rl.kernels import grouped_advantages
 from mlx_ssp.tasks import Task, render_prompt
 
@@ -201,7 +204,7 @@ def make_loss(cfg: RLConfig, units_total: float) -> Callable:
             ref_logp=mb.get("ref"), entropy=ent,
         )
         share = aggregation_units(cfg.aggregation, mb["mask"]) / units_total
-        return out.loss * share, (out.stats, mx.stop_gradient(logp), share)
+        return out.loss * share, (out.totals, mx.stop_gradient(logp))
 
     return loss_fn
 
@@ -213,6 +216,34 @@ def aggregation_units(mode: str, mask: mx.array) -> mx.array:
     if mode == "seq-mean-token-mean":
         return (mask.sum(axis=-1) > 0).sum().astype(mx.float32)
     return mx.array(float(mask.shape[0]))
+
+
+def behaviour_totals(logp: mx.array, behaviour: mx.array, mask: mx.array) -> dict[str, mx.array]:
+    """Totals (:func:`mlx_ssp.rl.loss.token_totals`) of |trainer - sampler| log-prob per token."""
+    return token_totals("behaviour_logp_absdiff", mx.abs(logp - behaviour), mask)
+
+
+def reduce_totals(parts: list[dict]) -> dict:
+    """Totals of every micro-batch, inner update or rank together (one dict of floats)."""
+    return functools.reduce(merge_totals, parts, {})
+
+
+def _to_floats(totals: dict[str, mx.array]) -> dict[str, float]:
+    keys = list(totals)
+    return dict(zip(keys, mx.stack([totals[k].astype(mx.float32) for k in keys]).tolist())) if keys else {}
+
+
+def _snapshot(model: nn.Module, opt) -> tuple:
+    """The trainable parameters and the optimizer state as they are now. MLX arrays are immutable and
+    an update only rebinds them, so fresh containers holding the same arrays are a snapshot (no data
+    copied; the optimizer mutates its dicts in place, hence the fresh containers)."""
+    return tree_map(lambda x: x, model.trainable_parameters()), tree_map(lambda x: x, opt.state)
+
+
+def _restore(model: nn.Module, opt, snap: tuple) -> None:
+    params, state = snap
+    model.update(params)
+    opt.state = state
 
 
 def _finite(x: mx.array) -> bool:
@@ -349,7 +380,13 @@ class Trainer:
         return rec
 
     def _update(self, batch: dict) -> tuple[bool, dict]:
-        """``mu`` inner updates on the batch; returns (all finite, averaged statistics)."""
+        """``mu`` inner updates on the batch; returns (all finite, statistics).
+
+        All or nothing: when the loss or gradient of any inner update is not finite, the updates
+        already applied are undone (parameters and optimizer state, step count included, restored
+        from a snapshot), so a skipped step changes nothing. Statistics are whole-batch values
+        (totals over micro-batches, inner updates and ranks, divided once: see
+        :func:`mlx_ssp.rl.loss.finalize_totals`), whatever ``micro_batch_size`` and the world size."""
         cfg = self.cfg
         units = float(aggregation_units(cfg.aggregation, batch["mask"]).item()) or 1.0
         # data parallel (issue 10): each rank trains on its block of the (identical, gathered)
@@ -363,8 +400,10 @@ class Trainer:
         if cfg.old_logprobs == "behaviour":
             batch["old"] = batch["behaviour"]
         loss_and_grad = nn.value_and_grad(self.model, make_loss(cfg, units))
-        stats_acc: dict[str, float] = {}
-        behaviour_diff = 0.0
+        # with one inner update nothing is applied before the finiteness check: no snapshot needed
+        snap = _snapshot(self.model, self.opt) if cfg.mu > 1 else None
+        glob: dict[str, float] = {}  # loss, grad norm: already global (all-reduced), mean over mu
+        parts: list[dict] = []  # this rank's totals, one per micro-batch and inner update
         old_parts: list[mx.array] = []
         ok = True
         for inner in range(cfg.mu):
@@ -375,19 +414,15 @@ class Trainer:
                     mb["old"] = old_parts[mbs.index((i, j))]
                 elif cfg.old_logprobs == "recompute":
                     mb["old"] = None
-                (loss, (stats, logp, share)), grads = loss_and_grad(self.model, mb)
-                mx.eval(loss, grads, stats, logp)
+                (loss, (totals, logp)), grads = loss_and_grad(self.model, mb)
+                if inner == 0:  # sampler vs trainer log-probs of the same tokens: should be ~1e-5
+                    totals = {**totals, **behaviour_totals(logp, mb["behaviour"], mb["mask"])}
+                mx.eval(loss, grads, totals, logp)
                 if inner == 0 and cfg.old_logprobs == "recompute":
                     old_parts.append(logp)
-                if inner == 0:  # sampler vs trainer log-probs of the same tokens: should be ~1e-5
-                    m = mb["mask"]
-                    d = (mx.abs(logp - mb["behaviour"]) * m).sum() / mx.maximum(batch["mask"].sum(), 1.0)
-                    behaviour_diff += float(d.item())
                 loss_sum += float(loss.item())
                 grads_sum = grads if grads_sum is None else tree_map(lambda a, b: a + b, grads_sum, grads)
-                w = float(share.item())
-                for k, v in stats.items():
-                    stats_acc[k] = stats_acc.get(k, 0.0) + w * float(v.item()) / cfg.mu
+                parts.append(_to_floats(totals))
             if dist.size() > 1:
                 if grads_sum is None:  # no sequence on this rank (batch smaller than the world)
                     grads_sum = tree_map(mx.zeros_like, self.model.trainable_parameters())
@@ -402,17 +437,19 @@ class Trainer:
                 grads_sum = tree_map(lambda g: g * scale, grads_sum)
             self.opt.update(self.model, grads_sum)
             mx.eval(self.model.trainable_parameters(), self.opt.state)
-            stats_acc["loss"] = stats_acc.get("loss", 0.0) + loss_sum / cfg.mu
-            stats_acc["grad_norm"] = stats_acc.get("grad_norm", 0.0) + float(gnorm.item()) / cfg.mu
-        if dist.size() > 1:  # per-sequence statistics were summed over this rank's block only
-            glob = {k: stats_acc.pop(k) for k in ("loss", "grad_norm") if k in stats_acc}
-            stats_acc = {**dist.sum_floats({**stats_acc, "_bd": behaviour_diff}, what="rl: sum stats"), **glob}
-            behaviour_diff = stats_acc.pop("_bd")
-        stats_acc["behaviour_logp_absdiff"] = behaviour_diff
-        stats_acc["lr"] = float(self.opt.learning_rate.item())
+            glob["loss"] = glob.get("loss", 0.0) + loss_sum / cfg.mu
+            glob["grad_norm"] = glob.get("grad_norm", 0.0) + float(gnorm.item()) / cfg.mu
+        if not ok and snap is not None:
+            _restore(self.model, self.opt, snap)
+            mx.eval(self.model.trainable_parameters(), self.opt.state)
+        totals = reduce_totals(parts)
+        if dist.size() > 1:  # sums and counts over every rank's tokens, maxima as maxima
+            totals = reduce_totals(dist.gather_per_rank(totals, what="rl: gather statistics"))
+        stats = {**finalize_totals(totals), **glob}
+        stats["lr"] = float(self.opt.learning_rate.item())
         if not ok:
-            stats_acc["loss"] = float("nan")
-        return ok, stats_acc
+            stats["loss"] = float("nan")
+        return ok, stats
 
     def _ref_logprobs(self, batch: dict, mbs) -> mx.array:
         T = self.cfg.sampling.temperature

@@ -21,8 +21,13 @@ Aggregation over the [B, T] token grid with the completion mask, chosen from :da
   over sequences.
 
 Statistics (no gradient): clip fraction (tokens whose gradient the clip removed: rho < 1 - eps_low
-with A' < 0, or rho > 1 + eps_high with A' > 0), dual-clip fraction, mean ratio, mean KL, mean
-entropy when given. All computed in float32.
+with A' < 0, or rho > 1 + eps_high with A' > 0), dual-clip fraction, mean ratio, max ratio, mean
+KL, mean entropy when given. All computed in float32. Each is also returned as *totals*
+(:data:`LossOutput.totals`): ``sum/NAME`` and ``n/NAME`` (a token-weighted sum and its token count)
+or ``max/NAME``. Totals of several micro-batches, inner updates or ranks combine exactly with
+:func:`merge_totals` (sums add, maxima take the max) and become the whole batch's values once, at
+the end, with :func:`finalize_totals`; averaging per-micro-batch means instead weights them by the
+micro-batch's share of the loss, which is not its share of the tokens (issue 15).
 """
 
 from __future__ import annotations
@@ -97,7 +102,40 @@ def clipped_surrogate(logp, logp_old, advantages, *, eps_low: float = 0.2, eps_h
 
 class LossOutput(NamedTuple):
     loss: mx.array
-    stats: dict[str, mx.array]
+    stats: dict[str, mx.array]  # this call's values: finalize_totals(totals)
+    totals: dict[str, mx.array]  # sum/NAME, n/NAME, max/NAME (see the module docstring)
+
+
+def token_totals(name: str, per_token: mx.array, mask: mx.array) -> dict[str, mx.array]:
+    """Totals of a token-mean statistic: its masked sum and the token count."""
+    return {f"sum/{name}": _masked_sum(per_token, mask), f"n/{name}": mask.sum()}
+
+
+def merge_totals(a: dict, b: dict) -> dict:
+    """Totals of the union of two sets of tokens: ``sum/`` and ``n/`` keys add, ``max/`` keys take the
+    max; a key on one side only is kept as it is. Works on floats and on MLX scalars."""
+    out = dict(a)
+    for k, v in b.items():
+        if k not in out:
+            out[k] = v
+        elif k.startswith("max/"):
+            out[k] = max(out[k], v) if isinstance(v, (int, float)) else mx.maximum(out[k], v)
+        else:
+            out[k] = out[k] + v
+    return out
+
+
+def finalize_totals(totals: dict) -> dict:
+    """Statistic name -> value: ``sum / n`` (0 where no token counted), or the max."""
+    out = {}
+    for k, v in totals.items():
+        kind, _, name = k.partition("/")
+        if kind == "sum":
+            n = totals[f"n/{name}"]
+            out[name] = v / mx.maximum(n, 1.0) if isinstance(v, mx.array) else (v / n if n > 0 else 0.0)
+        elif kind == "max":
+            out[name] = v
+    return out
 
 
 def policy_loss(
@@ -131,16 +169,15 @@ def policy_loss(
         kl = k3_kl(logp, mx.stop_gradient(ref_logp.astype(mx.float32)))
         per_tok = per_tok + beta * kl
     loss = aggregate(per_tok, m, aggregation, max_tokens)
-    n = mx.maximum(m.sum(), 1.0)
     sg = mx.stop_gradient
-    stats = {
-        "clip_frac": _masked_sum(clipped.astype(mx.float32), m) / n,
-        "dual_clip_frac": _masked_sum(dual.astype(mx.float32), m) / n,
-        "ratio_mean": _masked_sum(sg(ratio), m) / n,
-        "ratio_max": mx.where(m > 0, sg(ratio), 0.0).max(),
+    totals = {
+        **token_totals("clip_frac", clipped.astype(mx.float32), m),
+        **token_totals("dual_clip_frac", dual.astype(mx.float32), m),
+        **token_totals("ratio_mean", sg(ratio), m),
+        "max/ratio_max": mx.where(m > 0, sg(ratio), 0.0).max(),  # ratios are > 0: 0 = no token
     }
     if kl is not None:
-        stats["kl"] = _masked_sum(sg(kl), m) / n
+        totals.update(token_totals("kl", sg(kl), m))
     if entropy is not None:
-        stats["entropy"] = _masked_sum(sg(entropy.astype(mx.float32)), m) / n
-    return LossOutput(loss, stats)
+        totals.update(token_totals("entropy", sg(entropy.astype(mx.float32)), m))
+    return LossOutput(loss, finalize_totals(totals), totals)
