@@ -176,7 +176,7 @@ def iter_rollouts(
     """
     from mlx_lm.generate import BatchGenerator
 
-    from mlx_ssp.sampling import BatchSampler, SequenceSampler, behaviour_logprobs, sample_stream_seed
+    from mlx_ssp.sampling import BatchSampler, Float32Logits, SequenceSampler, behaviour_logprobs, sample_stream_seed
     from mlx_ssp.tasks import render_prompt
     from mlx_ssp.verify import PARALLEL
 
@@ -225,7 +225,7 @@ def iter_rollouts(
         temp, sampling.top_p, sampling.top_k, sampling.min_p
     )
     gen = BatchGenerator(
-        model,
+        Float32Logits(model),  # bf16/fp16 models: normalise and sample in float32 (mlx_ssp.sampling)
         sampler=shared,
         max_tokens=sampling.max_tokens,
         stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
