@@ -1,8 +1,8 @@
 """Sandbox limits, and the operator's bounds on what a task may ask for (import-light: config only).
 
 A code task may carry ``metadata.sandbox`` (keys of :class:`Limits`) to change its limits. A task file
-is input, so the operator's :class:`SandboxPolicy` (the ``rollout.sandbox`` section of a run file, or
-``mlx_ssp verify --sandbox KEY=VALUE``) bounds it: each numeric field is the most a task may ask
+is input, so the operator's :class:`SandboxPolicy` (the ``rollout.sandbox`` section of a run file,
+``mlx_ssp verify --sandbox KEY=VALUE``, or ``$MLX_SSP_SANDBOX`` for any command) bounds it: each numeric field is the most a task may ask
 for (a task may always lower a limit), and ``network`` / ``site_packages`` say whether a task may
 turn those on. A request above the policy is refused, never clamped: the task is reported before
 any generation (a clamp would silently score a task that needs more time as a timeout). The
@@ -12,6 +12,7 @@ to a ceiling set below them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
@@ -89,17 +90,27 @@ class TaskSandbox(StrictModel):
         return _known_keys(v, "metadata.sandbox")
 
 
-_policy = SandboxPolicy()
+ENV = "MLX_SSP_SANDBOX"  # "KEY=VALUE,KEY=VALUE": the policy for every command that runs no other
+_policy: Optional[SandboxPolicy] = None
 
 
-def set_policy(policy: SandboxPolicy) -> None:
-    """Install the operator's policy for this process (the CLIs call it before loading tasks)."""
+def set_policy(policy: Optional[SandboxPolicy]) -> None:
+    """Install the operator's policy for this process (None: back to $MLX_SSP_SANDBOX or the
+    defaults). ``rollout`` (its ``sandbox:`` section) and ``verify`` (``--sandbox``) call it."""
     global _policy
     _policy = policy
 
 
 def get_policy() -> SandboxPolicy:
-    return _policy
+    if _policy is not None:
+        return _policy
+    env = os.environ.get(ENV, "").strip()
+    if not env:
+        return SandboxPolicy()
+    try:
+        return parse_policy([p for p in env.split(",") if p.strip()])
+    except ValueError as e:
+        raise ValueError(f"${ENV}: {e}") from None
 
 
 def _first_error(e: ValidationError, what: str) -> str:
@@ -111,7 +122,7 @@ def _first_error(e: ValidationError, what: str) -> str:
 def task_limits(over: Any, policy: Optional[SandboxPolicy] = None) -> Limits:
     """The limits of a task whose ``metadata.sandbox`` is ``over``, within ``policy`` (default: the
     installed one). Raises ValueError naming the key for a bad or refused request."""
-    policy = policy or _policy
+    policy = policy or get_policy()
     try:
         asked = TaskSandbox.model_validate(over or {}).model_dump(exclude_none=True)
     except ValidationError as e:

@@ -44,8 +44,11 @@ def _tasks_of(records: list[dict], tasks_path: str | None, in_path: str):
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Scored JSONL to write (each input line plus reward, reason, detail).")
 @click.option("--tasks", "tasks_path", default=None, type=click.Path(dir_okay=False), help="Task file for records that carry only a task_id (rollouts.jsonl).")
 @click.option("--workers", default=None, type=click.IntRange(1), help="Parallel sandbox workers for code tasks (default: CPU count).")
+@click.option("--sandbox", "sandbox", multiple=True, metavar="KEY=VALUE",
+              help="Operator bound on tasks' metadata.sandbox: a ceiling (wall_s=30) or a permission (network=true).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def cli(in_path: str, output: str, tasks_path: str | None, workers: int | None, no_progress: bool) -> None:
+def cli(in_path: str, output: str, tasks_path: str | None, workers: int | None, sandbox: tuple[str, ...],
+        no_progress: bool) -> None:
     """Score each line of IN.jsonl ({"task": {...} or "task_id": ..., "completion": "..."}) with its
     task's verifier and write OUT.jsonl: the input plus `reward` and `reason`. Use it to re-score old
     rollouts after fixing a verifier; prints the mean reward and the counts by reason."""
@@ -54,6 +57,13 @@ def cli(in_path: str, output: str, tasks_path: str | None, workers: int | None, 
     from mlx_ssp.io import read_jsonl, write_jsonl_atomic
     from mlx_ssp.verify import PARALLEL, verify_many
 
+    if sandbox:
+        from mlx_ssp.sandbox_policy import parse_policy, set_policy
+
+        try:
+            set_policy(parse_policy(list(sandbox)))
+        except ValueError as e:
+            raise UserError(str(e)) from None
     if os.path.abspath(in_path) == os.path.abspath(output):
         raise UserError("the output must not overwrite the input; choose another -o path")
     records = read_jsonl(in_path, what="completions")
