@@ -74,6 +74,23 @@ def test_chunked_logprobs_half_precision_trained_head(dtype):
         np.testing.assert_allclose(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)), atol=2e-2, rtol=1e-2)
 
 
+def test_bfloat16_training_step_with_several_chunks(tiny_qwen3, tmp_path):
+    """The loop itself with train_dtype bfloat16 and 8-token chunks (the CPU crash of item 13),
+    and its sampler and trainer log-probs agreeing (item 16)."""
+    import json
+
+    from test_rl_loop import _cfg, _policy, _tasks
+
+    from mlx_ssp.rl.loop import train
+
+    cfg = _cfg(steps=1, mu=2, train_dtype="bfloat16", chunk_size=8)
+    model, tok = _policy(tiny_qwen3, cfg)
+    train(model, tok, _tasks(), cfg, tmp_path / "run", seed=0)
+    (row,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert not row["skipped"] and row["gen_tokens"] > 16
+    assert row["behaviour_logp_absdiff"] < 1e-3, row["behaviour_logp_absdiff"]
+
+
 # -- 15 and 16: whole-batch statistics -----------------------------------------------------------
 
 STAT_KEYS = ("clip_frac", "dual_clip_frac", "ratio_mean", "ratio_max", "entropy", "behaviour_logp_absdiff")
