@@ -32,6 +32,7 @@ micro-batch's share of the loss, which is not its share of the tokens (issue 15)
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import mlx.core as mx
@@ -111,6 +112,11 @@ def token_totals(name: str, per_token: mx.array, mask: mx.array) -> dict[str, mx
     return {f"sum/{name}": _masked_sum(per_token, mask), f"n/{name}": mask.sum()}
 
 
+def _max(a: float, b: float) -> float:
+    """max that propagates NaN whichever side it is on (Python's max does not), as mx.maximum does."""
+    return a + b if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
 def merge_totals(a: dict, b: dict) -> dict:
     """Totals of the union of two sets of tokens: ``sum/`` and ``n/`` keys add, ``max/`` keys take the
     max; a key on one side only is kept as it is. Works on floats and on MLX scalars."""
@@ -119,7 +125,7 @@ def merge_totals(a: dict, b: dict) -> dict:
         if k not in out:
             out[k] = v
         elif k.startswith("max/"):
-            out[k] = max(out[k], v) if isinstance(v, (int, float)) else mx.maximum(out[k], v)
+            out[k] = _max(out[k], v) if isinstance(v, (int, float)) else mx.maximum(out[k], v)
         else:
             out[k] = out[k] + v
     return out
