@@ -12,7 +12,12 @@ from mlx_ssp.cli import set_option
 @click.command("merge")
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (it is swapped in only at the end).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT_DIR if it is a previous merge output (it is swapped in only at the end).")
+@click.option("--overwrite-any", is_flag=True,
+              help="Replace OUT_DIR even if it is not a previous merge output (its contents are deleted). "
+                   "An OUT_DIR that is, holds or lies inside an input, or holds the working directory, is "
+                   "always refused.")
 @click.option("--out-shard-size", default="5GB", show_default=True, help="Largest output shard (e.g. 2GB, 500MB).")
 @click.option("--copy-tokenizer/--no-copy-tokenizer", default=True, show_default=True,
               help="Copy the tokenizer files of the base (or tokenizer_source) model.")
@@ -27,25 +32,27 @@ from mlx_ssp.cli import set_option
 @click.option("--dry-run", is_flag=True, help="Check the config and every tensor, print the plan, write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @set_option
-def cli(config, out_dir, overwrite, out_shard_size, copy_tokenizer, seed, vocab_mismatch, workers, dry_run, quiet,
+def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenizer, seed, vocab_mismatch, workers, dry_run, quiet,
         overrides):
     """Merge the models of a mergekit CONFIG (linear, task_arithmetic, ties, dare_linear, dare_ties,
     breadcrumbs) into OUT_DIR, streaming one tensor at a time. --set key=value edits the config."""
     from mlx_ssp.errors import UserError
     from mlx_ssp.merge.config import load_merge_config
-    from mlx_ssp.merge.engine import plan_merge, write_merge
+    from mlx_ssp.merge.engine import input_paths, plan_merge, write_merge
+    from mlx_ssp.merge.outdir import check_clear_of_inputs
     from pathlib import Path
 
     cfg, text = load_merge_config(config, tuple(overrides))
-    if Path(out_dir).exists() and not overwrite and not dry_run:
+    if Path(out_dir).exists() and not (overwrite or overwrite_any) and not dry_run:
         raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
     job = plan_merge(cfg, vocab_mismatch=vocab_mismatch, source_label=str(config))
     if dry_run:
+        check_clear_of_inputs(Path(out_dir), input_paths(job, (Path(config),)))
         dtypes = sorted({p.cd for p in job.plans})
         click.echo(json.dumps({"method": cfg.merge_method, "models": [s.ref for s in job.sources],
                                "tensors": len(job.plans), "compute_dtypes": dtypes}, indent=2))
         return
     res = write_merge(job, Path(out_dir), overwrite=overwrite, out_shard_size=out_shard_size,
                       copy_tokenizer=copy_tokenizer, seed=seed, config_text=text, progress=not quiet,
-                      workers=workers)
+                      workers=workers, overwrite_any=overwrite_any, protect=(Path(config),))
     click.echo(json.dumps(res))

@@ -2,8 +2,10 @@
 
 1. Resolve each model reference (a directory, a hub id, ``demo``, or ``path+adapter_dir``) and scan
    its safetensors headers (no tensor data is read).
-2. Plan: for every tensor of the reference model (the base, else the first model) check that each
-   input has it with the same shape (vocabulary rows per ``vocab_mismatch``), resolve every
+2. Plan: check that every model has the same layer count and the same tensor names (the union:
+   a tensor only some models have is an error, never dropped), then for every tensor, in the file
+   order of the reference model (the base, else the first model), check that each input has the
+   same shape (vocabulary rows per ``vocab_mismatch``), resolve every
    parameter (filters, gradients, defaults), the compute dtype (``dtype``, else the widest input
    dtype) and the output dtype (``out_dtype``, else the compute dtype). Any bad input stops here,
    before a byte is written, with a message naming the tensor and the model.
@@ -16,15 +18,17 @@
    alone on the lm_head), but never two of the largest at once: peak memory is about
    inputs x (largest tensor + (workers - 1) x largest ordinary tensor) + constant;
    ``--workers 1`` for the least.
-4. The output directory is built in a temporary sibling and renamed into place at the end.
+4. Before anything is written, OUT_DIR is checked against every input (:mod:`.outdir`: never an
+   input, inside one or holding one; an existing OUT_DIR only replaced when it is a previous
+   output). The output directory is built in a temporary sibling and renamed into place at the end.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -40,6 +44,7 @@ from mlx_ssp.io import atomic_dir
 from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.config import MergeConfig, MergeStageConfig, check_parameter_names, layer_index, resolve
 from mlx_ssp.merge.methods import DTYPES, METHODS, dare_seed, linear, task_vector_merge
+from mlx_ssp.merge.outdir import MARK_KEY, MARK_VALUE, Protected, check_out_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -58,6 +63,7 @@ class Source:
     adapter: Optional[dict[str, sio.TensorInfo]] = None
     lora_scale: float = 1.0
     adapter_path: Optional[Path] = None
+    given: Optional[Path] = None  # the model directory as written (before symlinks are resolved)
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -85,7 +91,8 @@ def open_source(ref: str) -> Source:
     if "+" in ref and not Path(ref).expanduser().exists():
         model_spec, _, adapter_spec = ref.rpartition("+")
     path = resolve_model(model_spec)
-    src = Source(ref=ref, path=path, tensors=sio.scan_model(path))
+    given = Path(model_spec).expanduser()
+    src = Source(ref=ref, path=path, tensors=sio.scan_model(path), given=given if given.exists() else None)
     if adapter_spec:
         ad = Path(adapter_spec).expanduser()
         cfg_file, weights = ad / "adapter_config.json", ad / "adapters.safetensors"
@@ -138,6 +145,68 @@ def _code_name(code: str) -> str:
     return sio.DTYPES[code][2]
 
 
+def read_model_config(src: Source) -> dict:
+    """The model's ``config.json`` ({} if it has none); corrupt JSON is a UserError."""
+    path = src.path / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        conf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: corrupt JSON in the config of model {src.ref} ({e})") from None
+    return conf if isinstance(conf, dict) else {}
+
+
+def layer_count(src: Source, conf: dict) -> int:
+    """``num_hidden_layers`` (or GPT-2's ``n_layer``), else one more than the largest layer index
+    among the tensor names."""
+    n = conf.get("num_hidden_layers") or conf.get("n_layer")
+    if n:
+        return int(n)
+    idx = [layer_index(name) for name in src.tensors]
+    return max([i for i in idx if i is not None], default=0) + 1
+
+
+def check_layer_counts(sources: list[Source], configs: list[dict], reference: int) -> None:
+    """Models with different layer counts cannot be merged tensor by tensor (layer surgery,
+    mergekit's ``slices:``, is not supported): an error naming each count."""
+    counts = [layer_count(s, c) for s, c in zip(sources, configs)]
+    if len(set(counts)) > 1:
+        each = ", ".join(f"{n} in {s.ref}" for s, n in zip(sources, counts))
+        raise UserError(f"the models have different layer counts (num_hidden_layers: {each}); only models with "
+                        "the same layers can be merged (slices: is not supported)")
+
+
+def _tied(conf: dict) -> bool:
+    return bool(conf.get("tie_word_embeddings"))
+
+
+def check_same_tensors(sources: list[Source], configs: list[dict], reference: int) -> None:
+    """Every tensor of every input must be in every input (the output has each exactly once):
+    otherwise an error naming the first such tensor (reference file order, then by name), the
+    models that lack it and those that have it. mergekit has no rule that fills a missing tensor
+    in this engine's scope; an lm_head that only some models have (tied embeddings in the
+    others) gets a hint."""
+    ref = sources[reference]
+    others = sorted({n for s in sources for n in s.tensors} - set(ref.tensors))
+    bad = [(n, [i for i, s in enumerate(sources) if n not in s.tensors])
+           for n in [*sio.iter_names(ref.tensors), *others]]
+    bad = [(n, lack) for n, lack in bad if lack]
+    if not bad:
+        return
+    name, lack = bad[0]
+    have = [s.ref for s in sources if name in s.tensors]
+    msg = (f"tensor '{name}' is missing from model{'s' if len(lack) > 1 else ''} "
+           f"{', '.join(sources[i].ref for i in lack)} (present in {', '.join(have)})")
+    tied = [sources[i].ref for i in lack if _tied(configs[i])]
+    if "lm_head" in name and tied:
+        msg += (f"; {', '.join(tied)} tie{'s' if len(tied) == 1 else ''} lm_head to the input embeddings "
+                "(tie_word_embeddings): merge only tied or only untied models")
+    if len(bad) > 1:
+        msg += f"; {len(bad) - 1} more tensor(s) are not in every model"
+    raise UserError(msg + "; every model must have the same tensors")
+
+
 def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label: str = "config") -> MergeJob:
     """Open every model, check every tensor and resolve every parameter; writes nothing."""
     check_parameter_names(cfg, source_label)
@@ -161,12 +230,11 @@ def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label:
         inputs = list(range(len(refs)))  # linear: the base (if any) is just another input
     reference = base if base is not None else 0
     ref_src = sources[reference]
-    cfg_path = ref_src.path / "config.json"
-    ref_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    n_layers = ref_config.get("num_hidden_layers") or ref_config.get("n_layer")
-    if not n_layers:
-        idx = [layer_index(n) for n in ref_src.tensors]
-        n_layers = max([i for i in idx if i is not None], default=0) + 1
+    configs = [read_model_config(s) for s in sources]
+    ref_config = configs[reference]
+    check_layer_counts(sources, configs, reference)
+    check_same_tensors(sources, configs, reference)
+    n_layers = layer_count(ref_src, ref_config)
     top = cfg.parameters or {}
     defaults = dict(spec.defaults)
     plans: list[TensorPlan] = []
@@ -177,9 +245,7 @@ def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label:
         involved = ([base] if spec.needs_base else []) + inputs
         for i in involved:
             s = sources[i]
-            if not s.has(name):
-                raise UserError(f"tensor '{name}' is missing from model {s.ref} (present in {ref_src.ref})")
-            info = s.tensors[name]
+            info = s.tensors[name]  # present: check_same_tensors
             if info.shape != rinfo.shape:
                 vocab_like = (len(info.shape) == len(rinfo.shape) and info.shape[1:] == rinfo.shape[1:]
                               and any(h in name for h in VOCAB_HINTS))
@@ -226,12 +292,6 @@ def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label:
                             "by them (set normalize: false or change the weights)")
         plans.append(TensorPlan(name, inputs, base if spec.needs_base else None, rinfo.shape, cd, out, shared,
                                 per_model))
-    names = set(ref_src.tensors)
-    for i, s in enumerate(sources):
-        extra = [n for n in s.tensors if n not in names]
-        if extra and i != reference:
-            print(f"note: model {s.ref} has {len(extra)} tensor(s) the reference {ref_src.ref} lacks "
-                  f"(e.g. '{extra[0]}'); the output follows the reference", file=sys.stderr)
     return MergeJob(cfg, sources, base, inputs, reference, plans, ref_config)
 
 
@@ -410,24 +470,57 @@ def _buffer_cache():
         mx.clear_cache()
 
 
+def input_paths(job: MergeJob, extra: tuple[Path, ...] = ()) -> list[Protected]:
+    """Every path the merge reads, for :func:`check_out_dir`: each model directory (as given and
+    as resolved), its adapter directory, the directories its files really live in (a hub cache's
+    blobs), and ``extra`` files (the merge config)."""
+    items = [Protected(Path(f), "the merge config", is_dir=False) for f in extra]
+    for s in job.sources:
+        items.append(Protected(s.path, f"input model {s.ref}"))
+        if s.given is not None:
+            items.append(Protected(s.given, f"input model {s.ref}"))
+        files = [t.file for t in s.tensors.values()] + [s.path / f for f in ("config.json", *TOKENIZER_FILES)]
+        if s.adapter_path is not None:
+            items.append(Protected(s.adapter_path, f"the LoRA adapter of model {s.ref}"))
+            files += [t.file for t in (s.adapter or {}).values()]
+        dirs = {f.resolve().parent for f in files if f.exists()}
+        items += [Protected(d, f"a directory holding files of model {s.ref}") for d in sorted(dirs)]
+    return items
+
+
+def tokenizer_dir(job: MergeJob) -> Path:
+    """Where the tokenizer files are copied from: ``tokenizer_source`` (a model), else the reference."""
+    src = job.cfg.tokenizer_source
+    if src and src != "base":
+        match = [s for s in job.sources if s.ref == src]
+        if not match:
+            raise UserError(f"tokenizer_source {src} is not one of the models")
+        return match[0].path
+    return job.sources[job.reference].path
+
+
 def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_shard_size: int | str = "5GB",
                 copy_tokenizer: bool = True, seed: int = 0, config_text: str = "",
-                progress: bool = True, workers: Optional[int] = None) -> dict:
+                progress: bool = True, workers: Optional[int] = None, overwrite_any: bool = False,
+                protect: tuple[Path, ...] = ()) -> dict:
     """Merge every planned tensor into ``out_dir`` (atomic: built beside it, renamed at the end).
     ``workers`` tensors are merged side by side (:func:`resolve_workers`); the output does not
-    depend on it (each tensor's result depends only on its inputs, and DARE seeds on its name)."""
+    depend on it (each tensor's result depends only on its inputs, and DARE seeds on its name).
+    ``out_dir`` is checked first (:func:`check_out_dir`) against every input and ``protect``
+    (other files the caller read, e.g. the merge config)."""
     from tqdm import tqdm
 
+    check_out_dir(Path(out_dir), input_paths(job, tuple(protect)), overwrite=overwrite, overwrite_any=overwrite_any)
+    tok_src = tokenizer_dir(job) if copy_tokenizer else None
     out_dir = Path(out_dir)
-    inputs_resolved = {s.path.resolve() for s in job.sources}
-    if out_dir.resolve() in inputs_resolved:
-        raise UserError(f"{out_dir} is one of the input models; choose another output directory")
+    # lexically absolute: a trailing '..' has no name to build the temporary sibling from
+    target = Path(os.path.abspath(out_dir))
     shard_bytes = sio.parse_size(out_shard_size)
     plan = [sio.PlannedTensor(p.name, p.out if not p.copy else job.sources[job.reference].tensors[p.name].dtype,
                               p.shape) for p in job.plans]
     t0 = time.perf_counter()
-    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        writer = sio.ShardedWriter(tmp, plan, shard_bytes, metadata={"merged_by": "mlx_ssp"})
+    with atomic_dir(target, overwrite=overwrite or overwrite_any) as tmp:
+        writer = sio.ShardedWriter(tmp, plan, shard_bytes, metadata={MARK_KEY: MARK_VALUE})
         n_workers = resolve_workers(workers)
 
         def merge_one(p: TensorPlan) -> None:
@@ -451,7 +544,6 @@ def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_sh
             raise
         finally:
             bar.close()
-        ref = job.sources[job.reference]
         conf = dict(job.ref_config)
         out_codes = {p.out for p in job.plans if not p.copy}
         if len(out_codes) == 1:
@@ -460,13 +552,7 @@ def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_sh
                 if key in conf or key == "torch_dtype":
                     conf[key] = dt
         (tmp / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
-        if copy_tokenizer:
-            tok_src = ref.path
-            if job.cfg.tokenizer_source and job.cfg.tokenizer_source != "base":
-                match = [s for s in job.sources if s.ref == job.cfg.tokenizer_source]
-                if not match:
-                    raise UserError(f"tokenizer_source {job.cfg.tokenizer_source} is not one of the models")
-                tok_src = match[0].path
+        if tok_src is not None:
             for f in TOKENIZER_FILES:
                 if (tok_src / f).is_file():
                     shutil.copy2(tok_src / f, tmp / f)
@@ -478,9 +564,12 @@ def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_sh
 
 def run_merge(cfg: MergeConfig, out_dir: Path, *, overwrite: bool = False, out_shard_size: int | str = "5GB",
               copy_tokenizer: bool = True, seed: int = 0, vocab_mismatch: str = "error", config_text: str = "",
-              progress: bool = True, workers: Optional[int] = None) -> dict:
-    """Plan (all checks) then write: the one entry point the CLI and the pipeline share."""
-    if Path(out_dir).exists() and not overwrite:
+              progress: bool = True, workers: Optional[int] = None, overwrite_any: bool = False,
+              protect: tuple[Path, ...] = ()) -> dict:
+    """Plan (all checks) then write: the one entry point the CLI and the pipeline share.
+    ``overwrite`` replaces only a previous merge output, ``overwrite_any`` any directory that is
+    not an input (:mod:`mlx_ssp.merge.outdir`)."""
+    if Path(out_dir).exists() and not (overwrite or overwrite_any):
         raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
     job = plan_merge(cfg, vocab_mismatch=vocab_mismatch)
     if not config_text:
@@ -489,7 +578,7 @@ def run_merge(cfg: MergeConfig, out_dir: Path, *, overwrite: bool = False, out_s
         config_text = yaml.safe_dump(cfg.model_dump(exclude_none=True), sort_keys=False)
     return write_merge(job, Path(out_dir), overwrite=overwrite, out_shard_size=out_shard_size,
                        copy_tokenizer=copy_tokenizer, seed=seed, config_text=config_text, progress=progress,
-                       workers=workers)
+                       workers=workers, overwrite_any=overwrite_any, protect=protect)
 
 
 def stage_to_config(models: list[Path], base: Optional[Path], stage: MergeStageConfig) -> MergeConfig:
