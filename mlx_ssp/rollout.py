@@ -577,7 +577,8 @@ def run_fingerprint(meta: dict) -> str:
     return _digest(meta)
 
 
-def _read_meta(meta_path: Path) -> Optional[dict]:
+def read_meta(meta_path: Path) -> Optional[dict]:
+    """The settings in a ``.meta.json`` (None when there is none); a corrupt one is a UserError."""
     if not meta_path.exists():
         return None
     try:
@@ -680,7 +681,7 @@ def _load_resumable(out: Path, meta: dict, fingerprints: dict[str, str], overwri
         meta_path.unlink(missing_ok=True)
     if not out.exists():
         return [], dropped
-    old = _read_meta(meta_path)
+    old = read_meta(meta_path)
     if old is not None:
         diff = [key for key in meta if old.get(key) != meta[key]]
         if diff:

@@ -347,7 +347,9 @@ def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, 
     system = None
     meta = rollouts.with_name(f"{rollouts.stem}.meta.json")
     if meta.is_file():
-        system = json.loads(meta.read_text()).get("system")
+        from mlx_ssp.rollout import read_meta
+
+        system = read_meta(meta).get("system")  # a corrupt meta file is one line, not a traceback
     data, report = select(records, cfg, system=system)
     report["input"] = str(rollouts)
     report["repeated_records_dropped"] = repeated
