@@ -299,3 +299,19 @@ def test_layer_count_mismatch_is_an_error(tmp_path):
     c = write_model(tmp_path / "c", arrays(3), layers=5)
     with pytest.raises(UserError, match="different layer counts"):
         plan_merge(_cfg([a, c]))
+
+
+def test_every_adapter_tensor_is_fused_or_refused(ws):
+    """An adapter tensor that would not be fused (a lone lora_a, a non-LoRA tensor) stops the merge
+    instead of leaving the model as if it were not there."""
+    root, a, b, cfg = ws
+    for name, tensors in (("lone", {"model.layers.0.mlp.down_proj.lora_a": mx.ones((8, 2))}),
+                          ("extra", {"model.layers.0.mlp.down_proj.lora_a": mx.ones((8, 2)),
+                                     "model.layers.0.mlp.down_proj.lora_b": mx.ones((2, 8)),
+                                     "model.layers.0.mlp.down_proj.bias": mx.ones((8,))})):
+        ad = root / name
+        ad.mkdir()
+        mx.save_safetensors(str(ad / "adapters.safetensors"), tensors)
+        (ad / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora"}))
+        with pytest.raises(UserError, match=r"adapter tensor 'model.layers.0.mlp.down_proj.(lora_a|bias)'"):
+            plan_merge(_cfg([Path(f"{a}+{ad}"), b]))

@@ -92,7 +92,8 @@ def open_source(ref: str) -> Source:
         model_spec, _, adapter_spec = ref.rpartition("+")
     path = resolve_model(model_spec)
     given = Path(model_spec).expanduser()
-    src = Source(ref=ref, path=path, tensors=sio.scan_model(path), given=given if given.exists() else None)
+    given = given if given.exists() and given.resolve() == path.resolve() else None  # not 'demo' or a hub id
+    src = Source(ref=ref, path=path, tensors=sio.scan_model(path), given=given)
     if adapter_spec:
         ad = Path(adapter_spec).expanduser()
         cfg_file, weights = ad / "adapter_config.json", ad / "adapters.safetensors"
@@ -110,11 +111,23 @@ def open_source(ref: str) -> Source:
         src.adapter = sio.scan_file(weights)
         src.adapter_path = ad
         src.lora_scale = float(acfg.get("lora_parameters", {}).get("scale", 20.0))
-        for k in src.adapter:
-            stem = k.rsplit(".", 1)[0]
-            if k.endswith((".lora_a", ".lora_b")) and stem + ".weight" not in src.tensors:
-                raise UserError(f"model {ref}: adapter tensor '{k}' has no matching weight '{stem}.weight'")
+        check_adapter_tensors(ref, src.adapter, src.tensors)
     return src
+
+
+def check_adapter_tensors(ref: str, adapter: dict, weights: dict) -> None:
+    """Every adapter tensor is used: a ``lora_a``/``lora_b`` pair on an existing ``.weight``
+    (anything else would be silently left out of the fused model)."""
+    for k in adapter:
+        stem, _, kind = k.rpartition(".")
+        if kind not in ("lora_a", "lora_b"):
+            raise UserError(f"model {ref}: adapter tensor '{k}' is not a LoRA matrix (lora_a / lora_b), so it "
+                            "cannot be fused on the fly (run `mlx_lm fuse` first)")
+        if stem + ".weight" not in weights:
+            raise UserError(f"model {ref}: adapter tensor '{k}' has no matching weight '{stem}.weight'")
+        pair = stem + (".lora_b" if kind == "lora_a" else ".lora_a")
+        if pair not in adapter:
+            raise UserError(f"model {ref}: adapter tensor '{k}' has no '{pair}' to pair with")
 
 
 @dataclass
@@ -167,7 +180,7 @@ def layer_count(src: Source, conf: dict) -> int:
     return max([i for i in idx if i is not None], default=0) + 1
 
 
-def check_layer_counts(sources: list[Source], configs: list[dict], reference: int) -> None:
+def check_layer_counts(sources: list[Source], configs: list[dict]) -> None:
     """Models with different layer counts cannot be merged tensor by tensor (layer surgery,
     mergekit's ``slices:``, is not supported): an error naming each count."""
     counts = [layer_count(s, c) for s, c in zip(sources, configs)]
@@ -232,7 +245,7 @@ def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label:
     ref_src = sources[reference]
     configs = [read_model_config(s) for s in sources]
     ref_config = configs[reference]
-    check_layer_counts(sources, configs, reference)
+    check_layer_counts(sources, configs)
     check_same_tensors(sources, configs, reference)
     n_layers = layer_count(ref_src, ref_config)
     top = cfg.parameters or {}
@@ -479,10 +492,10 @@ def input_paths(job: MergeJob, extra: tuple[Path, ...] = ()) -> list[Protected]:
         items.append(Protected(s.path, f"input model {s.ref}"))
         if s.given is not None:
             items.append(Protected(s.given, f"input model {s.ref}"))
-        files = [t.file for t in s.tensors.values()] + [s.path / f for f in ("config.json", *TOKENIZER_FILES)]
+        files = {t.file for t in s.tensors.values()} | {s.path / f for f in ("config.json", *TOKENIZER_FILES)}
         if s.adapter_path is not None:
             items.append(Protected(s.adapter_path, f"the LoRA adapter of model {s.ref}"))
-            files += [t.file for t in (s.adapter or {}).values()]
+            files |= {t.file for t in (s.adapter or {}).values()}
         dirs = {f.resolve().parent for f in files if f.exists()}
         items += [Protected(d, f"a directory holding files of model {s.ref}") for d in sorted(dirs)]
     return items

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from mlx_ssp.errors import UserError
 
