@@ -240,3 +240,250 @@ def test_non_root_code_paths(monkeypatch, mode):
         r = run_python("import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=2)\n    print('connected')\n"
                        "except OSError:\n    print('refused')", L)
         assert r.stdout.strip() == "refused", r
+
+
+# -- issue 15 item 3: nothing outside the work dir can be changed, no socket is reachable ------------
+
+def _view_enforced() -> bool:
+    return capabilities()["mode"] == "root"
+
+
+@pytest.fixture
+def open_dir():
+    """A directory anyone can reach and write (tmp_path's parents are private)."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="mlx_ssp_open_", dir="/tmp" if os.path.isdir("/tmp") else None)
+    os.chmod(d, 0o777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_only_the_work_dir_is_writable(open_dir):
+    """Every mount but the work dir's is read-only, so /tmp, /dev/shm, /var/tmp, /run and any
+    world-writable file outside are out of reach (they do not even exist inside)."""
+    if not _view_enforced():
+        pytest.skip("no filesystem view without root (documented)")
+    victim = os.path.join(open_dir, "world_writable.txt")
+    with open(victim, "w") as f:
+        f.write("keep")
+    os.chmod(victim, 0o666)
+    tag = f"mlx_ssp_escape_{os.getpid()}"
+    outside = [f"/tmp/{tag}", f"/dev/shm/{tag}", f"/var/tmp/{tag}", f"/run/{tag}", f"/{tag}", f"/etc/{tag}"]
+    targets = outside + [victim, os.path.join(open_dir, "new.txt")]
+    code = (
+        "import os\n"
+        f"for p in {targets!r}:\n"
+        "    try:\n        open(p, 'a').write('x' * 1000)\n        print('WROTE', p)\n"
+        "    except OSError as e:\n        print('denied', p, e.errno)\n"
+        "open('inside.txt', 'w').write('ok')\n"
+        "open('/dev/null', 'w').write('discarded')\n"
+        "mounts = [l.split() for l in open('/proc/self/mountinfo')]\n"
+        "for m in mounts:\n"
+        "    if m[4] != '/sandbox' and not m[4].startswith('/proc') and 'ro' not in m[5].split(','):\n"
+        "        print('WRITABLE MOUNT', m[4], m[5])\n"
+        "print('cwd', os.getcwd())\n"
+    )
+    try:
+        r = run_python(code, L)
+        assert r.ok, r
+        assert "WROTE" not in r.stdout and "WRITABLE MOUNT" not in r.stdout, r.stdout
+        assert r.stdout.count("denied") == len(targets) and "cwd /sandbox" in r.stdout, r.stdout
+        with open(victim) as f:
+            assert f.read() == "keep"
+        assert not os.path.exists(targets[-1])
+        assert not any(os.path.exists(p) for p in outside)
+    finally:
+        for p in outside:
+            if os.path.isfile(p):
+                os.unlink(p)
+
+
+def test_total_disk_use_is_capped():
+    """Many files each under the file-size limit still stop at the work dir's size (tmpfs_mb)."""
+    if not _view_enforced():
+        pytest.skip("no size-capped work dir without root (documented)")
+    lim = Limits(wall_s=8, cpu_s=4, fsize_mb=4, tmpfs_mb=8)
+    tag = f"mlx_ssp_fill_{os.getpid()}"
+    code = (
+        "import errno\nn = 0\n"
+        "try:\n"
+        "    for i in range(100):\n"
+        "        with open(f'f{i}', 'wb') as f:\n            f.write(b'x' * (1 << 20))\n        n += 1\n"
+        "except OSError as e:\n    print('stopped', n, e.errno == errno.ENOSPC)\n"
+        f"for d in ('/tmp', '/dev/shm', '/var/tmp'):\n"  # and no other place takes more
+        "    try:\n"
+        f"        with open(d + '/{tag}', 'wb') as f:\n            f.write(b'x' * (1 << 20))\n"
+        "        print('ESCAPED', d)\n"
+        "    except OSError:\n        pass\n"
+    )
+    try:
+        r = run_python(code, lim)
+    finally:
+        for d in ("/tmp", "/dev/shm", "/var/tmp"):
+            if os.path.isfile(f"{d}/{tag}"):
+                os.unlink(f"{d}/{tag}")
+    assert r.ok and r.stdout.split()[0] == "stopped", r
+    assert int(r.stdout.split()[1]) < 8 and r.stdout.split()[2] == "True", r.stdout
+    assert "ESCAPED" not in r.stdout, r.stdout
+
+
+def test_no_unix_socket_is_reachable(open_dir):
+    """World-writable listening sockets in /tmp, /dev/shm, /run, a user dir, and an abstract one:
+    the program reaches none (no file of them exists inside; abstract names are per network
+    namespace)."""
+    if not _view_enforced():
+        pytest.skip("Unix sockets are reachable without root (documented)")
+    tag = f"mlx_ssp_sock_{os.getpid()}"
+    paths = [f"/tmp/{tag}", f"/dev/shm/{tag}", f"/run/{tag}", os.path.join(open_dir, "s")]
+    servers = []
+    try:
+        for p in paths:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(p)
+            os.chmod(p, 0o777)
+            s.listen(4)
+            s.setblocking(False)
+            servers.append(s)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind("\0" + tag)
+        s.listen(4)
+        s.setblocking(False)
+        servers.append(s)
+        code = (
+            "import socket\n"
+            f"for p in {paths + [chr(0) + tag]!r}:\n"
+            "    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+            "    try:\n        c.connect(p)\n        print('CONNECTED', repr(p))\n"
+            "    except OSError as e:\n        print('refused', e.errno)\n"
+        )
+        r = run_python(code, L)
+        assert r.ok and "CONNECTED" not in r.stdout and r.stdout.count("refused") == len(paths) + 1, r
+        for s in servers:
+            with pytest.raises(BlockingIOError):
+                s.accept()
+    finally:
+        for s in servers:
+            s.close()
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+# -- issue 15 item 4: the sandbox dies with its caller; leftovers are cleaned ------------------------
+
+def _descendants(root: int) -> set[int]:
+    parent = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    parent[int(p)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out, frontier = set(), {root}
+    while frontier:
+        frontier = {c for c, pp in parent.items() if pp in frontier} - out
+        out |= frontier
+    return out
+
+
+def _alive(pids) -> set[int]:
+    out = set()
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.add(p)
+        except OSError:
+            pass
+    return out
+
+
+def _wait(cond, timeout):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def _caller(call: str):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", f"from mlx_ssp.verify.sandbox import *\n{call}"])
+
+
+@pytest.mark.skipif(not IS_LINUX, reason="PR_SET_PDEATHSIG is Linux only")
+@pytest.mark.parametrize("harness", [False, True])
+def test_sigkilled_caller_takes_the_sandbox_with_it(harness):
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    prog = "import time\ntime.sleep(60)\ndef f():\n    pass"
+    call = f"run_python({prog!r}, Limits(wall_s=30, cpu_s=30)" + (", harness=Harness('f()')" if harness else "") + ")"
+    caller = _caller(call)
+    base = os.path.realpath(tempfile.gettempdir())
+    try:
+        # the sandbox is up: bootstrap + program (+ init, + tests) under the caller
+        want = (3 if _view_enforced() else 1) + (1 if harness else 0)
+        assert _wait(lambda: len(_descendants(caller.pid)) >= want, 20), "sandbox never started"
+        time.sleep(0.3)
+        kids = _descendants(caller.pid)
+        dirs = set()
+        for p in kids:
+            try:
+                d = os.readlink(f"/proc/{p}/cwd")
+            except OSError:
+                continue
+            if os.path.dirname(d) == base and os.path.basename(d).startswith("mlx_ssp_"):
+                dirs.add(d)
+        assert dirs
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+        assert _wait(lambda: not _alive(kids), 2.0), f"still running: {_alive(kids)}"
+        assert all(os.path.isdir(d) for d in dirs)  # SIGKILL cleans nothing...
+        nxt = subprocess.run([sys.executable, "-c", "from mlx_ssp.verify.sandbox import *\nprint(run_python('print(1)').stdout)"],
+                             capture_output=True, text=True, timeout=60)
+        assert nxt.stdout.strip() == "1", nxt
+        assert not any(os.path.exists(d) for d in dirs)  # ...the next start does
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+
+
+def test_stale_dirs_of_live_processes_are_kept(tmp_path):
+    from mlx_ssp.verify.sandbox import _STALE_PREFIX, clean_stale
+
+    mine = tmp_path / f"{_STALE_PREFIX}{os.getpid()}_abc"
+    dead = tmp_path / f"{_STALE_PREFIX}999999999_abc"
+    other = tmp_path / "mlx_ssp_sbx_unrelated"
+    for d in (mine, dead, other):
+        d.mkdir()
+    assert clean_stale(str(tmp_path)) == 1
+    assert mine.exists() and other.exists() and not dead.exists()
+
+
+@pytest.mark.skipif(not IS_LINUX, reason="Linux only")
+def test_the_sandbox_ends_at_its_alarm_when_the_caller_stalls():
+    """The wall limit holds from inside too: a caller that is stopped (not dead) cannot keep a
+    sandboxed program running past wall_s + 3 s (the bootstrap's backstop alarm)."""
+    import signal
+
+    caller = _caller("run_python('import time\\ntime.sleep(60)', Limits(wall_s=1, cpu_s=30))")
+    try:
+        assert _wait(lambda: bool(_descendants(caller.pid)), 20)
+        time.sleep(0.3)
+        kids = _descendants(caller.pid)
+        caller.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert _wait(lambda: not _alive(kids), 8), _alive(kids)
+        assert time.monotonic() - t0 < 6
+    finally:
+        caller.kill()
+        caller.wait()

@@ -106,7 +106,8 @@ def _binds() -> list[tuple[str, str, str]]:
             out.append(("dir", d, ""))
             dirs.append(d)
     paths = {os.path.dirname(_python()), sys.base_prefix, sys.base_exec_prefix}
-    paths.update(sysconfig.get_paths().get(k, "") for k in ("stdlib", "platstdlib"))
+    base = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})  # not a venv's
+    paths.update(base.get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib"))
     for p in sorted(os.path.realpath(p) for p in paths if p):
         if os.path.isdir(p) and not _under(p, dirs):
             out.append(("dir", p, ""))
