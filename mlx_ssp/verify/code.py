@@ -9,12 +9,16 @@ Algorithm:
    docstring) and the code does not define ``entry_point`` itself, the code is a body continuation and
    the program is ``prompt_code + code``; otherwise the import lines of ``prompt_code`` are prepended
    (a full function that forgot ``from typing import List`` still runs).
-3. Tests, from the task's ``answer``: a string of test code appended to the program (HumanEval's
-   ``check`` function plus ``check(entry_point)``), pass = exit status 0; or a list of
+3. Tests, from the task's ``answer``: a string of test code (HumanEval's ``check`` function plus
+   ``check(entry_point)``), run by the sandbox's harness in a process of its own after the
+   program's top level, with the trusted ``prompt_code`` and proxies for the program's names (data
+   in, data out); pass = the test code ran to its end, reported out of the program's reach, never an
+   exit status (an early exit, a patched interpreter or an always-equal object scores 0); or a list of
    ``{"input": stdin, "output": expected stdout}`` cases, each run separately, pass = every case's
    stdout equals the expected one up to trailing whitespace on each line.
-4. Run in :mod:`mlx_ssp.verify.sandbox` with default limits, overridden per task by
-   ``metadata["sandbox"]`` (keys of :class:`~mlx_ssp.verify.sandbox.Limits`).
+4. Run in :mod:`mlx_ssp.verify.sandbox` with default limits, changed per task by
+   ``metadata["sandbox"]`` (keys of :class:`~mlx_ssp.verify.sandbox.Limits`) within the operator's
+   :class:`~mlx_ssp.sandbox_policy.SandboxPolicy` (a request above it is refused).
 
 Reward 1 if every test passes, else 0; the reason says why (``syntax_error``, ``failed``, ``timeout``,
 ``memory_limit``, ``output_limit``...). A syntax error is found by compiling in the parent (nothing

@@ -1,29 +1,38 @@
 """Run untrusted Python (model-written code) in a sandboxed subprocess.
 
-Every run gets: a fresh temporary working directory; a scrubbed environment (a fixed PATH, HOME and
-TMPDIR pointing at the work dir, nothing from the parent, so no secrets); resource limits set before
-the program starts: CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``, the memory limit),
-processes (``RLIMIT_NPROC``, fork bombs), file size (``RLIMIT_FSIZE``), open files and no core dumps; a
-wall-clock limit enforced by the parent; captured stdout/stderr capped at ``output_kb`` (a program that
-prints more is killed at once, so a flood never fills the parent's memory or blocks on a pipe); and,
-at the end, the whole process group killed.
+Every run gets: a fresh temporary working directory (named ``mlx_ssp_sbx_<pid>_*`` after its owner, so
+the first run of a later process removes those of dead owners, e.g. after a SIGKILL); a scrubbed
+environment (a fixed PATH, HOME and TMPDIR pointing at the work dir, nothing from the parent, so no
+secrets); resource limits set before the program starts: CPU seconds (``RLIMIT_CPU``), address space
+(``RLIMIT_AS``, the memory limit), processes (``RLIMIT_NPROC``, fork bombs), file size
+(``RLIMIT_FSIZE``), open files and no core dumps; a wall-clock limit enforced by the parent, with a
+backstop alarm in the bootstrap (wall_s + 3 s) for a parent that stalls; death with the parent
+(``PR_SET_PDEATHSIG`` on the bootstrap and every process it forks); captured stdout/stderr capped at
+``output_kb`` (a program that prints more is killed at once, so a flood never fills the parent's
+memory or blocks on a pipe); and, at the end, the whole process group killed.
 
-On Linux as root (the CI and cluster case) a small trusted bootstrap additionally, before running the
-program: unshares new network, mount and PID namespaces (no network: only a loopback that is down;
-every descendant dies with the namespace, even one that called ``setsid``); mounts a size-limited
-tmpfs as the work dir (a disk-filling loop hits ``tmpfs_mb``); makes the interpreter's directories
-visible when a parent such as ``/root`` is private (a bind-mount view that hides everything else in
-it); then drops to an unprivileged uid/gid unique to this worker (so ``RLIMIT_NPROC`` is enforced,
-files outside the sandbox cannot be changed, rlimits cannot be raised and other processes'
-``/proc/*/environ`` cannot be read) with ``no_new_privs`` set, and kills the program if the bootstrap
-dies (``PR_SET_PDEATHSIG``).
+The bootstrap is :mod:`mlx_ssp.verify.sandbox_boot` (its docstring draws the process tree). On Linux
+as root (the CI and cluster case) it also: unshares new network, PID and mount namespaces (no network:
+only a loopback that is down, and abstract Unix sockets are per network namespace; every descendant
+dies with the namespace, even one that called ``setsid``); builds a filesystem view whose only
+writable place is a size-limited tmpfs work dir (``tmpfs_mb``, so the total disk use is capped), with
+the system and interpreter directories bound read-only and nothing else of the host: no ``/tmp``,
+``/dev/shm``, ``/run``, home directories or socket files; then drops to an unprivileged uid/gid unique
+to this worker (so ``RLIMIT_NPROC`` is enforced, rlimits cannot be raised and no other process can be
+traced) with ``no_new_privs``.
+
+With a :class:`Harness` (the code verifier's test code) the tests run in their own process against
+proxies of the program's names; ``RunResult.passed`` is true only if that process finished the test
+code and wrote a nonce the program never sees (see :mod:`mlx_ssp.verify.sandbox_boot`).
 
 Elsewhere the same rlimits apply and the parent still enforces wall time and output; on Linux without
 root, a user+network namespace is used for "no network" when the kernel allows unprivileged user
-namespaces. What is NOT enforced there: the program runs as the calling user, so it can read and
-delete that user's files outside the work dir and read ``/proc/<parent>/environ``; on macOS
-``RLIMIT_AS`` is not enforced and there is no network isolation. :func:`capabilities` reports what
-this machine enforces; ``mlx_ssp verify`` prints it when it runs code.
+namespaces. What is NOT enforced there: the program runs as the calling user, so it can read, change
+and delete that user's files outside the work dir (the interpreter's own files included), write to
+``/tmp``, reach Unix sockets, read ``/proc/<parent>/environ`` and the parent's memory; so a harness
+verdict there holds against a program that only plays within Python, not against one that attacks
+the parent. On macOS ``RLIMIT_AS`` is not enforced and there is no network isolation.
+:func:`capabilities` reports what this machine enforces; ``mlx_ssp verify`` prints it when it runs code.
 """
 
 from __future__ import annotations
@@ -398,6 +407,7 @@ def capabilities_for(mode: str) -> dict:
         "uid_drop": root,
         "pid_namespace": root,
         "tmpfs_workdir": root,
+        "filesystem_view": root,  # only the work dir writable, no host /tmp, /dev/shm, /run or sockets
         "scrubbed_env": True,
         "wall_limit": True,
         "output_cap": True,
@@ -431,6 +441,6 @@ def describe() -> str:
     return (
         f"sandbox ({c['mode']}): rlimits {'/'.join(c['rlimits'])}, wall and output caps, scrubbed env; "
         f"network {'isolated' if c['network_isolated'] else 'NOT isolated'}; "
-        f"{'unprivileged uid, PID namespace, tmpfs work dir' if c['uid_drop'] else 'runs as the calling user (files outside the work dir are NOT protected)'}"
+        f"{'unprivileged uid, PID namespace, read-only view with a capped tmpfs work dir' if c['uid_drop'] else 'runs as the calling user (files outside the work dir are NOT protected)'}"
         + (f"; probe failed: {c.get('probe_error', '')}" if c.get("probe_status") != "ok" else "")
     )

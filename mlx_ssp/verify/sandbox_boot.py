@@ -100,6 +100,7 @@ def spawn(fn, close=()):
     for fd in close:
         os.close(fd)
     die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # init ignores it; the child need not
     code = 0
     try:
         fn()
@@ -595,6 +596,10 @@ def main():
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # the program (same uid) cannot ptrace init or the tests
     setlim(resource.RLIMIT_NPROC, lim["nproc"])
     os.chdir(work)
+    # init has Python's SIGINT handler, so the program (same uid) could interrupt it: ignore it there
+    # (the non-root program runs in this process when there are no tests: it keeps the handler)
+    if mode == "root" or cfg["harness"]:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cfg["harness"]:
         passed, status = harness(cfg, prog, work, tests_fd, report_fd)
         write_all(report_fd, json.dumps({"status": status, "passed": passed}).encode())
