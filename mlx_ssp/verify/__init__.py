@@ -6,11 +6,25 @@ Verifier modules register themselves with :func:`register`; importing this packa
 them all (``math``, ``reasoning_gym``, ``code``, ``toolcall``; a verifier whose optional third-party
 package is missing is listed in ``UNAVAILABLE`` with the reason). :func:`verify_many` scores a batch,
 running verifiers marked ``parallel`` (the code sandbox) on worker threads. See docs/tasks.md.
+
+Every verifier bounds its own work (linear-time extraction, capped scan lengths; see each module).
+As the last resort, :func:`verify` gives each in-process verifier call a time limit
+(:data:`ITEM_TIME_LIMIT_S`) in whatever thread it runs: a watchdog thread raises
+:class:`VerifierTimeout` in the verifying thread (``PyThreadState_SetAsyncExc``), which scores 0 with
+reason ``verifier_timeout``. No signals are used, so it works off the main thread and does not
+disturb math-verify's own ``signal.alarm`` there. Like a signal, it interrupts Python code only: one
+long call into C (a huge integer power, a regex) ends first. Verifiers registered ``parallel`` (the
+code sandbox) are not wrapped: they wait on a sandboxed process that has its own wall-time limit.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import itertools
+import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -84,11 +98,106 @@ def check_task(task: "Task") -> None:
         raise UserError(f"task '{task.id}' is not valid for verifier '{task.verifier}': {e}") from None
 
 
-def verify(completion: str, task: "Task") -> VerifyResult:
-    """Score one completion; any exception inside a verifier becomes reward 0, never a crash."""
-    fn = get_verifier(task.verifier)
+#: Seconds one in-process verifier call may take before it scores 0 (``verifier_timeout``). Ordinary
+#: verifications take milliseconds; math-verify's own timeouts (main thread only) are 5 s per step.
+ITEM_TIME_LIMIT_S = 10.0
+_WATCH_POLL_S = 0.05
+
+
+class VerifierTimeout(BaseException):
+    """Raised inside a verifier that ran past its time limit. A BaseException, so that a scorer's
+    ``except Exception`` cannot swallow it."""
+
+
+class _Slot:
+    __slots__ = ("tid", "deadline", "fired")
+
+    def __init__(self, deadline: float):
+        self.tid = threading.get_ident()
+        self.deadline = deadline
+        self.fired = threading.Lock()  # held until the watchdog has scheduled the exception
+        self.fired.acquire()
+
+
+class _Watchdog:
+    """One daemon thread that polls the armed slots and raises :class:`VerifierTimeout` in the
+    thread of any slot past its deadline. Arming and disarming are a dict store and a dict pop
+    (atomic under the GIL): whichever of the target and the watchdog pops a slot owns it, so the
+    exception is raised only while the target has not disarmed, and a target that finds its slot
+    taken waits until the exception is scheduled and then cancels it if it was not delivered."""
+
+    def __init__(self) -> None:
+        self.active: dict[int, _Slot] = {}
+        self.seq = itertools.count()
+        self.thread: threading.Thread | None = None
+        self.start_lock = threading.Lock()
+
+    def arm(self, seconds: float) -> tuple[int, _Slot]:
+        if self.thread is None:
+            with self.start_lock:
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._run, name="verify-watchdog", daemon=True)
+                    self.thread.start()
+        key, slot = next(self.seq), _Slot(time.monotonic() + seconds)
+        self.active[key] = slot
+        return key, slot
+
+    def disarm(self, key: int, slot: _Slot) -> None:
+        """Stop watching; raises VerifierTimeout if the watchdog fired for this slot."""
+        if self.active.pop(key, None) is not None:
+            return
+        slot.fired.acquire()  # the watchdog owns it: wait until it has scheduled the exception
+        _set_async_exc(slot.tid, None)  # cancel it if still pending (a no-op if already raised)
+        raise VerifierTimeout
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(_WATCH_POLL_S)
+            now = time.monotonic()
+            for key, slot in list(self.active.items()):
+                if slot.deadline <= now and self.active.pop(key, None) is not None:
+                    _set_async_exc(slot.tid, VerifierTimeout)
+                    slot.fired.release()
+
+
+def _set_async_exc(tid: int, exc: type | None) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(tid), ctypes.py_object(exc) if exc is not None else ctypes.c_void_p(0)
+    )
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _fresh_watchdog() -> None:  # the watchdog thread does not survive a fork
+    global _WATCHDOG
+    _WATCHDOG = _Watchdog()
+
+
+os.register_at_fork(after_in_child=_fresh_watchdog)
+
+
+def _call_limited(fn: Verifier, completion: str, task: "Task", seconds: float) -> VerifyResult:
+    key, slot = _WATCHDOG.arm(seconds)
     try:
         res = fn(completion, task)
+    finally:
+        _WATCHDOG.disarm(key, slot)
+    return res
+
+
+def verify(completion: str, task: "Task", time_limit: float | None = ITEM_TIME_LIMIT_S) -> VerifyResult:
+    """Score one completion; any exception inside a verifier becomes reward 0, never a crash. An
+    in-process verifier that runs past ``time_limit`` seconds (None: no limit) scores 0 with reason
+    ``verifier_timeout``."""
+    fn = get_verifier(task.verifier)
+    try:
+        if time_limit is not None and task.verifier not in PARALLEL:
+            res = _call_limited(fn, completion, task, time_limit)
+        else:
+            res = fn(completion, task)
+    except VerifierTimeout:
+        return VerifyResult(0.0, "verifier_timeout", f"no verdict within {time_limit:g} s")
     except Exception as e:  # a verifier bug must not kill a training run
         return VerifyResult(0.0, "verifier_error", f"{type(e).__name__}: {e}")
     r = float(res.reward)

@@ -13,6 +13,13 @@ Two modes, chosen per domain (``tasks.domains.<name>.answer_extraction``) and st
   model rarely writes the requested format, and strict scoring gives RL almost no signal.
 
 Text before the last ``</think>`` is dropped (thinking models reason there; the answer follows it).
+
+Bounded work (a policy under RL writes whatever makes the verifier slow): only the last
+:data:`MAX_SCAN_CHARS` characters after ``</think>`` are searched, and every step is linear in that
+length. Each marker kind is found by one regex pass that keeps only its last match (no regex here
+can backtrack: quantifiers that could give characters back to a neighbour are possessive), only
+the winning marker's line is read, and ``\\boxed{`` braces are matched in one stack pass over the
+braces instead of one scan per ``\\boxed{``.
 """
 
 from __future__ import annotations
@@ -22,12 +29,20 @@ from dataclasses import dataclass
 
 MODES = ("strict", "lenient")
 DEFAULT_MODE = "strict"
+#: Only this many trailing characters (after ``</think>``) are searched for the answer: far above any
+#: ordinary completion (~60k tokens), so it only ever cuts runaway text, and it bounds the work.
+MAX_SCAN_CHARS = 262_144
 
-_ANSWER_RE = re.compile(r"(?:\*\*|__)?\b(?:final[ \t]+)?answer[ \t]*(?:\*\*|__)?[ \t]*:[ \t]*(?:\*\*|__)?", re.IGNORECASE)
+_ANSWER_RE = re.compile(
+    r"(?:\*\*|__)?\b(?:final[ \t]++)?answer[ \t]*+(?:\*\*|__)?[ \t]*+:[ \t]*+(?:\*\*|__)?", re.IGNORECASE
+)
 _HASH_RE = re.compile(r"####")
-_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANSWER_IS_RE = re.compile(r"\banswer\s+(?:is|=|would be|will be)\s*:?\s*", re.IGNORECASE)
-_NUMBER_RE = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?%?|-?\.\d+")
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*+\{")
+_BRACE_RE = re.compile(r"[{}]")
+_ANSWER_IS_RE = re.compile(r"\banswer\s++(?:is|=|would be|will be)\s*+:?\s*+", re.IGNORECASE)
+_NUMBER_RE = re.compile(r"-?\$?\d[\d,]*+(?:\.\d+)?(?:\s*+/\s*+\d+)?%?|-?\.\d+")
+_SENTENCE_END_RE = re.compile(r"(?<!\d)\.(?!\d)|\.\s")
+_EMPHASIS = "*_`"
 
 
 @dataclass(frozen=True)
@@ -41,24 +56,85 @@ def strip_thinking(text: str) -> str:
     return text[i + len("</think>"):] if i >= 0 else text
 
 
+def answer_region(text: str) -> str:
+    """The part of a completion searched for its answer: after the last ``</think>``, at most the
+    last :data:`MAX_SCAN_CHARS` characters."""
+    body = strip_thinking(text)
+    return body[-MAX_SCAN_CHARS:] if len(body) > MAX_SCAN_CHARS else body
+
+
+def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+    last = None
+    for last in pattern.finditer(text):
+        pass
+    return last
+
+
 def _balanced(text: str, start: int) -> str | None:
     """Content of a brace group whose ``{`` is at ``start - 1``; None if it never closes."""
     depth = 1
-    for j in range(start, len(text)):
-        c = text[j]
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:j]
+    for m in _BRACE_RE.finditer(text, start):
+        depth += 1 if m.group() == "{" else -1
+        if depth == 0:
+            return text[start:m.start()]
     return None
+
+
+def _last_closed_box(text: str) -> tuple[int, str] | None:
+    """(start, content) of the last ``\\boxed{...}`` whose brace closes, by one stack pass."""
+    boxes = [m for m in _BOX_RE.finditer(text)]
+    if not boxes:
+        return None
+    first = boxes[0].end() - 1
+    closes: dict[int, int] = {}
+    stack: list[int] = []
+    for m in _BRACE_RE.finditer(text, first):
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:
+            closes[stack.pop()] = m.start()
+    for m in reversed(boxes):
+        end = closes.get(m.end() - 1)
+        if end is not None:
+            return m.start(), text[m.end():end]
+    return None
+
+
+def _strip_emphasis(ans: str) -> str:
+    """Drop leading and trailing markdown emphasis tokens (``**``, ``__``, ``*``, backtick) in linear
+    time: the same result as ``re.sub(r"^(?:\\*\\*|__|\\*|`)+|(?:\\*\\*|__|\\*|`)+$", "", ans)``,
+    whose second alternative backtracks exponentially on a run of ``*`` that does not end the text."""
+    n, p = len(ans), 0
+    while p < n:
+        if ans.startswith(("**", "__"), p):
+            p += 2
+        elif ans[p] in "*`":
+            p += 1
+        else:
+            break
+    i = n
+    while i > p and ans[i - 1] in _EMPHASIS:
+        i -= 1
+    # an underscore only strips in pairs: start after the last odd run of underscores
+    j = n
+    while j > i:
+        if ans[j - 1] != "_":
+            j -= 1
+            continue
+        k = j
+        while k > i and ans[k - 1] == "_":
+            k -= 1
+        if (j - k) % 2:
+            i = k + 1
+            break
+        j = k
+    return ans[p:i]
 
 
 def _clean(ans: str) -> str:
     ans = ans.strip()
     # markdown emphasis and surrounding math delimiters the model may wrap its answer in
-    ans = re.sub(r"^(?:\*\*|__|\*|`)+|(?:\*\*|__|\*|`)+$", "", ans).strip()
+    ans = _strip_emphasis(ans).strip()
     if len(ans) >= 2 and ans[0] == ans[-1] == "$":
         ans = ans[1:-1].strip()
     elif ans.startswith("\\(") and ans.endswith("\\)") or ans.startswith("\\[") and ans.endswith("\\]"):
@@ -83,44 +159,60 @@ def _rest_of_line(text: str, pos: int) -> str:
     if line.strip() or end < 0:
         return line
     block: list[str] = []
-    for nxt in text[end + 1:].split("\n"):
+    i = end + 1
+    while True:
+        j = text.find("\n", i)
+        nxt = text[i:] if j < 0 else text[i:j]
         if nxt.strip():
             block.append(nxt)
         elif block:
             break
+        if j < 0:
+            break
+        i = j + 1
     return "\n".join(block)
 
 
-def extract_strict(text: str) -> Extracted | None:
-    text = strip_thinking(text)
-    best: tuple[int, Extracted] | None = None
-    for m in _ANSWER_RE.finditer(text):
-        cand = Extracted(_clean(_rest_of_line(text, m.end())), "answer_marker")
-        best = (m.start(), cand) if best is None or m.start() > best[0] else best
-    for m in _HASH_RE.finditer(text):
-        cand = Extracted(_clean(_rest_of_line(text, m.end())), "hashes")
-        best = (m.start(), cand) if best is None or m.start() > best[0] else best
-    for m in _BOX_RE.finditer(text):
-        inner = _balanced(text, m.end())
-        if inner is not None:
-            cand = Extracted(_clean(inner), "boxed")
-            best = (m.start(), cand) if best is None or m.start() > best[0] else best
-    if best is None:
+def _strict(text: str) -> Extracted | None:
+    """Strict extraction on an already-cut answer region."""
+    cands: list[tuple[int, str, int]] = []  # (start, method, where the answer starts)
+    m = _last_match(_ANSWER_RE, text)
+    if m is not None:
+        cands.append((m.start(), "answer_marker", m.end()))
+    m = _last_match(_HASH_RE, text)
+    if m is not None:
+        cands.append((m.start(), "hashes", m.end()))
+    box = _last_closed_box(text)
+    if box is not None:
+        cands.append((box[0], "boxed", -1))
+    if not cands:
         return None
+    start, method, pos = max(cands)
+    if method == "boxed":
+        return Extracted(_clean(box[1]), "boxed")  # type: ignore[index]
+    ex = Extracted(_clean(_rest_of_line(text, pos)), method)
     # a boxed answer inside the "Answer:" line wins over the raw line ("Answer: $\boxed{5}$")
-    ex = best[1]
-    if ex.method != "boxed":
-        m = _BOX_RE.search(ex.text)
-        inner = _balanced(ex.text, m.end()) if m else None
-        if inner is not None:
-            ex = Extracted(_clean(inner), ex.method)
+    m = _BOX_RE.search(ex.text)
+    inner = _balanced(ex.text, m.end()) if m else None
+    if inner is not None:
+        ex = Extracted(_clean(inner), ex.method)
     return ex
 
 
+def extract_strict(text: str) -> Extracted | None:
+    return _strict(answer_region(text))
+
+
 def _last_line(text: str) -> str | None:
-    for line in reversed(text.split("\n")):
+    end = len(text)
+    while end >= 0:
+        i = text.rfind("\n", 0, end)
+        line = text[i + 1:end]
         if line.strip():
             return line
+        if i < 0:
+            return None
+        end = i
     return None
 
 
@@ -130,17 +222,17 @@ def extract(text: str, mode: str = DEFAULT_MODE, last_resort: str = "last_number
     ``last_resort`` is the lenient mode's final fallback: ``last_number`` or ``last_line``."""
     if mode not in MODES:
         raise ValueError(f"unknown answer_extraction '{mode}'; valid: {', '.join(MODES)}")
-    ex = extract_strict(text)
+    body = answer_region(text)
+    ex = _strict(body)
     if ex is not None and ex.text:
         return ex
     if mode == "strict":
         return ex
-    body = strip_thinking(text)
-    hits = list(_ANSWER_IS_RE.finditer(body))
-    if hits:
-        rest = _rest_of_line(body, hits[-1].end())
+    hit = _last_match(_ANSWER_IS_RE, body)
+    if hit is not None:
+        rest = _rest_of_line(body, hit.end())
         # a sentence ends the answer ("The answer is 12. Next ..."); keep decimals like 3.5
-        rest = re.split(r"(?<!\d)\.(?!\d)|\.\s", rest, maxsplit=1)[0]
+        rest = _SENTENCE_END_RE.split(rest, maxsplit=1)[0]
         if _clean(rest):
             return Extracted(_clean(rest), "answer_is")
     eq = body.rfind("=")
@@ -149,10 +241,8 @@ def extract(text: str, mode: str = DEFAULT_MODE, last_resort: str = "last_number
         if rhs and "=" not in rhs:
             return Extracted(rhs, "last_equals")
     if last_resort == "last_number":
-        nums = _NUMBER_RE.findall(body)
-        if nums:
-            return Extracted(nums[-1].strip(), "last_number")
-        return None
+        num = _last_match(_NUMBER_RE, body)
+        return Extracted(num.group().strip(), "last_number") if num is not None else None
     if last_resort == "last_line":
         line = _last_line(body)
         return Extracted(_clean(line), "last_line") if line else None

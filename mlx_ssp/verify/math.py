@@ -14,8 +14,17 @@ Deviations / choices:
 - Text that contains a word of three or more letters (not a LaTeX command), such as "18 dollars", is
   parsed as plain text (math-verify takes its number); anything else is parsed as LaTeX math (wrapped
   in ``$...$``) so that "2x+1" stays an expression rather than the number 2.
-- math-verify's timeouts use ``signal.alarm``, which only works in the main thread; off the main
-  thread we call it without a timeout (answers are one short line, so parsing is bounded anyway).
+- Bounded work. An extracted answer longer than ``MAX_ANSWER_CHARS`` is no answer. Redundant
+  doubled groups (``((x))``, ``{{x}}``) are reduced to one layer first: math-verify's parser takes
+  time exponential in such nesting (190 parentheses around 42 scored wrong after its timeout). Then,
+  before math-verify sees it, an answer is refused with reason ``answer_too_complex`` when its
+  brackets nest deeper than ``MAX_NESTING`` or when an upper-bound estimate of its numbers (powers,
+  factorials, binomials, products; symbols count as 1) says some exact integer sympy would compute
+  has more than ``MAX_NUMBER_DIGITS`` digits (``9^{9^{9^{9}}}``, ``1000000000!``): such a value
+  cannot be an ordinary final answer, and computing it costs seconds to hours.
+- math-verify's own timeouts use ``signal.alarm``, which only works in the main thread; off the main
+  thread we call it without one. :func:`mlx_ssp.verify.verify` puts a per-item time limit around
+  every in-process verifier, in any thread, as the last resort.
 - Parsed references are cached (one reference is scored against K completions), and so are
   judgements of (reference, extracted answer) pairs (the K samples often agree). Two plain
   integers (up to 15 digits) are compared as integers without math-verify: the same verdict
@@ -24,6 +33,7 @@ Deviations / choices:
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from functools import lru_cache
@@ -42,6 +52,151 @@ _CONFIGS = (LatexExtractionConfig(), ExprExtractionConfig())
 _WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
 _INT_RE = re.compile(r"[+-]?[0-9]{1,15}\Z")  # short enough that no float rounding can merge two of them
 MAX_ANSWER_CHARS = 400  # a "final answer" longer than this is a runaway line, not an answer
+MAX_NESTING = 10  # bracket depth beyond which an answer is "too complex" (math-verify slows sharply)
+MAX_NUMBER_DIGITS = 100_000  # no exact integer in an answer may be estimated larger than this
+_LOG10_2 = math.log10(2)
+_GROUP_TOKEN_RE = re.compile(r"\\.|[(){}\[\]]", re.DOTALL)
+_MAG_TOKEN_RE = re.compile(r"\s+|(\d+(?:\.\d*)?|\.\d+)|(\\[A-Za-z]+|\\.)|(\*\*)|(.)", re.DOTALL)
+_PAIRS = {"(": ")", "{": "}", "[": "]"}
+
+
+def reduce_grouping(ans: str) -> str:
+    """``ans`` with every redundant doubled ``(`` ``)`` or ``{`` ``}`` layer removed (``((x))`` ->
+    ``(x)``), in one stack pass; unchanged when its brackets do not pair up. Escaped ``\\{`` is a
+    literal, not a group."""
+    stack: list[tuple[str, int]] = []
+    pairs: dict[int, int] = {}
+    for m in _GROUP_TOKEN_RE.finditer(ans):
+        c, i = m.group(), m.start()
+        if c[0] == "\\":
+            continue
+        if c in _PAIRS:
+            stack.append((c, i))
+        elif not stack or _PAIRS[stack[-1][0]] != c:
+            return ans
+        else:
+            pairs[stack.pop()[1]] = i
+    if stack:
+        return ans
+    drop = {i for i, j in pairs.items() if ans[i] in "({" and pairs.get(i + 1) == j - 1 and ans[i + 1] == ans[i]}
+    if not drop:
+        return ans
+    drop |= {pairs[i] for i in drop}
+    return "".join(c for k, c in enumerate(ans) if k not in drop)
+
+
+def _nesting(ans: str) -> int:
+    depth = best = 0
+    for m in _GROUP_TOKEN_RE.finditer(ans):
+        c = m.group()
+        if c in _PAIRS:
+            depth += 1
+            best = max(best, depth)
+        elif c in ")}]":
+            depth = max(0, depth - 1)
+    return best
+
+
+def _value(mag: float) -> float:
+    """An upper bound of a number from an upper bound of its log10 (inf when huge)."""
+    return 10.0 ** mag if mag < 300 else math.inf
+
+
+class _Magnitude:
+    """Upper-bound estimate of log10 of the numbers an answer denotes, by a loose recursive descent
+    over its tokens (never fails: unknown tokens count as 1). ``worst`` is the largest estimate of
+    any sub-expression, since sympy evaluates exact integers bottom-up. Recursion depth is bounded
+    by the bracket depth, which the caller has checked."""
+
+    def __init__(self, ans: str):
+        self.toks = [m for m in _MAG_TOKEN_RE.finditer(ans) if not m.group().isspace()]
+        self.i = 0
+        self.worst = 0.0
+
+    def _peek(self) -> str:
+        return self.toks[self.i].group() if self.i < len(self.toks) else ""
+
+    def _note(self, mag: float) -> float:
+        self.worst = max(self.worst, mag)
+        return mag
+
+    def sequence(self, closer: str = "") -> float:
+        """A run of factors and operators up to ``closer``: a product bounds it (each + or - adds
+        a factor of 2)."""
+        total = 0.0
+        while self.i < len(self.toks):
+            t = self._peek()
+            if t == closer:
+                self.i += 1
+                break
+            if t in ")}]":  # a stray closer
+                self.i += 1
+                continue
+            if t in ("+", "-", "\\pm", "\\mp"):
+                self.i += 1
+                total += _LOG10_2
+                continue
+            total += self.chain()
+        return self._note(total)
+
+    def chain(self) -> float:
+        """``a ^ b ^ c`` (``**`` too), right-associative, folded without recursion."""
+        operands = [self.postfix()]
+        while self._peek() in ("^", "**"):
+            self.i += 1
+            operands.append(self.postfix())
+        mag = operands.pop()
+        while operands:
+            base = operands.pop()
+            mag = self._note(_value(mag) * base if base > 0 else 0.0)
+        return mag
+
+    def postfix(self) -> float:
+        mag = self.primary()
+        while self._peek() == "!":
+            self.i += 1
+            n = _value(mag)
+            mag = self._note(math.inf if n > 1e300 else math.lgamma(n + 1) / math.log(10) if n > 1 else 0.0)
+        return mag
+
+    def primary(self) -> float:
+        if self.i >= len(self.toks):
+            return 0.0
+        m = self.toks[self.i]
+        self.i += 1
+        t = m.group()
+        if m.group(1):
+            digits = t.split(".")[0].lstrip("0")
+            return self._note(len(digits) if len(digits) > 15 else math.log10(max(1.0, float(t))))
+        if t in _PAIRS:
+            return self.sequence(_PAIRS[t])
+        if t in ("\\frac", "\\dfrac", "\\tfrac", "\\cfrac"):
+            return self._note(self.primary() + self.primary())
+        if t == "\\binom":
+            n, k = self.primary(), self.primary()  # C(n, k) <= min(2^n, n^k)
+            return self._note(min(_value(n) * _LOG10_2, _value(k) * n))
+        if t == "\\sqrt":
+            if self._peek() == "[":
+                self.i += 1
+                self.sequence("]")
+            return self.primary()
+        if t in ("\\text", "\\mathrm", "\\textbf", "\\mathbf", "\\operatorname", "\\mbox"):
+            self.primary()
+            return 0.0
+        return 0.0  # a symbol, a command, an operator: counts as 1
+
+
+def too_complex(ans: str) -> str | None:
+    """Why ``ans`` is refused before math-verify (see the module docstring), or None."""
+    depth = _nesting(ans)
+    if depth > MAX_NESTING:
+        return f"brackets nest {depth} deep (limit {MAX_NESTING})"
+    est = _Magnitude(ans)
+    est.sequence()
+    if est.worst > MAX_NUMBER_DIGITS:
+        size = "more than 1e300" if math.isinf(est.worst) else f"about {est.worst:.3g}"
+        return f"a number in it would have {size} digits (limit {MAX_NUMBER_DIGITS})"
+    return None
 
 
 def _timeout() -> int | None:
@@ -96,7 +251,11 @@ def verify_math(completion: str, task: "Task") -> VerifyResult:
     if len(ex.text) > MAX_ANSWER_CHARS:
         return VerifyResult(0.0, "no_answer", f"{ex.method}: answer longer than {MAX_ANSWER_CHARS} chars")
     detail = f"{ex.method}: {ex.text[:200]}"
-    ok = _judge(str(task.answer), ex.text)
+    pred = reduce_grouping(ex.text)
+    why = too_complex(pred)
+    if why is not None:
+        return VerifyResult(0.0, "answer_too_complex", f"{detail} ({why})")
+    ok = _judge(str(task.answer), pred)
     if ok is None:
         return VerifyResult(0.0, "unparsable", detail)
     return VerifyResult(1.0 if ok else 0.0, "correct" if ok else "wrong_answer", detail)

@@ -21,22 +21,47 @@ Checking (the task's ``answer`` is the BFCL ground truth: a list of ``{function_
 
 Deviation from BFCL's checker: our own implementation of the same rules (no import of its code, which
 drags in its model handlers); parameter types come from ``metadata["functions"]`` when present.
+
+Bounded work (a policy under RL writes whatever makes the verifier slow):
+- only the last ``MAX_SCAN_CHARS`` characters after ``</think>`` are read (as in answer extraction);
+- ``<tool_call>`` blocks are cut with ``str.find`` (no regex that can backtrack);
+- JSON nested deeper than :data:`MAX_JSON_DEPTH` is a malformed call, checked by our own iterative
+  bracket scan before ``json`` (whose recursive decoder would raise RecursionError);
+- the search for the first JSON value tries only positions where a call can start (``[`` or
+  ``{"``), finds each candidate's extent with one memoised bracket scan (a bracket already scanned
+  is jumped over) and decodes only that slice (``json``'s error message costs time proportional to
+  the position in the text it is given, so decoding at every position of the whole text is
+  quadratic); a value that decodes but is not a call is searched for nested calls in its decoded
+  tree instead of re-decoding every position inside it. The scan has a total budget of a few
+  steps per character; past it the completion is a malformed call;
+- calls are matched to expected calls through an index on (function name, argument, value) and an
+  iterative augmenting-path search, so a task expecting thousands of calls is scored exactly, in
+  time about linear in their number (it was quadratic, and recursive).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import TYPE_CHECKING, Any
 
 from mlx_ssp.verify import VerifyResult, register
-from mlx_ssp.verify.extract import strip_thinking
+from mlx_ssp.verify.extract import answer_region
 
 if TYPE_CHECKING:
     from mlx_ssp.tasks import Task
 
-_TAG_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_OPEN_TAG, _CLOSE_TAG = "<tool_call>", "</tool_call>"
 _STD_RE = re.compile(r"[ ,./\-_*^]")
+#: JSON nested deeper than this is a malformed call (BFCL arguments nest a few levels).
+MAX_JSON_DEPTH = 32
+#: Bracket-scan steps allowed per character of text when searching for the first JSON call.
+_SCAN_BUDGET_PER_CHAR = 4
+_CANDIDATE_RE = re.compile(r'(?=\[|\{\s*+")')  # a list, or an object that is not empty: what can hold a call
+_STRUCT_RE = re.compile(r'["\[\]{}]')
+_STRING_TAIL_RE = re.compile(r'(?:[^"\\]++|\\.)*+"', re.DOTALL)  # the rest of a JSON string, closing quote included
+_CLOSER = {"[": "]", "{": "}"}
 
 
 class Malformed(ValueError):
@@ -64,17 +89,149 @@ def _as_call(obj: Any) -> tuple[str, dict] | None:
     return name, args
 
 
+def _tag_blocks(text: str) -> list[str]:
+    """Bodies of ``<tool_call>...</tool_call>`` blocks, stripped; an unclosed last block runs to the
+    end of the text."""
+    blocks = []
+    i = text.find(_OPEN_TAG)
+    while i >= 0:
+        start = i + len(_OPEN_TAG)
+        end = text.find(_CLOSE_TAG, start)
+        blocks.append(text[start:end if end >= 0 else len(text)].strip())
+        if end < 0:
+            break
+        i = text.find(_OPEN_TAG, end + len(_CLOSE_TAG))
+    return blocks
+
+
+class _Scanner:
+    """Extents of JSON values by their brackets and strings, without decoding. ``end(p)`` is where
+    the value opened at ``p`` closes (None: it never closes, or a bracket closes the wrong kind).
+    Bracket ends are memoised by position: from a bracket outside any string the scan is the same
+    whoever started it, so a later scan jumps over a bracket already closed."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.memo: dict[int, tuple[int, int] | None] = {}  # open bracket -> (end, depth) or None
+        self.budget = _SCAN_BUDGET_PER_CHAR * len(text) + 1000
+
+    def end(self, p: int) -> int | None:
+        text, memo = self.text, self.memo
+        if p in memo:
+            known = memo[p]
+            return None if known is None else known[0]
+        stack: list[list[int]] = []  # [open position, depth below it]
+        i = p
+        while True:
+            self.budget -= 1
+            if self.budget < 0:
+                raise Malformed("the JSON in the completion is too convoluted to search")
+            m = _STRUCT_RE.search(text, i)
+            if m is None:
+                break
+            c, j = m.group(), m.start()
+            if c == '"':
+                s = _STRING_TAIL_RE.match(text, j + 1)
+                if s is None:
+                    break
+                i = s.end()
+                continue
+            if c in _CLOSER:
+                known = memo.get(j, False)
+                if known is None:
+                    break
+                if known:
+                    if len(stack) + known[1] > MAX_JSON_DEPTH:
+                        raise Malformed(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+                    stack[-1][1] = max(stack[-1][1], known[1])
+                    i = known[0]
+                    continue
+                stack.append([j, 0])
+                if len(stack) > MAX_JSON_DEPTH:
+                    raise Malformed(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+                i = j + 1
+                continue
+            o, below = stack.pop()
+            if _CLOSER[text[o]] != c:
+                stack.append([o, below])
+                break
+            memo[o] = (j + 1, below + 1)
+            if not stack:
+                return j + 1
+            stack[-1][1] = max(stack[-1][1], below + 1)
+            i = j + 1
+        for o, _ in stack:  # every bracket still open here fails from its own start too
+            memo[o] = None
+        return None
+
+
+def _loads(body: str, what: str) -> Any:
+    """``json.loads`` of a ``<tool_call>`` body, with its nesting checked first."""
+    if body[:1] in _CLOSER and body.count("[") + body.count("{") > MAX_JSON_DEPTH:
+        _Scanner(body).end(0)  # raises Malformed when nested too deep; json reports any other error
+    try:
+        return json.loads(body)
+    except ValueError as e:  # JSONDecodeError, or an integer too long to convert
+        raise Malformed(f"{what} is not valid JSON ({getattr(e, 'msg', e)})") from None
+
+
+def _calls_in(obj: Any) -> list[tuple[str, dict]] | None:
+    """``obj`` as a call or a list of calls, else None (raises Malformed on broken arguments)."""
+    objs = obj if isinstance(obj, list) else [obj]
+    found = [_as_call(o) for o in objs]
+    return found if objs and all(c is not None for c in found) else None  # type: ignore[return-value]
+
+
+def _nested_calls(obj: Any) -> list[tuple[str, dict]] | None:
+    """The first container strictly inside ``obj``, in text order, that is a call or a list of
+    calls: what decoding at each position inside ``obj``'s text would find."""
+    stack = [iter(obj.values() if isinstance(obj, dict) else obj)]
+    while stack:
+        child = next(stack[-1], stack)
+        if child is stack:
+            stack.pop()
+            continue
+        if isinstance(child, (dict, list)):
+            calls = _calls_in(child)
+            if calls is not None:
+                return calls
+            stack.append(iter(child.values() if isinstance(child, dict) else child))
+    return None
+
+
+def _first_json_calls(text: str) -> list[tuple[str, dict]]:
+    """The first JSON value in ``text`` that is a call or a list of calls (see the module docstring
+    for how the search is bounded)."""
+    scan = _Scanner(text)
+    covered = -1  # candidates before this position lie inside a value already searched
+    for m in _CANDIDATE_RE.finditer(text):
+        p = m.start()
+        if p < covered:
+            continue
+        end = scan.end(p)
+        if end is None:
+            continue
+        try:
+            obj = json.loads(text[p:end])
+        except ValueError:
+            continue
+        calls = _calls_in(obj)
+        if calls is None:
+            calls = _nested_calls(obj)
+        if calls is not None:
+            return calls
+        covered = end
+    return []
+
+
 def parse_calls(completion: str) -> list[tuple[str, dict]]:
     """The tool calls in ``completion`` as ``(name, arguments)``; raises Malformed on broken JSON."""
-    text = strip_thinking(completion or "")
-    blocks = _TAG_RE.findall(text) if "<tool_call>" in text else []
+    text = answer_region(completion or "")
+    blocks = _tag_blocks(text) if _OPEN_TAG in text else []
     calls: list[tuple[str, dict]] = []
     if blocks:
         for b in blocks:
-            try:
-                obj = json.loads(b)
-            except json.JSONDecodeError as e:
-                raise Malformed(f"<tool_call> body is not valid JSON ({e.msg})") from None
+            obj = _loads(b, "<tool_call> body")
             objs = obj if isinstance(obj, list) else [obj]
             for o in objs:
                 c = _as_call(o)
@@ -82,17 +239,7 @@ def parse_calls(completion: str) -> list[tuple[str, dict]]:
                     raise Malformed("<tool_call> body is not a {name, arguments} object")
                 calls.append(c)
         return calls
-    dec = json.JSONDecoder()
-    for m in re.finditer(r"[\[{]", text):
-        try:
-            obj, _ = dec.raw_decode(text, m.start())
-        except json.JSONDecodeError:
-            continue
-        objs = obj if isinstance(obj, list) else [obj]
-        found = [_as_call(o) for o in objs]
-        if objs and all(c is not None for c in found):
-            return found  # type: ignore[return-value]
-    return []
+    return _first_json_calls(text)
 
 
 def _std(s: str) -> str:
@@ -112,7 +259,10 @@ def value_matches(value: Any, allowed: Any, ptype: str | None = None) -> bool:
             return False
         if ptype == "integer" and isinstance(value, float):
             return False
-        return float(value) == float(allowed)
+        try:
+            return float(value) == float(allowed)
+        except OverflowError:  # an integer beyond float range: compare exactly
+            return value == allowed
     if isinstance(allowed, str):
         return isinstance(value, str) and _std(value) == _std(allowed)
     if isinstance(allowed, list):
@@ -164,27 +314,115 @@ def call_error(call: tuple[str, dict], expected: dict, task: "Task") -> str | No
     return None
 
 
+def _value_key(v: Any, ptype: str | None = None) -> tuple:
+    """A hashable key that two values share whenever :func:`value_matches` accepts them (the
+    converse need not hold): the index that keeps matching near-linear."""
+    if isinstance(v, bool):
+        return ("b", v)
+    if _is_num(v):
+        try:
+            return ("n", float(v))
+        except OverflowError:
+            return ("n", math.copysign(math.inf, v))
+    if isinstance(v, str):
+        return ("s", _std(v))
+    if isinstance(v, list):
+        return ("l", len(v))
+    if isinstance(v, dict):
+        return ("d",)
+    return ("o", type(v).__name__)
+
+
+def _candidates(calls: list, expected: list) -> list[list[int]]:
+    """For each call, the expected calls it might satisfy (a superset, in order): same function
+    name, and for every argument an allowed value with the same :func:`_value_key`."""
+    by_name: dict[str, list[int]] = {}
+    index: dict[tuple, set[int]] = {}
+    for j, e in enumerate(expected):
+        (ename, params), = e.items()
+        for name in dict.fromkeys((ename, ename.replace(".", "_"))):
+            by_name.setdefault(name, []).append(j)
+            for k, opts in params.items():
+                for o in opts if isinstance(opts, list) else [opts]:
+                    if o != "":
+                        index.setdefault((name, k, _value_key(o)), set()).add(j)
+    out = []
+    for name, args in calls:
+        pool = by_name.get(name, [])
+        if args and pool:
+            sets = sorted((index.get((name, k, _value_key(v)), set()) for k, v in args.items()), key=len)
+            pool = sorted(set(sets[0]).intersection(*sets[1:]))  # the index is per name already
+        out.append(pool)
+    return out
+
+
+def _keyed_candidates(calls: list, expected: list) -> tuple[list[str], dict[str, list[int]]]:
+    """A key per call (identical calls share it) and the candidate list per key."""
+    keys = [json.dumps(c, sort_keys=True, default=str) for c in calls]
+    first: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    lists = _candidates([calls[i] for i in first.values()], expected)
+    return keys, dict(zip(first, lists))
+
+
 def _match(calls: list, expected: list, task: "Task") -> tuple[bool, str]:
-    """Perfect matching calls <-> expected (any order), by augmenting paths."""
-    errors = [[call_error(c, e, task) for e in expected] for c in calls]
+    """Perfect matching calls <-> expected (any order): Kuhn's augmenting paths, iterative, over the
+    pairs the index leaves, each judged once per distinct call by :func:`call_error`. A free
+    expected call is taken first, through a pointer per distinct call that only moves forward (an
+    expected call, once matched, stays matched), so identical calls cost linear time."""
+    keys, by_key = _keyed_candidates(calls, expected)
+    cands = [by_key[k] for k in keys]
+    memo: dict[tuple, bool] = {}  # (call key, expected index) -> whether the call satisfies it
+    pointer = dict.fromkeys(by_key, 0)
+
+    def ok(i: int, j: int) -> bool:
+        k = (keys[i], j)
+        if k not in memo:
+            memo[k] = call_error(calls[i], expected[j], task) is None
+        return memo[k]
+
     owner = [-1] * len(expected)
-
-    def augment(i: int, seen: set[int]) -> bool:
-        for j in range(len(expected)):
-            if errors[i][j] is None and j not in seen:
-                seen.add(j)
-                if owner[j] < 0 or augment(owner[j], seen):
-                    owner[j] = i
-                    return True
-        return False
-
     for i in range(len(calls)):
-        if not augment(i, set()):
+        lst, p = cands[i], pointer[keys[i]]
+        while p < len(lst) and (owner[lst[p]] >= 0 or not ok(i, lst[p])):
+            p += 1
+        pointer[keys[i]] = p
+        if p < len(lst):
+            owner[lst[p]] = i
+            continue
+        if not _augment(i, cands, ok, owner):
             # report the closest miss: the first error for this call against a same-named function
-            errs = [e for e in errors[i] if e is not None]
+            errs = [e for e in (call_error(calls[i], e, task) for e in expected) if e is not None]
             same = [e for e in errs if not e.startswith("wrong_function")]
             return False, (same or errs or ["wrong_call"])[0]
     return True, ""
+
+
+def _augment(start: int, cands: list[list[int]], ok, owner: list[int]) -> bool:
+    """Find an augmenting path from call ``start`` (depth-first with an explicit stack) and flip it."""
+    seen: set[int] = set()
+    stack = [(start, iter(cands[start]))]
+    via: list[int] = []  # via[d]: the expected call through which stack[d + 1] was reached
+    while stack:
+        i, it = stack[-1]
+        for j in it:
+            if j in seen or not ok(i, j):
+                continue
+            seen.add(j)
+            if owner[j] < 0:
+                owner[j] = i
+                for d in range(len(via) - 1, -1, -1):
+                    owner[via[d]] = stack[d][0]
+                return True
+            via.append(j)
+            stack.append((owner[j], iter(cands[owner[j]])))
+            break
+        else:
+            stack.pop()
+            if via:
+                via.pop()
+    return False
 
 
 def _check(task: "Task") -> None:
