@@ -38,13 +38,33 @@ from mlx_ssp.verify.sandbox import Harness, run_python
 if TYPE_CHECKING:
     from mlx_ssp.tasks import Task
 
-_FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_FENCE = "```"
+_LANG_RE = re.compile(r"[ \t]*+([A-Za-z0-9_+-]*+)")  # the tag after a fence opener
 _CODE_LANGS = {"", "python", "py", "python3"}
+
+
+def _fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(language tag, body) of each fenced block, in linear time with ``str.find`` (a regex here
+    backtracked quadratically on a long line after a fence): an opener is a fence with a newline
+    later in the text; the body runs to the next fence or the end of the text."""
+    blocks = []
+    i = text.find(_FENCE)
+    while i >= 0:
+        nl = text.find("\n", i + len(_FENCE))
+        if nl < 0:
+            break  # no later fence has a newline after it either
+        lang = _LANG_RE.match(text, i + len(_FENCE), nl).group(1)
+        end = text.find(_FENCE, nl + 1)
+        blocks.append((lang, text[nl + 1:end if end >= 0 else len(text)]))
+        if end < 0:
+            break
+        i = text.find(_FENCE, end + len(_FENCE))
+    return blocks
 
 
 def extract_code(completion: str, entry_point: str | None = None) -> str:
     text = strip_thinking(completion or "")
-    blocks = [b for lang, b in _FENCE_RE.findall(text) if lang.lower() in _CODE_LANGS]
+    blocks = [b for lang, b in _fenced_blocks(text) if lang.lower() in _CODE_LANGS]
     if not blocks:
         return text.strip("\n")
     if entry_point:
