@@ -424,6 +424,7 @@ def capabilities() -> dict:
         "s = socket.socket(); s.settimeout(1)\n"
         "try:\n    s.connect(('1.1.1.1', 53)); print('net')\nexcept OSError:\n    print('nonet')\n"
         "print(os.getuid())\n"
+        "print(os.getcwd())\n"
     )
     res = run_python(probe, Limits(wall_s=20))
     caps["probe_status"] = res.status
@@ -431,6 +432,7 @@ def capabilities() -> dict:
         lines = res.stdout.split()
         caps["network_isolated"] = bool(lines) and lines[0] == "nonet"
         caps["uid_drop"] = len(lines) > 1 and lines[1] != str(os.getuid())
+        caps["filesystem_view"] = len(lines) > 2 and lines[2] == "/sandbox"
     else:
         caps["probe_error"] = res.stderr.strip()[-300:]
     return caps

@@ -176,7 +176,9 @@ def build_view(root, cfg):
         os.symlink("/proc/self/fd/%d" % i, root + "/dev/" + name)
     os.symlink("/proc/self/fd", root + "/dev/fd")
     os.makedirs(root + "/proc")
-    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this PID namespace's
+    # this PID namespace's own /proc; where the kernel refuses one (a rootless container that masks
+    # parts of /proc) the program runs without /proc rather than not at all
+    libc.mount(b"proc", (root + "/proc").encode(), b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
     os.makedirs(root + "/tmp", exist_ok=True)  # exists, read-only: writes fail with EROFS rather than ENOENT
     os.makedirs(root + INSIDE)
     mount("tmpfs", root + INSIDE, "tmpfs", MS_NOSUID | MS_NODEV,
