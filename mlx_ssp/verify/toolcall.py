@@ -209,7 +209,7 @@ def _first_json_calls(text: str) -> list[tuple[str, dict]]:
         if p < covered:
             continue
         end = scan.end(p)
-        if end is None:
+        if end is None or text.find("{", p, end) < 0:  # unclosed, or a list with no object inside
             continue
         try:
             obj = json.loads(text[p:end])
