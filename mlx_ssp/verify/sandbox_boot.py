@@ -447,12 +447,12 @@ def run_tests(spec, chan_fds, env):
         __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = __len__ = not_data
         __hash__ = object.__hash__
 
+    ns = {"__name__": "__main__", "__builtins__": builtins}
+    if spec["trusted"]:  # while the program's top level runs
+        exec(compile(spec["trusted"], "prompt_code.py", "exec"), ns)
     names = chan.recv()
     if type(names) is not list:
         raise RemoteError("the solution's process ended before the tests started")
-    ns = {"__name__": "__main__", "__builtins__": builtins}
-    if spec["trusted"]:
-        exec(compile(spec["trusted"], "prompt_code.py", "exec"), ns)
     entry = spec["entry"]
     for name, value in names:
         # the entry point always comes from the solution; other names only where the trusted code
