@@ -72,15 +72,16 @@ def test_a_faked_success_scores_zero(name):
     assert r.reward == 0.0, (name, r)
 
 
-def test_patched_builtins_and_modules_do_not_reach_the_tests():
-    t = _task("import math\ndef check(candidate):\n    assert abs(candidate(2, 3) - 5) < 1e-9\n"
-              "    assert math.isclose(candidate(1, 1), 2)\n    assert sorted([candidate(0, 1)]) == [1]\n\ncheck(add)\n")
-    assert verify(_code("def add(a, b):\n    return a + b"), t).reward == 1.0
-    for patch in ("import builtins\nbuiltins.abs = lambda x: 0",
-                  "import math\nmath.isclose = lambda *a, **k: True",
-                  "def abs(x):\n    return 0\ndef sorted(x):\n    return [1]"):
-        r = verify(_code(WRONG + patch), t)
-        assert r.reward == 0.0, (patch, r)
+@pytest.mark.parametrize("tests, patch", [
+    ("assert abs(add(2, 3) - 5) < 1e-9\n", "import builtins\nbuiltins.abs = lambda x: 0"),
+    ("import math\nassert math.isclose(add(1, 1), 2)\n", "import math\nmath.isclose = lambda *a, **k: True"),
+    ("assert sorted([add(0, 1)]) == [1]\n", "def sorted(x):\n    return [1]"),
+    ("assert abs(add(2, 3) - 5) < 1e-9\n", "def abs(x):\n    return 0"),
+])
+def test_patched_builtins_and_modules_do_not_reach_the_tests(tests, patch):
+    assert verify(_code("def add(a, b):\n    return a + b"), _task(tests)).reward == 1.0
+    r = verify(_code(WRONG + patch), _task(tests))
+    assert r.reward == 0.0, (patch, r)
 
 
 def test_a_redefined_prompt_helper_does_not_change_the_tests():
@@ -90,10 +91,11 @@ def test_a_redefined_prompt_helper_does_not_change_the_tests():
     tests = "def check(candidate):\n    assert abs(poly([-6, 1], candidate([-6, 1]))) < 1e-6\n\ncheck(root)\n"
     t = Task(id="p", domain="d", prompt="p", verifier="code", answer=tests,
              metadata={"entry_point": "root", "prompt_code": prompt, "sandbox": SANDBOX})
-    assert verify(_code("def root(xs):\n    return -xs[0] / xs[1]"), t).reward == 1.0
-    assert verify("    return -xs[0] / xs[1]\n", t).reward == 1.0  # a body continuation
     hack = "def poly(xs, x):\n    return 0\ndef root(xs):\n    return 123.0"
     assert verify(_code(hack), t).reward == 0.0
+    assert verify("    return -xs[0] / xs[1]\n", t).reward == 1.0  # a body continuation
+    # a full function that relies on the prompt's helper being there for the tests
+    assert verify(_code("def root(xs):\n    return -xs[0] / xs[1]"), t).reward == 1.0
 
 
 def test_the_program_cannot_see_the_tests():
