@@ -5,7 +5,6 @@ regex backtracking, quadratic scans) the test fails instead of hanging the suite
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import random

@@ -109,16 +109,6 @@ class VerifierTimeout(BaseException):
     ``except Exception`` cannot swallow it."""
 
 
-class _Slot:
-    __slots__ = ("tid", "deadline", "fired")
-
-    def __init__(self, deadline: float):
-        self.tid = threading.get_ident()
-        self.deadline = deadline
-        self.fired = threading.Lock()  # held until the watchdog has scheduled the exception
-        self.fired.acquire()
-
-
 class _Watchdog:
     """One daemon thread that polls the armed slots and raises :class:`VerifierTimeout` in the
     thread of any slot past its deadline. Arming and disarming are a dict store and a dict pop
@@ -127,37 +117,42 @@ class _Watchdog:
     taken waits until the exception is scheduled and then cancels it if it was not delivered."""
 
     def __init__(self) -> None:
-        self.active: dict[int, _Slot] = {}
+        self.active: dict[int, tuple[int, float]] = {}  # key -> (thread id, deadline)
+        self.fired: dict[int, int] = {}  # key -> thread id, once its exception is scheduled
         self.seq = itertools.count()
         self.thread: threading.Thread | None = None
         self.start_lock = threading.Lock()
 
-    def arm(self, seconds: float) -> tuple[int, _Slot]:
+    def arm(self, seconds: float) -> int:
         if self.thread is None:
-            with self.start_lock:
-                if self.thread is None:
-                    self.thread = threading.Thread(target=self._run, name="verify-watchdog", daemon=True)
-                    self.thread.start()
-        key, slot = next(self.seq), _Slot(time.monotonic() + seconds)
-        self.active[key] = slot
-        return key, slot
+            self._start()
+        key = next(self.seq)
+        self.active[key] = (threading.get_ident(), time.monotonic() + seconds)
+        return key
 
-    def disarm(self, key: int, slot: _Slot) -> None:
+    def disarm(self, key: int) -> None:
         """Stop watching; raises VerifierTimeout if the watchdog fired for this slot."""
         if self.active.pop(key, None) is not None:
             return
-        slot.fired.acquire()  # the watchdog owns it: wait until it has scheduled the exception
-        _set_async_exc(slot.tid, None)  # cancel it if still pending (a no-op if already raised)
+        while key not in self.fired:  # the watchdog owns it: wait until it has scheduled the exception
+            time.sleep(0.001)
+        _set_async_exc(self.fired.pop(key), None)  # cancel it if still pending (no-op if already raised)
         raise VerifierTimeout
+
+    def _start(self) -> None:
+        with self.start_lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="verify-watchdog", daemon=True)
+                self.thread.start()
 
     def _run(self) -> None:
         while True:
             time.sleep(_WATCH_POLL_S)
             now = time.monotonic()
-            for key, slot in list(self.active.items()):
-                if slot.deadline <= now and self.active.pop(key, None) is not None:
-                    _set_async_exc(slot.tid, VerifierTimeout)
-                    slot.fired.release()
+            for key, (tid, deadline) in list(self.active.items()):
+                if deadline <= now and self.active.pop(key, None) is not None:
+                    _set_async_exc(tid, VerifierTimeout)
+                    self.fired[key] = tid
 
 
 def _set_async_exc(tid: int, exc: type | None) -> None:
@@ -177,15 +172,6 @@ def _fresh_watchdog() -> None:  # the watchdog thread does not survive a fork
 os.register_at_fork(after_in_child=_fresh_watchdog)
 
 
-def _call_limited(fn: Verifier, completion: str, task: "Task", seconds: float) -> VerifyResult:
-    key, slot = _WATCHDOG.arm(seconds)
-    try:
-        res = fn(completion, task)
-    finally:
-        _WATCHDOG.disarm(key, slot)
-    return res
-
-
 def verify(completion: str, task: "Task", time_limit: float | None = ITEM_TIME_LIMIT_S) -> VerifyResult:
     """Score one completion; any exception inside a verifier becomes reward 0, never a crash. An
     in-process verifier that runs past ``time_limit`` seconds (None: no limit) scores 0 with reason
@@ -193,7 +179,12 @@ def verify(completion: str, task: "Task", time_limit: float | None = ITEM_TIME_L
     fn = get_verifier(task.verifier)
     try:
         if time_limit is not None and task.verifier not in PARALLEL:
-            res = _call_limited(fn, completion, task, time_limit)
+            watchdog = _WATCHDOG
+            key = watchdog.arm(time_limit)
+            try:
+                res = fn(completion, task)
+            finally:
+                watchdog.disarm(key)
         else:
             res = fn(completion, task)
     except VerifierTimeout:

@@ -251,14 +251,23 @@ def verify_math(completion: str, task: "Task") -> VerifyResult:
     if len(ex.text) > MAX_ANSWER_CHARS:
         return VerifyResult(0.0, "no_answer", f"{ex.method}: answer longer than {MAX_ANSWER_CHARS} chars")
     detail = f"{ex.method}: {ex.text[:200]}"
-    pred = reduce_grouping(ex.text)
-    why = too_complex(pred)
+    pred, why = _guard(ex.text)
     if why is not None:
         return VerifyResult(0.0, "answer_too_complex", f"{detail} ({why})")
     ok = _judge(str(task.answer), pred)
     if ok is None:
         return VerifyResult(0.0, "unparsable", detail)
     return VerifyResult(1.0 if ok else 0.0, "correct" if ok else "wrong_answer", detail)
+
+
+@lru_cache(maxsize=65536)
+def _guard(text: str) -> tuple[str, str | None]:
+    """The answer as math-verify will see it, and why it is refused (None: it is not). Cached like
+    :func:`_judge`; a plain integer needs neither step."""
+    if _INT_RE.match(text):
+        return text, None
+    pred = reduce_grouping(text)
+    return pred, too_complex(pred)
 
 
 @lru_cache(maxsize=65536)

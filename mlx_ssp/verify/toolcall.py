@@ -62,6 +62,7 @@ _CANDIDATE_RE = re.compile(r'(?=\[|\{\s*+")')  # a list, or an object that is no
 _STRUCT_RE = re.compile(r'["\[\]{}]')
 _STRING_TAIL_RE = re.compile(r'(?:[^"\\]++|\\.)*+"', re.DOTALL)  # the rest of a JSON string, closing quote included
 _CLOSER = {"[": "]", "{": "}"}
+_SMALL_MATCH = 64  # up to this many (call, expected) pairs, matching tries them all without an index
 
 
 class Malformed(ValueError):
@@ -371,7 +372,12 @@ def _match(calls: list, expected: list, task: "Task") -> tuple[bool, str]:
     pairs the index leaves, each judged once per distinct call by :func:`call_error`. A free
     expected call is taken first, through a pointer per distinct call that only moves forward (an
     expected call, once matched, stays matched), so identical calls cost linear time."""
-    keys, by_key = _keyed_candidates(calls, expected)
+    if len(calls) * len(expected) <= _SMALL_MATCH:  # the usual few calls: every pair, no index
+        keys = [str(i) for i in range(len(calls))]
+        every = list(range(len(expected)))
+        by_key = dict.fromkeys(keys, every)
+    else:
+        keys, by_key = _keyed_candidates(calls, expected)
     cands = [by_key[k] for k in keys]
     memo: dict[tuple, bool] = {}  # (call key, expected index) -> whether the call satisfies it
     pointer = dict.fromkeys(by_key, 0)
