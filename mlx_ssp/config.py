@@ -1,7 +1,8 @@
 """Validated configuration: one pydantic model per stage, YAML files, ``--set`` overrides.
 
 A run's YAML file has one section per stage (``model``, ``tasks``, ``rollout``, ``select``, ``sft``,
-``merge``, ``rl``, ``eval``) plus a few top-level keys (``run_dir``, ``seed``). Each stage command
+``merge``, ``rl``, ``eval``), two process-wide sections (``distributed``; ``sandbox``, the operator's
+bounds on what a code task may ask of the sandbox) plus a few top-level keys (``run_dir``, ``seed``). Each stage command
 reads its own section(s); ``mlx_ssp run`` reads them all. Precedence: ``--set`` beats the file,
 which beats the defaults. Unknown keys and bad values fail at load time with a message naming the
 file, the dotted key and the valid choices.
@@ -41,6 +42,7 @@ SECTIONS: dict[str, str] = {
     "merge": "mlx_ssp.merge.config:MergeStageConfig",
     "rl": "mlx_ssp.rl.config:RLConfig",
     "distributed": "mlx_ssp.distributed:DistributedConfig",
+    "sandbox": "mlx_ssp.sandbox_policy:SandboxPolicy",
 }
 #: Scalar keys allowed at the top of a run file.
 TOP_LEVEL = {"run_dir": "directory for every stage's outputs", "seed": "global seed", "name": "run name"}

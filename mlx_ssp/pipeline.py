@@ -46,13 +46,16 @@ STAGES = ("tasks", "rollout", "select", "sft", "merge", "rl", "eval")
 #: run-file sections each stage depends on (besides the previous stage's fingerprint)
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "tasks": ("tasks",),
-    "rollout": ("model", "teacher", "rollout"),
+    "rollout": ("model", "teacher", "rollout", "sandbox"),
     "select": ("select",),
-    "sft": ("model", "sft"),
+    "sft": ("model", "sft", "sandbox"),
     "merge": ("merge",),
-    "rl": ("rl",),
-    "eval": ("model", "eval"),
+    "rl": ("rl", "sandbox"),
+    "eval": ("model", "eval", "sandbox"),
 }
+#: sections that count in a fingerprint only when the run file sets them (added later: a run that
+#: never set one keeps its fingerprints, so it is not redone)
+OPTIONAL_SECTIONS = ("sandbox",)
 STATE_FILE = "_stage.json"
 
 
@@ -107,7 +110,8 @@ def fingerprint(run: Run, stage: str, previous: str) -> str:
         "stage": stage,
         "previous": previous,
         "seed": run.seed,
-        "sections": {s: _dump(run.section(s)) for s in STAGE_SECTIONS[stage]},
+        "sections": {s: _dump(run.section(s)) for s in STAGE_SECTIONS[stage]
+                     if s not in OPTIONAL_SECTIONS or run.data.get(s) is not None},
     }
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -391,8 +395,11 @@ def load_run(config_path: str | Path, overrides: tuple[str, ...] = (), progress:
     if not isinstance(seed, int):
         raise UserError(f"{source}: seed: must be an integer (got {seed!r})")
     run = Run(run_dir=Path(str(run_dir)).expanduser(), data=data, source=source, seed=seed, progress=progress)
-    for name in ("model", "teacher", "tasks", "rollout", "select", "merge", "rl", "eval"):
+    for name in ("model", "teacher", "tasks", "rollout", "select", "merge", "rl", "eval", "sandbox"):
         run.section(name)
+    from mlx_ssp.sandbox_policy import install_from_config
+
+    install_from_config(data, source)  # one policy for every stage, also when a resume skips rollout
     if data.get("tasks") is None:
         raise UserError(f"{source}: a run needs a tasks: section with at least one domain")
     sft_config(run)  # validates the sft section with its run defaults

@@ -62,7 +62,6 @@ from pydantic import Field, field_validator
 
 from mlx_ssp.config import StrictModel
 from mlx_ssp.errors import UserError
-from mlx_ssp.sandbox_policy import SandboxPolicy
 from mlx_ssp.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -98,7 +97,6 @@ class RolloutConfig(StrictModel):
     max_context: Optional[int] = Field(None, ge=2)  # default: the model's max_position_embeddings
     system: Optional[str] = None  # system prompt added to tasks that have none
     verify_workers: int = Field(4, ge=1)  # threads for sandboxed (parallel) verifiers
-    sandbox: Optional[SandboxPolicy] = None  # operator's bounds on tasks' metadata.sandbox (default: $MLX_SSP_SANDBOX)
 
 
 # -- the engine -------------------------------------------------------------------------------
@@ -653,10 +651,6 @@ def run_rollouts(model_spec, tasks_path: str | Path, cfg: RolloutConfig, out: st
 
     out = Path(out)
     main = dist.is_main()  # under mlx.launch rank 0 alone reads/writes the output (issue 10)
-    if cfg.sandbox is not None:
-        from mlx_ssp.sandbox_policy import set_policy
-
-        set_policy(cfg.sandbox)  # before the task check: it bounds each task's metadata.sandbox
     tasks = load_tasks(tasks_path)  # empty file / bad record / unknown verifier: UserError
     seed = cfg.seed if cfg.seed is not None else 0
     mcfg = model_spec if isinstance(model_spec, ModelConfig) else ModelConfig(path=str(model_spec))
@@ -835,6 +829,7 @@ def sampling_flags(kw: dict) -> dict:
 def load_stage_config(config_path, overrides, section: str, flags: dict, model: Optional[str]):
     """(ModelConfig, stage config, raw data) from YAML + --set + flags (flags win)."""
     from mlx_ssp.config import load_file, load_section
+    from mlx_ssp.sandbox_policy import install_from_config as install_sandbox_policy
 
     data = load_file(config_path, overrides)
     if model is not None:
@@ -844,6 +839,7 @@ def load_stage_config(config_path, overrides, section: str, flags: dict, model: 
     from mlx_ssp import distributed as dist
 
     dist.configure(load_section(data, "distributed", source=source))
+    install_sandbox_policy(data, source)
     cfg = load_section(data, section, source=source)
     if getattr(cfg, "seed", 0) is None and "seed" in data:
         cfg.seed = int(data["seed"])

@@ -1,7 +1,7 @@
 """Sandbox limits, and the operator's bounds on what a task may ask for (import-light: config only).
 
 A code task may carry ``metadata.sandbox`` (keys of :class:`Limits`) to change its limits. A task file
-is input, so the operator's :class:`SandboxPolicy` (the ``rollout.sandbox`` section of a run file,
+is input, so the operator's :class:`SandboxPolicy` (the top-level ``sandbox`` section of a run file, read by every stage command and ``mlx_ssp run``,
 ``mlx_ssp verify --sandbox KEY=VALUE``, or ``$MLX_SSP_SANDBOX`` for any command) bounds it: each numeric field is the most a task may ask
 for (a task may always lower a limit), and ``network`` / ``site_packages`` say whether a task may
 turn those on. A request above the policy is refused, never clamped: the task is reported before
@@ -96,9 +96,21 @@ _policy: Optional[SandboxPolicy] = None
 
 def set_policy(policy: Optional[SandboxPolicy]) -> None:
     """Install the operator's policy for this process (None: back to $MLX_SSP_SANDBOX or the
-    defaults). ``rollout`` (its ``sandbox:`` section) and ``verify`` (``--sandbox``) call it."""
+    defaults). Stage loaders call it through :func:`install_from_config`; ``verify`` with ``--sandbox``."""
     global _policy
     _policy = policy
+
+
+def install_from_config(data: dict, source: str) -> None:
+    """Install the run file's top-level ``sandbox`` section, if it has one (validated: unknown keys
+    and bad values are a UserError naming the key). Every stage that may verify code (rollout, eval,
+    the SFT probes, RL, ``mlx_ssp run``) loads its config through a loader that calls this, so one
+    section bounds them all, also when ``mlx_ssp run`` resumes past the rollout stage."""
+    if data.get("sandbox") is None:
+        return
+    from mlx_ssp.config import load_section
+
+    set_policy(load_section(data, "sandbox", source=source))
 
 
 def get_policy() -> SandboxPolicy:

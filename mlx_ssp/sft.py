@@ -1002,6 +1002,9 @@ def _load_config(config_path: str, overrides, overwrite: bool):
     cfg = load_section(data, "sft", source=str(config_path), cls=SFTConfig)
     model_cfg = load_section(data, "model", source=str(config_path))
     dist.configure(load_section(data, "distributed", source=str(config_path)))  # under mlx.launch (issue 10)
+    from mlx_ssp.sandbox_policy import install_from_config
+
+    install_from_config(data, str(config_path))  # the probes may verify code tasks
     return data, cfg, model_cfg
 
 

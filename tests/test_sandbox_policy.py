@@ -73,9 +73,13 @@ def test_the_operator_policy_from_the_environment_config_and_cli(tmp_path, monke
         check_task(_task({}))
     monkeypatch.delenv("MLX_SSP_SANDBOX")
 
-    assert RolloutConfig(sandbox={"wall_s": 30}).sandbox.wall_s == 30
-    with pytest.raises(ValueError, match="unknown sandbox policy key.*valid"):
-        RolloutConfig(sandbox={"walls": 30})
+    from mlx_ssp.config import load_section
+
+    assert load_section({"sandbox": {"wall_s": 30}}, "sandbox").wall_s == 30
+    with pytest.raises(UserError, match="unknown sandbox policy key.*valid"):
+        load_section({"sandbox": {"walls": 30}}, "sandbox")
+    with pytest.raises(UserError, match="sandbox"):  # a stage section no longer holds it
+        load_section({"rollout": {"sandbox": {"wall_s": 30}}}, "rollout", cls=RolloutConfig)
 
     task = _task({"wall_s": 20}).model_dump()
     inp = tmp_path / "in.jsonl"
@@ -88,3 +92,32 @@ def test_the_operator_policy_from_the_environment_config_and_cli(tmp_path, monke
     assert json.loads((tmp_path / "out.jsonl").read_text())["reward"] == 1.0
     r = CliRunner().invoke(main, ["verify", str(inp), "-o", str(tmp_path / "o2.jsonl"), "--sandbox", "bogus=1"])
     assert r.exit_code == 2 and "bogus" in r.output
+
+
+def test_every_stage_loader_installs_the_run_files_sandbox_section(tmp_path):
+    """One top-level ``sandbox:`` section bounds every stage that may verify code, also when
+    ``mlx_ssp run`` resumes past the rollout stage (the policy must not depend on which stage ran)."""
+    from mlx_ssp import sandbox_policy
+    from mlx_ssp.pipeline import load_run
+    from mlx_ssp.rl.cli import load_config as rl_config
+    from mlx_ssp.rollout import load_stage_config
+    from mlx_ssp.sft import _load_config as sft_config
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: demo\ntasks: {domains: {d: {source: 'jsonl:x.jsonl'}}}\nsandbox: {wall_s: 33}\n")
+    loaders = {
+        "rollout": lambda: load_stage_config(str(cfg), (), "rollout", {}, None),
+        "eval": lambda: load_stage_config(str(cfg), (), "eval", {}, None),
+        "rl": lambda: rl_config(str(cfg), ()),
+        "sft": lambda: sft_config(str(cfg), (), False),
+        "run": lambda: load_run(str(cfg)),
+    }
+    try:
+        for name, load in loaders.items():
+            sandbox_policy.set_policy(None)
+            load()
+            assert sandbox_policy.get_policy().wall_s == 33, name
+            with pytest.raises(ValueError, match="ceiling 33"):
+                sandbox_policy.task_limits({"wall_s": 34})
+    finally:
+        sandbox_policy.set_policy(None)

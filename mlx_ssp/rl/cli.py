@@ -26,6 +26,9 @@ def load_config(config_path, overrides):
     from mlx_ssp import distributed as dist
 
     dist.configure(load_section(data, "distributed", source=source))  # timeouts under mlx.launch (issue 10)
+    from mlx_ssp.sandbox_policy import install_from_config
+
+    install_from_config(data, source)  # bounds what code tasks may ask of the sandbox
     cfg = load_section(data, "rl", source=source)
     mcfg = load_section(data, "model", source=source)
     seed = cfg.seed if cfg.seed is not None else int(data.get("seed", 0) or 0)
