@@ -236,10 +236,40 @@ def test_non_root_code_paths(monkeypatch, mode):
     assert r.ok and r.stdout.split() == ["in", "None"], r
     assert run_python("x = bytearray(2 << 30)", L).status == "memory_limit"
     assert run_python("import sys\nwhile True:\n    sys.stdout.write('y' * 65536)", L).status == "output_limit"
+    # the code verifier's harness: a pass is the tests' verdict, never the program's exit status
+    h = sb.Harness("assert f(2) == 4", entry="f")
+    assert run_python("def f(x):\n    return x * 2", L, harness=h).passed
+    assert not run_python("def f(x):\n    return 0\nraise SystemExit(0)", L, harness=h).passed
     if mode == "userns" and sb.userns_available():
         r = run_python("import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=2)\n    print('connected')\n"
                        "except OSError:\n    print('refused')", L)
         assert r.stdout.strip() == "refused", r
+
+
+def test_the_bootstrap_loads_where_libc_has_no_prctl(monkeypatch):
+    """macOS's libc has no prctl: the bootstrap must still load there (its prctl is then a no-op)."""
+    import ctypes
+    import importlib.util
+
+    real = ctypes.CDLL
+
+    class NoPrctl:
+        def __init__(self, *a, **k):
+            self._lib = real(*a, **k)
+
+        def __getattr__(self, name):
+            if name == "prctl":
+                raise AttributeError("dlsym(RTLD_DEFAULT, prctl): symbol not found")
+            return getattr(self._lib, name)
+
+    monkeypatch.setattr(ctypes, "CDLL", NoPrctl)
+    from mlx_ssp.verify import sandbox as sb
+
+    spec = importlib.util.spec_from_file_location("_boot_no_prctl", sb._BOOT)
+    boot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(boot)
+    assert boot._prctl is None
+    boot.prctl(boot.PR_SET_NO_NEW_PRIVS, 1)  # a no-op, not an AttributeError
 
 
 # -- issue 15 item 3: nothing outside the work dir can be changed, no socket is reachable ------------

@@ -49,7 +49,16 @@ INT_RANGE = 1 << 63
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+# prctl is Linux's: on macOS the symbol does not exist, and the options it sets (death signal, no new
+# privileges, not dumpable) have no equivalent there, so the call is skipped (see docs/tasks.md)
+_prctl = getattr(libc, "prctl", None)
+if _prctl is not None:
+    _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+
+def prctl(option, arg):
+    if _prctl is not None:
+        _prctl(option, arg, 0, 0, 0)
 
 
 def fail(msg):
@@ -69,7 +78,7 @@ def mount(src, dst, fstype=None, flags=0, data=None):
 
 def die_with_parent(parent):
     """SIGKILL this process when its parent dies; exit now if that already happened."""
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(125)
 
@@ -557,7 +566,7 @@ def main():
                 die_like(status[pid])
         os.close(rfd)
         os.close(vfd)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         import select
         poll = select.poll()
         poll.register(wfd, select.POLLOUT)
@@ -593,9 +602,9 @@ def main():
         os.setuid(uid)
         if os.getuid() != uid or os.geteuid() != uid:
             fail("could not drop privileges")
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # setuid cleared it
-    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # the program (same uid) cannot ptrace init or the tests
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # setuid cleared it
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    prctl(PR_SET_DUMPABLE, 0)  # the program (same uid) cannot ptrace init or the tests
     setlim(resource.RLIMIT_NPROC, lim["nproc"])
     os.chdir(work)
     # init has Python's SIGINT handler, so the program (same uid) could interrupt it: ignore it there
