@@ -19,7 +19,7 @@ from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.config import MergeConfig, evaluate, load_merge_config
 from mlx_ssp.merge.engine import merge_models, plan_merge, run_merge
 from mlx_ssp.merge.config import MergeStageConfig
-from mlx_ssp.merge.methods import bernoulli_mask, dare_seed
+from mlx_ssp.merge.sparsify import bernoulli_mask, dare_seed
 
 # ------------------------------------------------------------------ NumPy reference (independent)
 
@@ -258,7 +258,7 @@ def test_linear_single_model_weight_one_is_identity(trio, tmp_path, dt):
 
 
 def test_ties_density_keeps_that_fraction():
-    from mlx_ssp.merge.methods import magnitude_mask
+    from mlx_ssp.merge.sparsify import magnitude_mask
 
     rng = np.random.default_rng(0)
     d = mx.array(rng.standard_normal(10_000).astype(np.float32))
@@ -277,11 +277,11 @@ def test_ties_density_keeps_that_fraction():
 
 
 def test_dare_density_keeps_about_that_fraction(monkeypatch):
-    from mlx_ssp.merge import methods
+    from mlx_ssp.merge import sparsify
 
     # the chunked draw is the same stream as one draw
     one = np.random.Generator(np.random.PCG64(9)).random(1000, dtype=np.float32) < np.float32(0.3)
-    monkeypatch.setattr(methods, "_RNG_CHUNK", 7)
+    monkeypatch.setattr(sparsify, "_RNG_CHUNK", 7)
     np.testing.assert_array_equal(np.array(bernoulli_mask(1000, 0.3, 9)), one)
     monkeypatch.undo()
     for dens in (0.2, 0.5, 0.8):
@@ -297,14 +297,14 @@ def test_dare_density_keeps_about_that_fraction(monkeypatch):
 def test_sliced_elementwise_equals_whole(trio, tmp_path, monkeypatch, method, params):
     """The elementwise steps run in slices of CHUNK elements: slice edges (and the TIES cut among
     tied magnitudes falling inside a slice) change nothing."""
-    from mlx_ssp.merge import methods
+    from mlx_ssp.merge import kernels
 
     m = trio["bfloat16"]
     kw = dict(merge_method=method, base_model=str(m[0]), seed=4, parameters=params,
               models=[{"model": str(m[1]), "parameters": {"weight": 0.7, "density": 0.4}},
                       {"model": str(m[2]), "parameters": {"weight": 0.4, "density": 0.6}}])
     whole = merge(tmp_path, name="whole", **kw)
-    monkeypatch.setattr(methods, "CHUNK", 37)
+    monkeypatch.setattr(kernels, "CHUNK", 37)
     sliced = merge(tmp_path, name="sliced", **kw)
     for n in SHAPES:
         np.testing.assert_array_equal(sliced[n], whole[n], err_msg=n)
@@ -344,7 +344,7 @@ def test_dare_seeded_per_tensor_and_model(trio, tmp_path):
         np.testing.assert_array_equal(x[n], y[n])
     assert all(not np.array_equal(x[n], z[n]) for n in SHAPES if n.endswith("proj.weight"))
     # the mask of a tensor does not depend on which other tensors exist or their order
-    from mlx_ssp.merge.methods import bernoulli_mask as bm
+    from mlx_ssp.merge.sparsify import bernoulli_mask as bm
     a1 = np.array(bm(1000, 0.5, dare_seed(1, "t", "0")))
     assert np.array_equal(a1, np.array(bm(1000, 0.5, dare_seed(1, "t", "0"))))
     assert not np.array_equal(a1, np.array(bm(1000, 0.5, dare_seed(1, "t", "1"))))

@@ -43,7 +43,8 @@ from mlx_ssp.errors import UserError
 from mlx_ssp.io import atomic_dir
 from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.config import MergeConfig, MergeStageConfig, check_parameter_names, layer_index, resolve
-from mlx_ssp.merge.methods import DTYPES, METHODS, dare_seed, linear, task_vector_merge
+from mlx_ssp.merge.methods import DTYPES, METHODS, TensorInputs
+from mlx_ssp.merge.sparsify import dare_seed
 from mlx_ssp.merge.outdir import MARK_KEY, MARK_VALUE, Protected, check_out_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -336,19 +337,9 @@ def merge_tensor(job: MergeJob, p: TensorPlan, seed: int) -> list[mx.array]:
             return x.reshape(-1)
         return f
 
-    if spec.name == "linear":
-        return linear([loader(i) for i in p.inputs], [pm["weight"] for pm in p.per_model],
-                      p.params["normalize"], cd, out=out_dt, as_parts=True)
-    base = loader(p.base)()
-    return task_vector_merge(
-        base, [loader(i) for i in p.inputs], [pm["weight"] for pm in p.per_model],
-        [pm.get("density", 1.0) for pm in p.per_model],
-        sparsify=spec.sparsify, consensus=spec.consensus, normalize=p.params["normalize"],
-        rescale_on=bool(p.params.get("rescale", False)), lam=p.params.get("lambda", 1.0), cd=cd,
-        sign_vote=p.params.get("sign_vote", "weighted"), rescale_mode=p.params.get("rescale_mode", "l1"),
-        seeds=[dare_seed(seed, p.name, str(i)) for i in p.inputs],
-        gammas=[pm.get("gamma", 0.01) for pm in p.per_model], out=out_dt, as_parts=True,
-    )
+    base = loader(p.base) if p.base is not None else None
+    seeds = [dare_seed(seed, p.name, str(i)) for i in p.inputs]
+    return spec.run(TensorInputs([loader(i) for i in p.inputs], base, p.per_model, p.params, seeds, cd, out_dt))
 
 
 #: mlx releases with per-thread streams (safe to evaluate independent graphs from several threads)

@@ -10,7 +10,15 @@ Linear accumulates like torch's ``addcmul_`` (one rounding per multiply-add). Wh
 (delta, top-k threshold, DARE mask, L1 norms) see the full tensor; the elementwise rest runs in
 slices of :data:`CHUNK` elements, which changes no value and avoids full-size float32 temporaries.
 
-Methods (mergekit names; the registry :data:`METHODS` maps each name to its recipe):
+A task-vector method is the algorithm's own steps, each a small function here or in
+:mod:`.sparsify`: task vectors (:func:`task_vector`) -> sparsify (:data:`.sparsify.SPARSIFIERS`:
+magnitude trim, DARE drop, breadcrumbs; optional rescale) -> weight (:func:`weighted_slice`) ->
+sign consensus (:func:`elect_sign`, :func:`agreeing_sum`) or plain sum (:func:`weighted_sum`) ->
+normalise (:func:`normalize_by`) -> scale by lambda and add back to the base (:func:`add_back`).
+
+Methods (mergekit names; the registry :data:`METHODS` maps each name to its recipe and its merge
+function; a method's parameters for one tensor are one :class:`LinearParams` or
+:class:`TaskVectorParams`):
 
 - ``linear`` (Wortsman et al. 2022, model soups): sum of ``w_i * x_i`` in float32, divided by
   ``sum w_i`` when ``normalize`` (default true).
@@ -46,535 +54,362 @@ Deviations (each an explicit option; the defaults are mergekit 0.1.5's):
 
 from __future__ import annotations
 
-import hashlib
-import math
-import threading
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
-F32 = mx.float32
-F64 = mx.float64
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+from mlx_ssp.merge import kernels as K
+from mlx_ssp.merge.kernels import DTYPES, F32, F64, f32, kernel, rnd, scalar  # noqa: F401  (DTYPES: re-export)
+from mlx_ssp.merge.sparsify import SPARSIFIERS, rescale_factor, select_slice
 
+SIGN_VOTES = ("weighted", "unweighted", "count")
+RESCALE_MODES = ("l1", "inverse_density")
 
-def rnd(x: mx.array, cd) -> mx.array:
-    """Round a float32 array to the compute dtype ``cd`` and back (identity for float32)."""
-    if cd == F32:
-        return x
-    return x.astype(cd).astype(F32)
 
+def _load(x):
+    """An array, or the array a zero-argument loader reads (one model's tensor, only when needed)."""
+    return x() if callable(x) else x
 
-def _f(x: mx.array) -> mx.array:
-    return x if x.dtype == F32 else x.astype(F32)
 
-
-# Elementwise steps are fused with mx.compile (shapeless: one compiled kernel per step kind, reused
-# for every tensor length); scalars travel as 0-d arrays so new weights do not recompile.
-_KERNELS: dict = {}
-_KERNELS_LOCK = threading.Lock()
-
-
-def _kernel(key, build):
-    k = _KERNELS.get(key)
-    if k is None:
-        with _KERNELS_LOCK:  # merging threads: one compiled function per key
-            k = _KERNELS.get(key)
-            if k is None:
-                k = _KERNELS[key] = mx.compile(build(), shapeless=True)
-    return k
-
-
-def _scalar(v: float) -> mx.array:
-    return mx.array(v, dtype=F32)
-
-
-# ---------------------------------------------------------------- sparsification masks
-
-
-#: reused scratch buffers: a fresh large allocation costs a page fault per 4 KiB page on every
-#: tensor, which on this kind of machine is slower than the select itself
-#: (one set per merging thread)
-_SCRATCH = threading.local()
-_COUNT_CHUNK = 1 << 20
-
-
-def _scratch(dtype, n: int, tag: str = "") -> np.ndarray:
-    bufs = _SCRATCH.__dict__
-    key = (np.dtype(dtype), tag)
-    b = bufs.get(key)
-    if b is None or b.size < n:
-        b = bufs[key] = np.empty(n, dtype=dtype)
-    return b[:n]
-
-
-def _count(a: np.ndarray, op, v) -> int:
-    """``count_nonzero(op(a, v))`` in cache-sized slices into a reused boolean buffer."""
-    out = _scratch(np.bool_, min(a.size, _COUNT_CHUNK), "count")
-    total = 0
-    for i in range(0, a.size, _COUNT_CHUNK):
-        c = a[i : i + _COUNT_CHUNK]
-        total += int(np.count_nonzero(op(c, v, out=out[: c.size])))
-    return total
-
-
-def kth_largest_bits(absbits: np.ndarray, k: int, inplace: bool = False) -> tuple[int, int, int]:
-    """The k-th largest of non-negative floats given as their raw bits (the bits of non-negative
-    IEEE floats sort like the values): an O(n) introselect on the integer bits, no sort, no float
-    compare. Returns ``(bits of v, count greater than v, count equal to v)``. ``inplace``
-    partitions ``absbits`` itself (its order is lost)."""
-    n = absbits.size
-    part = absbits if inplace else absbits.copy()
-    part.partition(n - k)
-    v = part.dtype.type(part[n - k])
-    # after the partition everything from n - k on is >= v and everything before it is <= v
-    greater = _count(part[n - k :], np.greater, v)
-    equal = _count(part, np.equal, v)
-    return int(v), greater, equal
-
-
-def _raw_bits(delta: mx.array) -> tuple[np.ndarray, int]:
-    """Raw bits of a flat float array as a zero-copy numpy view (through the buffer protocol;
-    ``np.asarray`` of an ``mx.view`` copies), and the bit width."""
-    mx.eval(delta)
-    raw = memoryview(delta).cast("B")
-    if delta.dtype == F32:
-        return np.frombuffer(raw, dtype=np.uint32), 32
-    return np.frombuffer(raw, dtype=np.uint16), 16
-
-
-def _abs_bits(delta: mx.array) -> tuple[np.ndarray, int]:
-    """Raw bits of |delta| (sign bit cleared) as a new numpy array, and the bit width."""
-    raw, width = _raw_bits(delta)
-    return raw & raw.dtype.type((1 << (width - 1)) - 1), width
-
-
-def _nth_equal(bits: np.ndarray, v, nth: int, chunk: int = 1 << 20, mask=None) -> int:
-    """Flat index of the ``nth`` (1-based) element equal to ``v`` (after ``& mask`` when given),
-    scanning in chunks so that no full-size index array is allocated."""
-    seen = 0
-    eq_buf = _scratch(np.bool_, min(bits.size, chunk), "count")
-    and_buf = _scratch(bits.dtype, min(bits.size, chunk), "and")
-    for i in range(0, bits.size, chunk):
-        c_bits = bits[i : i + chunk]
-        if mask is not None:
-            c_bits = np.bitwise_and(c_bits, mask, out=and_buf[: c_bits.size])
-        eq = np.equal(c_bits, v, out=eq_buf[: c_bits.size])
-        c = int(np.count_nonzero(eq))
-        if seen + c >= nth:
-            return i + int(np.flatnonzero(eq)[nth - seen - 1])
-        seen += c
-    raise ValueError("fewer equal elements than requested")
-
-
-@dataclass(frozen=True)
-class MagnitudeCut:
-    """The exact top-k selection of a flat delta as a threshold on the bits of |delta|: keep
-    ``bits > v`` everywhere and ``bits == v`` below flat index ``cut`` (ties go to the lowest
-    indices, as a stable descending sort does)."""
-
-    v: int
-    cut: int
-    width: int
-
-    def select(self, delta: mx.array, lo: int = 0, hi: Optional[int] = None) -> mx.array:
-        """The boolean mask of ``delta[lo:hi]`` (``delta`` is the whole flat delta)."""
-        hi = delta.size if hi is None else hi
-        utype = mx.uint32 if self.width == 32 else mx.uint16
-        sign_off = 0x7FFFFFFF if self.width == 32 else 0x7FFF
-
-        def build(strict):
-            def f(bits, v):
-                a = bits & mx.array(sign_off, dtype=utype)
-                return a > v if strict else a >= v
-            return f
-
-        ge = _kernel(("mag_ge", self.width), lambda: build(False))
-        gt = _kernel(("mag_gt", self.width), lambda: build(True))
-        ub, vv = delta[lo:hi].view(utype), mx.array(self.v, dtype=utype)
-        if self.cut >= hi:
-            return ge(ub, vv)
-        if self.cut <= lo:
-            return gt(ub, vv)
-        c = self.cut - lo  # tied elements at the threshold are kept below flat index ``cut`` only
-        return mx.concatenate([ge(ub[:c], vv), gt(ub[c:], vv)])
-
-
-def magnitude_cut(delta: mx.array, density: float) -> Optional[MagnitudeCut]:
-    """The threshold that keeps the top ``max(1, int(density * n))`` magnitudes of a flat delta
-    (None: keep all). One O(n) select and two counting passes over the integer bits."""
-    n = delta.size
-    if density >= 1 or n == 0:
-        return None
-    if density <= 0:
-        w = 32 if delta.dtype == F32 else 16
-        return MagnitudeCut(v=(1 << w) - 1, cut=0, width=w)  # nothing passes ``>`` the max
-    k = max(1, int(density * n))
-    raw, width = _raw_bits(delta)
-    sign_off = raw.dtype.type((1 << (width - 1)) - 1)
-    absbits = np.bitwise_and(raw, sign_off, out=_scratch(raw.dtype, n))
-    v, greater, equal = kth_largest_bits(absbits, k, inplace=True)
-    need = k - greater
-    cut = n if need == equal else _nth_equal(raw, raw.dtype.type(v), need, mask=sign_off) + 1
-    return MagnitudeCut(v, cut, width)
-
-
-def magnitude_mask(delta: mx.array, density: float) -> Optional[mx.array]:
-    """Keep the top ``max(1, int(density * n))`` elements of a flat delta by magnitude; ties at the
-    threshold go to the lowest flat indices (a stable descending sort). None means keep all."""
-    if density >= 1:
-        return None
-    if density <= 0 or delta.size == 0:
-        return mx.zeros(delta.shape, dtype=mx.bool_)
-    c = magnitude_cut(delta, density)
-    return None if c is None else c.select(delta)
-
-
-def outlier_mask(delta: mx.array, density: float, gamma: float) -> Optional[mx.array]:
-    """Model breadcrumbs: in ascending stable magnitude order, drop the ``n_bot`` smallest and keep
-    the next ``int(density * n)`` (so the ``gamma`` largest, when room allows, are dropped)."""
-    if density >= 1:
-        return None
-    n = delta.size
-    target = int(density * n)
-    n_top = int(gamma * n)
-    n_bot = max(0, n - target - n_top)
-    order = np.argsort(np.abs(np.asarray(_f(delta))), kind="stable")
-    mask = np.zeros(n, dtype=bool)
-    mask[order[n_bot : n_bot + target]] = True
-    return mx.array(mask)
-
-
-def dare_seed(seed: int, tensor_name: str, model_id: str) -> int:
-    """A 64-bit seed that depends only on (seed, tensor name, model): independent of the order
-    tensors are processed in and of sharding. The engine's model id is the model's position in the
-    config's ``models:`` list, so moving or resharding a model keeps its masks."""
-    h = hashlib.sha256(f"{seed}\x00{tensor_name}\x00{model_id}".encode()).digest()
-    return int.from_bytes(h[:8], "little")
-
-
-def bernoulli_mask(size: int, density: float, seed: int) -> Optional[mx.array]:
-    """Keep each element with probability ``density`` (uniform float32 < density, PCG64 stream
-    seeded by :func:`dare_seed`; NumPy's generator is ~5x faster than MLX's threefry on CPU).
-
-    NumPy's float32 uniform is ``(u >> 8) * 2**-24`` for the stream of 32-bit words ``u`` (the low
-    then the high half of each 64-bit PCG64 output), so ``uniform < density`` is exactly
-    ``u < ceil(density * 2**24) << 8``: the mask is computed from the raw 64-bit outputs with one
-    integer compare, no float conversion (the same mask, bit for bit, as the float draw)."""
-    if density >= 1:
-        return None
-    bg = np.random.PCG64(seed)
-    mask = np.empty(size, dtype=bool)
-    thr = np.uint32(math.ceil(float(np.float32(density)) * 2.0 ** 24) << 8)
-    nraw, step = (size + 1) // 2, max(1, _RNG_CHUNK // 2)
-    # drawn in chunks (the stream continues across calls) so no full-size buffer is held
-    for r in range(0, nraw, step):
-        u = bg.random_raw(min(step, nraw - r)).view(np.uint32)
-        i = 2 * r
-        j = min(size, i + u.size)
-        np.less(u[: j - i], thr, out=mask[i:j])
-    return mx.array(mask)
-
-
-#: words per draw: 2 MiB of raw words stay in L2 (4x the chunk was 2x slower per element)
-_RNG_CHUNK = 1 << 18
-
-
-def rescale_factor(delta: mx.array, sel, mode: str, density: float, cd, eps: float = 1e-7) -> Optional[float]:
-    """The factor that scales the masked delta back up (None: leave it unscaled): ``l1`` matches
-    the L1 norm of the unmasked delta (mergekit; norms and ratio rounded to ``cd`` as torch does),
-    ``inverse_density`` is ``1 / density``. ``sel`` is a :class:`MagnitudeCut` or a boolean mask.
-
-    The two L1 norms are summed in float32 over rows of 1024 elements (a BLAS matrix-vector
-    product per slice; short rows keep float32 accumulation exact to ~1e-7, which a float32 sum
-    over millions of elements is not), and the row sums in float64: no full-size temporary. torch sums in float32 in its own order, so a norm can differ
-    from mergekit's in the last float32 bit (after rounding to bf16, essentially never)."""
-    if mode == "inverse_density":
-        return 1.0 / density
-    # |d| and |d| * mask in one kernel, their row sums over _L1_ROW elements as float32
-    # matrix-vector products (BLAS: vectorised, ~1e-7 relative error per row), then float64
-    k = _kernel(("l1abs",), lambda: (lambda d, m: _l1_abs(_f(d), m)))
-    before = after = 0.0
-    for lo in range(0, delta.size, CHUNK):
-        hi = min(delta.size, lo + CHUNK)
-        m = sel.select(delta, lo, hi) if isinstance(sel, MagnitudeCut) else sel[lo:hi]
-        full = lo + (hi - lo) // _L1_ROW * _L1_ROW
-        pieces = [(lo, full, _L1_ROW), (full, hi, hi - full)]
-        for a0, a1, width in pieces:
-            if a1 <= a0:
-                continue
-            mm = m[a0 - lo : a1 - lo]
-            a, b = k(delta[a0:a1].reshape(-1, width), mm.reshape(-1, width))
-            ones = mx.ones((width,), dtype=F32)
-            a, b = a @ ones, b @ ones
-            mx.eval(a, b)
-            before += float(np.frombuffer(memoryview(a), dtype=np.float32).sum(dtype=np.float64))
-            after += float(np.frombuffer(memoryview(b), dtype=np.float32).sum(dtype=np.float64))
-    before_r, after_r = rnd(_scalar(before), cd), rnd(_scalar(after), cd)
-    if before_r.item() < eps or after_r.item() < eps:
-        return None
-    return float(rnd(before_r / after_r, cd).item())
-
-
-_L1_ROW = 1024
-
-
-def _l1_abs(d: mx.array, m: mx.array) -> tuple[mx.array, mx.array]:
-    a = mx.abs(d)
-    return a, a * m
-
-
-def rescale(delta: mx.array, mask: mx.array, mode: str, density: float, cd, eps: float = 1e-7) -> mx.array:
-    """Masked delta scaled back up by :func:`rescale_factor`; float32 values representable in
-    ``cd``."""
-    md = _f(delta) * mask
-    s = rescale_factor(delta, mask, mode, density, cd, eps)
-    return md if s is None else rnd(md * s, cd)
-
-
-# ---------------------------------------------------------------- methods
-
-
-def linear(tensors: Sequence, weights: Sequence[float], normalize: bool, cd, out=None, as_parts: bool = False):
-    """Weighted sum in float32, divided by the weight sum when ``normalize``; rounded to ``cd``
-    (then cast to ``out``, default ``cd``). ``tensors`` may be arrays or zero-argument loaders.
-    ``as_parts``: return the flat result as a list of consecutive evaluated slices (a writer can
-    store them one after the other, saving a full-size concatenation)."""
-    xs = [x() if callable(x) else x for x in tensors]
-    n = len(xs)
-    cdn, outn = str(cd), str(out or cd)
-
-    def build():
-        def f(xs, ws, den):
-            # inputs are aligned to cd first, as mergekit does; each step is one fused multiply-add
-            # rounded to float32 (float64 holds the float32 product exactly), like torch's addcmul_
-            acc = None
-            for x, w in zip(xs, ws):
-                t = _f(x.astype(cd)).astype(F64) * w
-                acc = t.astype(F32) if acc is None else (acc.astype(F64) + t).astype(F32)
-            return (acc / den).astype(cd).astype(out or cd)
-        return f
-
-    k = _kernel(("linear", n, cdn, outn), build)
-    den = _scalar(float(sum(weights)) if normalize else 1.0)
-    ws = [mx.array(float(np.float32(w)), dtype=F64) for w in weights]
-    size = xs[0].size
-    if size <= CHUNK:
-        res = k(xs, ws, den)
-        return [res] if as_parts else res
-    mx.eval(*xs)
-    parts = []
-    for lo in range(0, size, CHUNK):  # in slices: no full-size float temporaries (see task_vector_merge)
-        part = k([x[lo : lo + CHUNK] for x in xs], ws, den)
-        mx.eval(part)
-        parts.append(part)
-    return parts if as_parts else mx.concatenate(parts)
-
-
-def task_vector_merge(
-    base: mx.array,
-    tensors: Sequence,
-    weights: Sequence[float],
-    densities: Sequence[float],
-    *,
-    sparsify: Optional[str],
-    consensus: bool,
-    normalize: bool,
-    rescale_on: bool,
-    lam: float,
-    cd,
-    sign_vote: str = "weighted",
-    rescale_mode: str = "l1",
-    seeds: Optional[Sequence[int]] = None,
-    gammas: Optional[Sequence[float]] = None,
-    out=None,
-    as_parts: bool = False,
-):
-    """The generalized task-arithmetic merge (task_arithmetic, ties, dare_*, breadcrumbs*).
-
-    ``base`` and ``tensors`` are flat arrays (or zero-argument loaders) of any float dtype; they
-    are cast to ``cd`` first, as mergekit aligns inputs to the compute dtype. Returns ``out``
-    (default ``cd``), or with ``as_parts`` a list of consecutive slices of it (see :func:`linear`)."""
-    out = out or cd
-    base = base.astype(cd)
-    if not tensors:
-        return [base.astype(out)] if as_parts else base.astype(out)
-    # DARE's rescale works in float32 for float16 (torch has no fp16 bernoulli on CPU)
-    work = F32 if cd == mx.float16 else cd
-    w = [float(rnd(_scalar(x), cd).item()) for x in weights]
-    delta_k = _kernel(("delta", str(cd)), lambda: (lambda x, b: (_f(x) - _f(b)).astype(cd)))
-    # weighted deltas leave their kernels as float32 holding cd-rounded values: the vote reads
-    # each of them several times, and a bf16 input would need a separate cast pass per read
-    wmul_k = _kernel(("wmul", str(cd)), lambda: (lambda d, m, w: rnd(_f(d) * m * w, cd)))
-    wmul0_k = _kernel(("wmul0", str(cd)), lambda: (lambda d, w: rnd(_f(d) * w, cd)))
-    # Per model, the whole-tensor steps: the delta, its selection (top-k threshold, DARE or
-    # breadcrumbs mask) and the L1 rescale. The elementwise tail (mask, weight, vote, combine) then
-    # runs in slices of CHUNK elements, so no full-size float32 temporary is ever allocated (large
-    # fresh buffers cost page faults on every tensor) and each slice stays in cache.
-    ds, sels, factors = [], [], []
-    for i, x in enumerate(tensors):
-        x = x() if callable(x) else x  # a loader: read one model's tensor only when needed
-        d = delta_k(x.astype(cd), base)
-        mx.eval(d)
-        del x
-        sel, q = None, cd  # None (keep all), a MagnitudeCut, or a full boolean mask; q: rescale dtype
-        if sparsify == "magnitude":
-            sel, q = magnitude_cut(d, densities[i]), cd
-        elif sparsify == "random":
-            sel, q = bernoulli_mask(d.size, densities[i], seeds[i]), work
-        elif sparsify == "outliers":
-            sel, q = outlier_mask(d, densities[i], gammas[i]), cd
-        factor = None
-        if sel is not None and rescale_on:
-            factor = rescale_factor(d, sel, rescale_mode, densities[i], q)
-        ds.append(d)
-        sels.append(sel)
-        factors.append(factor)
-    n = len(ds)
-    ws = [_scalar(x) for x in w]
-
-    # TIES combine in two kernels, split where mergekit rounds to cd anyway (mixed and divisor):
-    # shallow kernels fuse well, and the sign agreement is a float multiply (``x * sg > 0``)
-    # rather than boolean logic, which the CPU compiler handles slowly. Exactly the same values:
-    # x * sg is exact, and x * a (a in {0, 1}) keeps x's signed zero as the bf16 product did.
-    def build_vote():
-        def f(wd, vote, ws):
-            if sign_vote == "count":
-                s = mx.sign(_f(vote[0]))
-                for v in vote[1:]:
-                    s = s + mx.sign(_f(v))
-            else:
-                s = _f(vote[0])
-                for v in vote[1:]:
-                    s = s + _f(v)
-                if cd == mx.float16:  # bf16 rounding never changes a sign; fp16 can underflow to 0
-                    s = s.astype(cd)
-            sg = mx.where(s >= 0, 1.0, -1.0)  # +1 / -1: one select instead of a cast, a multiply and a subtract
-            mixed, div = None, None
-            for x, wi in zip(wd, ws):
-                x = _f(x)
-                a = ((x * sg) > 0).astype(F32)  # a zero delta never agrees
-                mixed = x * a if mixed is None else mixed + x * a
-                div = wi * a if div is None else div + wi * a
-            return mixed.astype(cd), div.astype(cd)
-        return f
-
-    def build_apply():
-        def f(base, mixed, div, lam):
-            mixed = _f(mixed)
-            if normalize:
-                d = _f(div)
-                mixed = rnd(mixed / (d + (d == 0)), cd)  # a zero divisor becomes 1
-            if lam_on:
-                mixed = rnd(mixed * lam, cd)
-            return (_f(base) + mixed).astype(cd).astype(out)
-        return f
-
-    def build():
-        def f(base, wd, vote, ws, div_scalar, lam):
-            mixed = _f(wd[0])
-            for x in wd[1:]:
-                mixed = mixed + _f(x)
-            mixed = rnd(mixed, cd)
-            if normalize:
-                mixed = rnd(mixed / div_scalar, cd)
-            if lam_on:
-                mixed = rnd(mixed * lam, cd)
-            return (_f(base) + mixed).astype(cd).astype(out)
-        return f
-
-    lam_on = lam != 1
-    k = _kernel(("combine", n, str(cd), str(out), normalize, lam_on), build)
-    k1 = _kernel(("vote", n, str(cd), sign_vote), build_vote)
-    k2 = _kernel(("apply", str(cd), str(out), normalize, lam_on), build_apply)
-    dv = float(rnd(_scalar(sum(w)), cd).item())
-    dv = 1.0 if abs(dv) < 1e-8 else dv
-    dvs, lams = _scalar(dv), _scalar(lam)
-    mx.eval(base)
-    parts = []
-    for lo in range(0, base.size, CHUNK):
-        hi = min(base.size, lo + CHUNK)
-        wd, raw = [], []
-        for d, sel, factor, wi in zip(ds, sels, factors, ws):
-            dc = d[lo:hi]
-            m = sel.select(d, lo, hi) if isinstance(sel, MagnitudeCut) else (None if sel is None else sel[lo:hi])
-            if factor is not None:
-                # the rescaled masked delta, rounded to the rescale dtype then cd, then weighted, as
-                # mergekit does; the rescale dtype is cd or float32, so that is one rounding to cd,
-                # written as one cast so mx.compile fuses the kernel whole (graphs deeper than its
-                # limit are cut, and the cut-off input casts run as separate full passes)
-                fs = _scalar(factor)
-                if consensus and sign_vote == "unweighted":
-                    raw.append(_kernel(("rescaled", str(cd)),
-                                       lambda: (lambda d, m, s: rnd(_f(d) * m * s, cd)))(dc, m, fs))
-                wd.append(_kernel(("wrescaled", str(cd)),
-                                  lambda: (lambda d, m, s, w: rnd(rnd(_f(d) * m * s, cd) * w, cd)))(dc, m, fs, wi))
-                continue
-            if consensus and sign_vote == "unweighted":
-                raw.append(dc if m is None else rnd(_f(dc) * m, cd))
-            wd.append(wmul0_k(dc, wi) if m is None else wmul_k(dc, m, wi))
-        vote = raw if sign_vote == "unweighted" else wd
-        if consensus:
-            mixed, div = k1(wd, vote, ws)
-            part = k2(base[lo:hi], mixed, div, lams)
-        else:
-            part = k(base[lo:hi], wd, vote, ws, dvs, lams)
-        mx.eval(part)
-        parts.append(part)
-    if not parts:  # an empty tensor
-        parts = [base.astype(out)]
+def _joined(parts: list, as_parts: bool):
+    """The evaluated slices as they are (``as_parts``: a writer stores them one after the other,
+    saving a full-size concatenation) or as one flat array."""
     if as_parts:
         return parts
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
-#: elements per slice of the elementwise steps (float32 temporaries of 1 MiB, so that a slice's
-#: inputs, temporaries and outputs stay in a 2-4 MiB L2 cache: measured ~5% faster than 1 << 20)
-CHUNK = 1 << 18
+# ---------------------------------------------------------------- per-tensor parameters
+
+
+@dataclass(frozen=True)
+class TensorInputs:
+    """One tensor as the engine hands it to a method: zero-argument loaders of the flat inputs (and
+    of the base), the resolved parameters (per model and shared), the DARE seed of each model, the
+    compute and output dtypes."""
+
+    models: list[Callable[[], mx.array]]
+    base: Optional[Callable[[], mx.array]]
+    per_model: list[dict[str, Any]]
+    shared: dict[str, Any]
+    seeds: list[int]
+    cd: Any
+    out: Any
+
+
+@dataclass(frozen=True)
+class LinearParams:
+    """``linear``: one weight per model; divide by their sum when ``normalize``."""
+
+    weights: tuple[float, ...]
+    normalize: bool
+
+    @classmethod
+    def of(cls, t: TensorInputs) -> "LinearParams":
+        return cls(tuple(pm["weight"] for pm in t.per_model), t.shared["normalize"])
+
+
+@dataclass(frozen=True)
+class TaskVectorParams:
+    """A task-vector method's parameters for one tensor: per model (weight, density, gamma, DARE
+    seed) and shared (normalize, rescale, lambda, sign_vote, rescale_mode)."""
+
+    weights: tuple[float, ...]
+    densities: tuple[float, ...]
+    gammas: tuple[float, ...]
+    seeds: tuple[int, ...]
+    normalize: bool
+    rescale: bool = False
+    lam: float = 1.0
+    sign_vote: str = "weighted"
+    rescale_mode: str = "l1"
+
+    @classmethod
+    def of(cls, t: TensorInputs) -> "TaskVectorParams":
+        pm, sh = t.per_model, t.shared
+        return cls(weights=tuple(m["weight"] for m in pm), densities=tuple(m.get("density", 1.0) for m in pm),
+                   gammas=tuple(m.get("gamma", 0.01) for m in pm), seeds=tuple(t.seeds),
+                   normalize=sh["normalize"], rescale=bool(sh.get("rescale", False)), lam=sh.get("lambda", 1.0),
+                   sign_vote=sh.get("sign_vote", "weighted"), rescale_mode=sh.get("rescale_mode", "l1"))
+
+
+# ---------------------------------------------------------------- linear
+
+
+def _linear_fn(cd, out):
+    def f(xs, ws, den):
+        # inputs are aligned to cd first, as mergekit does; each step is one fused multiply-add
+        # rounded to float32 (float64 holds the float32 product exactly), like torch's addcmul_
+        acc = None
+        for x, w in zip(xs, ws):
+            t = f32(x.astype(cd)).astype(F64) * w
+            acc = t.astype(F32) if acc is None else (acc.astype(F64) + t).astype(F32)
+        return (acc / den).astype(cd).astype(out)
+    return f
+
+
+def linear(tensors: Sequence, p: LinearParams, cd, out=None, as_parts: bool = False):
+    """Weighted sum in float32, divided by the weight sum when ``normalize``; rounded to ``cd``
+    (then cast to ``out``, default ``cd``). ``tensors`` may be arrays or zero-argument loaders.
+    ``as_parts``: return the flat result as a list of consecutive evaluated slices."""
+    xs = [_load(x) for x in tensors]
+    out = out or cd
+    k = kernel(("linear", len(xs), str(cd), str(out)), lambda: _linear_fn(cd, out))
+    den = scalar(float(sum(p.weights)) if p.normalize else 1.0)
+    ws = [mx.array(float(np.float32(w)), dtype=F64) for w in p.weights]
+    size = xs[0].size
+    if size <= K.CHUNK:
+        res = k(xs, ws, den)
+        return [res] if as_parts else res
+    mx.eval(*xs)
+    parts = []
+    for lo, hi in K.slices(size):  # in slices: no full-size float temporaries
+        part = k([x[lo:hi] for x in xs], ws, den)
+        mx.eval(part)
+        parts.append(part)
+    return _joined(parts, as_parts)
+
+
+# ---------------------------------------------------------------- task vectors: the steps
+
+
+@dataclass(frozen=True)
+class SparseTaskVector:
+    """One model's task vector after the whole-tensor steps: the delta in ``cd``, its selection
+    (None: keep all, a :class:`.sparsify.MagnitudeCut` or a boolean mask) and its rescale factor
+    (None: unscaled)."""
+
+    delta: mx.array
+    sel: Any
+    factor: Optional[float]
+
+
+def task_vector(x: mx.array, base: mx.array, cd) -> mx.array:
+    """``x - base`` in ``cd`` (``x`` aligned to ``cd`` first, as mergekit does), evaluated."""
+    k = kernel(("delta", str(cd)), lambda: (lambda x, b: (f32(x) - f32(b)).astype(cd)))
+    d = k(x.astype(cd), base)
+    mx.eval(d)
+    return d
+
+
+def sparsify_task_vector(d: mx.array, i: int, sparsify: Optional[str], p: TaskVectorParams, cd) -> SparseTaskVector:
+    """Model ``i``'s selection (:data:`.sparsify.SPARSIFIERS`) and, with ``rescale``, the factor that
+    scales its survivors back up (rounded to the sparsifier's rescale dtype)."""
+    sel, q = None, cd
+    sp = SPARSIFIERS[sparsify] if sparsify else None
+    if sp is not None:
+        sel, q = sp.select(d, p.densities[i], p.seeds[i], p.gammas[i]), sp.rescale_dtype(cd)
+    factor = None
+    if sel is not None and p.rescale:
+        factor = rescale_factor(d, sel, p.rescale_mode, p.densities[i], q)
+    return SparseTaskVector(d, sel, factor)
+
+
+def weighted_slice(tv: SparseTaskVector, w: mx.array, lo: int, hi: int, cd, keep_raw: bool):
+    """Slice ``[lo:hi]`` of one model's masked, rescaled, weighted task vector, and with ``keep_raw``
+    the unweighted one (the TIES paper's vote). They leave their kernels as float32 holding
+    cd-rounded values: the vote reads each several times, and a bf16 input would need a cast pass
+    per read."""
+    dc = tv.delta[lo:hi]
+    m = select_slice(tv.sel, tv.delta, lo, hi)
+    if tv.factor is not None:
+        # rounded to the rescale dtype then cd, then weighted, as mergekit does; the rescale dtype
+        # is cd or float32, so that is one rounding to cd, written as one cast so mx.compile fuses
+        # the kernel whole (graphs deeper than its limit are cut, and the cut-off input casts run
+        # as separate full passes)
+        fs = scalar(tv.factor)
+        raw = kernel(("rescaled", str(cd)), lambda: (lambda d, m, s: rnd(f32(d) * m * s, cd)))(dc, m, fs) \
+            if keep_raw else None
+        wk = kernel(("wrescaled", str(cd)), lambda: (lambda d, m, s, w: rnd(rnd(f32(d) * m * s, cd) * w, cd)))
+        return wk(dc, m, fs, w), raw
+    raw = (dc if m is None else rnd(f32(dc) * m, cd)) if keep_raw else None
+    if m is None:
+        return kernel(("wmul0", str(cd)), lambda: (lambda d, w: rnd(f32(d) * w, cd)))(dc, w), raw
+    return kernel(("wmul", str(cd)), lambda: (lambda d, m, w: rnd(f32(d) * m * w, cd)))(dc, m, w), raw
+
+
+# The combine steps below are traced inside fused kernels (pure functions of float32 arrays).
+
+
+def elect_sign(votes: list, sign_vote: str, cd) -> mx.array:
+    """TIES "elect": +1 / -1 per element from the sum of the votes (``count``: of their signs);
+    ``>= 0`` counts as positive. One select instead of a cast, a multiply and a subtract."""
+    if sign_vote == "count":
+        s = mx.sign(f32(votes[0]))
+        for v in votes[1:]:
+            s = s + mx.sign(f32(v))
+    else:
+        s = f32(votes[0])
+        for v in votes[1:]:
+            s = s + f32(v)
+        if cd == mx.float16:  # bf16 rounding never changes a sign; fp16 can underflow to 0
+            s = s.astype(cd)
+    return mx.where(s >= 0, 1.0, -1.0)
+
+
+def agreeing_sum(wd: list, ws: list, sg: mx.array, cd) -> tuple[mx.array, mx.array]:
+    """TIES "disjoint merge": the sum of the weighted deltas that agree with the elected sign, and
+    the sum of their weights (both in ``cd``). The agreement is a float multiply (``x * sg > 0``),
+    which the CPU compiler handles faster than boolean logic: x * sg is exact, and x * a
+    (a in {0, 1}) keeps x's signed zero as the bf16 product did. A zero delta never agrees."""
+    mixed, div = None, None
+    for x, wi in zip(wd, ws):
+        x = f32(x)
+        a = ((x * sg) > 0).astype(F32)
+        mixed = x * a if mixed is None else mixed + x * a
+        div = wi * a if div is None else div + wi * a
+    return mixed.astype(cd), div.astype(cd)
+
+
+def weighted_sum(wd: list, cd) -> mx.array:
+    """The sum of the weighted deltas, rounded to ``cd``."""
+    mixed = f32(wd[0])
+    for x in wd[1:]:
+        mixed = mixed + f32(x)
+    return rnd(mixed, cd)
+
+
+def normalize_by(mixed: mx.array, divisor, cd) -> mx.array:
+    """``mixed / divisor`` rounded to ``cd``."""
+    return rnd(mixed / divisor, cd)
+
+
+def add_back(base: mx.array, mixed: mx.array, lam: Optional[mx.array], cd, out) -> mx.array:
+    """``base + lam * mixed`` (no multiply when ``lam`` is None), in ``cd`` then ``out``."""
+    if lam is not None:
+        mixed = rnd(mixed * lam, cd)
+    return (f32(base) + mixed).astype(cd).astype(out)
+
+
+def _consensus_fns(sign_vote: str, normalize: bool, lam_on: bool, cd, out):
+    """TIES combine in two kernels, split where mergekit rounds to cd anyway (mixed and divisor):
+    shallow kernels fuse well."""
+    def vote(wd, votes, ws):
+        return agreeing_sum(wd, ws, elect_sign(votes, sign_vote, cd), cd)
+
+    def apply(base, mixed, div, lam):
+        mixed = f32(mixed)
+        if normalize:
+            d = f32(div)
+            mixed = normalize_by(mixed, d + (d == 0), cd)  # a zero divisor becomes 1
+        return add_back(base, mixed, lam if lam_on else None, cd, out)
+    return vote, apply
+
+
+def _sum_fn(normalize: bool, lam_on: bool, cd, out):
+    def f(base, wd, div_scalar, lam):
+        mixed = weighted_sum(wd, cd)
+        if normalize:
+            mixed = normalize_by(mixed, div_scalar, cd)
+        return add_back(base, mixed, lam if lam_on else None, cd, out)
+    return f
+
+
+def combiner(n: int, consensus: bool, p: TaskVectorParams, w: list[float], cd, out):
+    """``combine(base_slice, weighted, votes)`` -> the merged slice: sign consensus + disjoint
+    merge, or the plain weighted sum; then normalise, scale by lambda and add back to the base.
+    ``w``: the weights rounded to ``cd``."""
+    lam_on, lam = p.lam != 1, scalar(p.lam)
+    ws = [scalar(x) for x in w]
+    if consensus:
+        vote_fn, apply_fn = _consensus_fns(p.sign_vote, p.normalize, lam_on, cd, out)
+        vote_k = kernel(("vote", n, str(cd), p.sign_vote), lambda: vote_fn)
+        apply_k = kernel(("apply", str(cd), str(out), p.normalize, lam_on), lambda: apply_fn)
+        return lambda base, wd, votes: apply_k(base, *vote_k(wd, votes, ws), lam)
+    sum_k = kernel(("combine", n, str(cd), str(out), p.normalize, lam_on), lambda: _sum_fn(p.normalize, lam_on, cd, out))
+    dv = float(rnd(scalar(sum(w)), cd).item())
+    dvs = scalar(1.0 if abs(dv) < 1e-8 else dv)
+    return lambda base, wd, votes: sum_k(base, wd, dvs, lam)
+
+
+def task_vector_merge(base: mx.array, tensors: Sequence, p: TaskVectorParams, *, sparsify: Optional[str],
+                      consensus: bool, cd, out=None, as_parts: bool = False):
+    """The generalized task-arithmetic merge (task_arithmetic, ties, dare_*, breadcrumbs*).
+
+    ``base`` and ``tensors`` are flat arrays (or zero-argument loaders) of any float dtype; they
+    are cast to ``cd`` first, as mergekit aligns inputs to the compute dtype. Returns ``out``
+    (default ``cd``), or with ``as_parts`` a list of consecutive slices of it (see :func:`linear`).
+
+    Per model, the whole-tensor steps (:func:`task_vector`, :func:`sparsify_task_vector`); then the
+    elementwise rest (:func:`weighted_slice`, :func:`combiner`) in slices of CHUNK elements, so no
+    full-size float32 temporary is ever allocated (large fresh buffers cost page faults on every
+    tensor) and each slice stays in cache."""
+    out = out or cd
+    base = base.astype(cd)
+    if not tensors:
+        return [base.astype(out)] if as_parts else base.astype(out)
+    w = [float(rnd(scalar(x), cd).item()) for x in p.weights]
+    sparse = [sparsify_task_vector(task_vector(_load(x), base, cd), i, sparsify, p, cd)
+              for i, x in enumerate(tensors)]
+    combine = combiner(len(sparse), consensus, p, w, cd, out)
+    keep_raw = consensus and p.sign_vote == "unweighted"
+    ws = [scalar(x) for x in w]
+    mx.eval(base)
+    parts = []
+    for lo, hi in K.slices(base.size):
+        pairs = [weighted_slice(tv, wi, lo, hi, cd, keep_raw) for tv, wi in zip(sparse, ws)]
+        wd = [x for x, _ in pairs]
+        part = combine(base[lo:hi], wd, [r for _, r in pairs] if keep_raw else wd)
+        mx.eval(part)
+        parts.append(part)
+    if not parts:  # an empty tensor
+        parts = [base.astype(out)]
+    return _joined(parts, as_parts)
 
 
 # ---------------------------------------------------------------- registry
 
 
+def merge_linear(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
+    """``linear``: every input (the base too, when given) is a weighted input."""
+    return linear(t.models, LinearParams.of(t), t.cd, out=t.out, as_parts=True)
+
+
+def merge_task_vectors(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
+    """A task-vector method: the spec's sparsifier and consensus over the deltas from the base."""
+    return task_vector_merge(t.base(), t.models, TaskVectorParams.of(t), sparsify=spec.sparsify,
+                             consensus=spec.consensus, cd=t.cd, out=t.out, as_parts=True)
+
+
+_TV_DEFAULTS = (("density", 1.0), ("lambda", 1.0), ("int8_mask", False), ("sign_vote", "weighted"),
+                ("rescale_mode", "l1"))
+
+
 @dataclass(frozen=True)
 class MethodSpec:
-    """A merge method's recipe and its parameter defaults (mergekit 0.1.5)."""
+    """A merge method's recipe, its parameter defaults (mergekit 0.1.5) and the function that merges
+    one tensor (``merge(spec, TensorInputs)`` -> the output's consecutive flat slices)."""
 
     name: str
     needs_base: bool
-    sparsify: Optional[str] = None  # magnitude | random | outliers
+    sparsify: Optional[str] = None  # a key of sparsify.SPARSIFIERS: magnitude | random | outliers
     consensus: bool = False
     default_normalize: bool = False
     default_rescale: bool = False
     #: per-model parameters (weight, density, gamma) and shared ones
     model_params: tuple[str, ...] = ("weight", "density")
     shared_params: tuple[str, ...] = ("normalize", "rescale", "lambda", "int8_mask", "sign_vote", "rescale_mode")
-    defaults: tuple[tuple[str, object], ...] = (("density", 1.0), ("lambda", 1.0), ("int8_mask", False),
-                                                ("sign_vote", "weighted"), ("rescale_mode", "l1"))
+    defaults: tuple[tuple[str, object], ...] = _TV_DEFAULTS
+    merge: Callable[["MethodSpec", TensorInputs], list] = field(default=merge_task_vectors, compare=False)
 
+    def run(self, t: TensorInputs) -> list[mx.array]:
+        return self.merge(self, t)
+
+
+_BREADCRUMBS = dict(sparsify="outliers", model_params=("weight", "density", "gamma"),
+                    defaults=_TV_DEFAULTS + (("gamma", 0.01),))
 
 METHODS: dict[str, MethodSpec] = {
     "linear": MethodSpec("linear", needs_base=False, default_normalize=True, model_params=("weight",),
-                         shared_params=("normalize",), defaults=()),
+                         shared_params=("normalize",), defaults=(), merge=merge_linear),
     "task_arithmetic": MethodSpec("task_arithmetic", needs_base=True),
     "ties": MethodSpec("ties", needs_base=True, sparsify="magnitude", consensus=True, default_normalize=True),
     "dare_linear": MethodSpec("dare_linear", needs_base=True, sparsify="random", default_rescale=True),
     "dare_ties": MethodSpec("dare_ties", needs_base=True, sparsify="random", consensus=True, default_rescale=True),
-    "breadcrumbs": MethodSpec("breadcrumbs", needs_base=True, sparsify="outliers",
-                              model_params=("weight", "density", "gamma"),
-                              defaults=(("density", 1.0), ("gamma", 0.01), ("lambda", 1.0), ("int8_mask", False),
-                                        ("sign_vote", "weighted"), ("rescale_mode", "l1"))),
-    "breadcrumbs_ties": MethodSpec("breadcrumbs_ties", needs_base=True, sparsify="outliers", consensus=True,
-                                   model_params=("weight", "density", "gamma"),
-                                   defaults=(("density", 1.0), ("gamma", 0.01), ("lambda", 1.0),
-                                             ("int8_mask", False), ("sign_vote", "weighted"),
-                                             ("rescale_mode", "l1"))),
+    "breadcrumbs": MethodSpec("breadcrumbs", needs_base=True, **_BREADCRUMBS),
+    "breadcrumbs_ties": MethodSpec("breadcrumbs_ties", needs_base=True, consensus=True, **_BREADCRUMBS),
 }
-
-SIGN_VOTES = ("weighted", "unweighted", "count")
-RESCALE_MODES = ("l1", "inverse_density")
-
