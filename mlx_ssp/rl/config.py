@@ -11,18 +11,17 @@ from typing import Literal, Optional
 from pydantic import Field, model_validator
 
 from mlx_ssp.config import StrictModel
+from mlx_ssp.finetune.lora import LoRAConfig
 from mlx_ssp.rollout import SamplingConfig
 
 
-class LoRAConfig(StrictModel):
-    """mlx-lm LoRA (``linear_to_lora_layers``): every linear layer of the last ``num_layers`` blocks
-    (-1 = all), or only the module paths in ``keys`` (e.g. ``[self_attn.q_proj, mlp.down_proj]``)."""
+class RLLoRAConfig(LoRAConfig):
+    """The shared LoRA config (:class:`mlx_ssp.finetune.lora.LoRAConfig`) with RL's defaults: every
+    block (``num_layers: -1``), plain LoRA only (the KL reference switches adapters off by setting
+    their scale to 0, which does not give back the base layer of a DoRA wrapper)."""
 
-    rank: int = Field(8, ge=1)
-    scale: float = Field(20.0, gt=0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    num_layers: int = Field(-1, ge=-1)
-    keys: Optional[list[str]] = None
+    fine_tune_type: Literal["lora"] = "lora"
+    num_layers: int = -1
 
 
 class RLConfig(StrictModel):
@@ -60,8 +59,8 @@ class RLConfig(StrictModel):
 
     # model and optimizer
     fine_tune_type: Literal["lora", "full"] = "lora"
-    lora: LoRAConfig = Field(default_factory=LoRAConfig)
-    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    lora: RLLoRAConfig = Field(default_factory=RLLoRAConfig)
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"  # entries of mlx_ssp.finetune.optim.OPTIMIZERS
     learning_rate: float = Field(1e-5, gt=0)
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0.0)

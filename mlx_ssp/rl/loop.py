@@ -42,20 +42,24 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_map
 
 from mlx_ssp import distributed as dist
 from mlx_ssp.errors import UserError
-from mlx_ssp.io import atomic_dir, iter_jsonl, write_json_atomic, write_jsonl_atomic
+from mlx_ssp.io import write_json_atomic
+from mlx_ssp.finetune import checkpoints as ckpts
+from mlx_ssp.finetune.lora import adapter_config as lora_adapter_config
+from mlx_ssp.finetune.lora import adapters_disabled, attach_lora
+from mlx_ssp.finetune.optim import OPTIMIZERS, build_optimizer, warmup_constant
+from mlx_ssp.finetune.seed import step_seed
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.logprobs import head_of, token_logprobs
-from mlx_ssp.rl.loss import finalize_totals, merge_totals, policy_loss, token_totals
+from mlx_ssp.rl.loss import aggregation_units, finalize_totals, merge_totals, policy_loss, token_totals
 from mlx_ssp.rl.kernels import grouped_advantages
 from mlx_ssp.tasks import Task, render_prompt
 
-ADAPTER_FILE = "adapters.safetensors"
+ADAPTER_FILE = ckpts.ADAPTER_FILE
 
 
 # -- model setup ---------------------------------------------------------------------------------
@@ -72,19 +76,11 @@ def resolve_train_dtype(cfg: RLConfig):
 def setup_model(model: nn.Module, cfg: RLConfig, seed: int = 0) -> nn.Module:
     """Freeze the base and add LoRA adapters (``lora``; their init is seeded by ``seed``), or
     train every weight (``full``); cast to the training dtype (float32 on CPU by default)."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
     dtype = resolve_train_dtype(cfg)
     if dtype is not None:
         model.set_dtype(dtype)
     if cfg.fine_tune_type == "lora":
-        model.freeze()
-        n = len(model.layers) if cfg.lora.num_layers < 0 else cfg.lora.num_layers
-        params = {"rank": cfg.lora.rank, "scale": cfg.lora.scale, "dropout": cfg.lora.dropout}
-        if cfg.lora.keys:
-            params["keys"] = list(cfg.lora.keys)
-        mx.random.seed(seed)
-        linear_to_lora_layers(model, n, params)
+        attach_lora(model, cfg.lora, seed)
     else:
         model.unfreeze()
     model.train()
@@ -92,31 +88,9 @@ def setup_model(model: nn.Module, cfg: RLConfig, seed: int = 0) -> nn.Module:
 
 
 def adapter_config(cfg: RLConfig, model: nn.Module) -> dict:
-    """``adapter_config.json`` as mlx-lm's ``load_adapters`` / ``fuse`` read it."""
+    """``adapter_config.json`` (:func:`mlx_ssp.finetune.lora.adapter_config`) with the block count resolved."""
     n = len(model.layers) if cfg.lora.num_layers < 0 else cfg.lora.num_layers
-    params = {"rank": cfg.lora.rank, "scale": cfg.lora.scale, "dropout": cfg.lora.dropout}
-    if cfg.lora.keys:
-        params["keys"] = list(cfg.lora.keys)
-    return {"fine_tune_type": cfg.fine_tune_type, "num_layers": n, "lora_parameters": params}
-
-
-def _lora_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for _, m in model.named_modules() if "lora_a" in m and "lora_b" in m and hasattr(m, "scale")]
-
-
-@contextmanager
-def adapters_disabled(model: nn.Module):
-    """The model as it was before LoRA: every adapter's scale is 0 inside the block, so
-    ``y = base(x) + 0 * lora(x)`` is the base output exactly (no second model in memory)."""
-    mods = _lora_modules(model)
-    old = [m.scale for m in mods]
-    try:
-        for m in mods:
-            m.scale = 0.0
-        yield model
-    finally:
-        for m, s in zip(mods, old):
-            m.scale = s
+    return lora_adapter_config(cfg.lora, fine_tune_type=cfg.fine_tune_type, num_layers=n)
 
 
 # -- batches -------------------------------------------------------------------------------------
@@ -209,15 +183,6 @@ def make_loss(cfg: RLConfig, units_total: float) -> Callable:
     return loss_fn
 
 
-def aggregation_units(mode: str, mask: mx.array) -> mx.array:
-    """The denominator each aggregation averages over (for exact micro-batch accumulation)."""
-    if mode == "token-mean":
-        return mask.sum()
-    if mode == "seq-mean-token-mean":
-        return (mask.sum(axis=-1) > 0).sum().astype(mx.float32)
-    return mx.array(float(mask.shape[0]))
-
-
 def behaviour_totals(logp: mx.array, behaviour: mx.array, mask: mx.array) -> dict[str, mx.array]:
     """Totals (:func:`mlx_ssp.rl.loss.token_totals`) of |trainer - sampler| log-prob per token."""
     return token_totals("behaviour_logp_absdiff", mx.abs(logp - behaviour), mask)
@@ -271,16 +236,9 @@ class Trainer:
         self.skipped_total = 0
         self.last_good_ckpt: Optional[str] = None
         self._prompt_cache: dict[str, list[int]] = {}
-        sched = cfg.learning_rate
-        if cfg.warmup_steps:
-            sched = optim.linear_schedule(cfg.learning_rate * 1e-3, cfg.learning_rate, cfg.warmup_steps)
-            sched = optim.join_schedules([sched, lambda _: cfg.learning_rate], [cfg.warmup_steps])
-        if cfg.optimizer == "adamw":
-            self.opt = optim.AdamW(learning_rate=sched, weight_decay=cfg.weight_decay)
-        elif cfg.optimizer == "adam":
-            self.opt = optim.Adam(learning_rate=sched)
-        else:
-            self.opt = optim.SGD(learning_rate=sched, weight_decay=cfg.weight_decay)
+        sched = warmup_constant(cfg.learning_rate, cfg.warmup_steps)
+        wd = {"weight_decay": cfg.weight_decay} if OPTIMIZERS[cfg.optimizer].weight_decay else {}
+        self.opt = build_optimizer(cfg.optimizer, sched, wd, what="rl.optimizer")
         self.opt.init(model.trainable_parameters())
 
     # -- generation --------------------------------------------------------------------------
@@ -333,7 +291,7 @@ class Trainer:
         mx.reset_peak_memory()
         # the global MLX RNG (LoRA dropout) is reseeded from (seed, step): resuming at step k
         # draws what an uninterrupted run draws, with no RNG state to save
-        mx.random.seed((self.seed * 1_000_003 + self.step_no * 7919 + 17) % (2**32))
+        mx.random.seed(step_seed(self.seed, self.step_no))
         groups, info, sampled = self.collect()
         info["peak_memory_gen_mb"] = mx.get_peak_memory() / 2**20
         mx.reset_peak_memory()
@@ -470,31 +428,25 @@ class Trainer:
         return dict(tree_flatten(self.model.trainable_parameters()))
 
     def save_checkpoint(self) -> Path:
-        ckpt = self.out_dir / "checkpoints" / f"step_{self.step_no:06d}"
+        ckpt = self.out_dir / "checkpoints" / ckpts.RL_NAME.format(self.step_no)
         self.last_good_ckpt = str(ckpt)
         if not dist.is_main():  # rank 0 writes; every rank holds the same weights (issue 10)
             return ckpt
-        with atomic_dir(ckpt, overwrite=True) as tmp:
-            mx.save_safetensors(str(tmp / ADAPTER_FILE), self.trained_weights())
-            write_json_atomic(tmp / "adapter_config.json", adapter_config(self.cfg, self.model))
-            opt_state = dict(tree_flatten(self.opt.state))
-            mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt_state)
-            write_json_atomic(tmp / "state.json", {
-                "step": self.step_no, "stream": self.stream.state(), "bad_in_row": self.bad_in_row,
-                "skipped_total": self.skipped_total, "seed": self.seed, "model": self.model_path,
-            })
+        ckpts.write_checkpoint(ckpt, self.trained_weights(), adapter_config(self.cfg, self.model),
+                               dict(tree_flatten(self.opt.state)), {
+            "step": self.step_no, "stream": self.stream.state(), "bad_in_row": self.bad_in_row,
+            "skipped_total": self.skipped_total, "seed": self.seed, "model": self.model_path,
+        })
         # the latest adapters beside the run, where `mlx_lm fuse --adapter-path` looks
         for name in (ADAPTER_FILE, "adapter_config.json"):
             shutil.copyfile(ckpt / name, self.out_dir / f".{name}.tmp")
             (self.out_dir / f".{name}.tmp").replace(self.out_dir / name)
-        self.last_good_ckpt = str(ckpt)
         return ckpt
 
     def load_checkpoint(self, ckpt: Path) -> None:
         state = json.loads((ckpt / "state.json").read_text())
-        self.model.load_weights(list(mx.load(str(ckpt / ADAPTER_FILE)).items()), strict=False)
-        opt_flat = mx.load(str(ckpt / "optimizer.safetensors"))
-        self.opt.state = tree_unflatten(list(opt_flat.items()))
+        ckpts.load_adapter_weights(self.model, ckpt)
+        ckpts.load_optimizer_state(self.opt, self.model, ckpt, hint="pass --restart")
         self.step_no = int(state["step"])
         self.stream = TaskStream(len(self.tasks), self.seed, state["stream"]["epoch"], state["stream"]["cursor"])
         self.bad_in_row = int(state["bad_in_row"])
@@ -509,21 +461,25 @@ def _nullctx():
 
 
 def latest_checkpoint(out_dir: Path) -> Optional[Path]:
-    d = Path(out_dir) / "checkpoints"
-    if not d.is_dir():
-        return None
-    done = sorted(p for p in d.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / "state.json").is_file())
+    done = ckpts.list_checkpoints(Path(out_dir) / "checkpoints")
     return done[-1] if done else None
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop metric rows of steps after the checkpoint (they will be redone)."""
-    if path.is_file():
-        from mlx_ssp.io import repair_jsonl_tail
+#: rl: keys a resumed run may change (how long, how often, how verbose); any other change stops it
+RESUMABLE_KEYS = ("steps", "checkpoint_every", "max_bad_steps", "progress", "kernels", "output")
 
-        repair_jsonl_tail(path)  # a kill mid-write leaves a torn last row
-        rows = [r for r in iter_jsonl(path, what="metrics") if int(r.get("step", 0)) <= step]
-        write_jsonl_atomic(path, rows)
+
+def config_record(cfg: RLConfig, seed: int, model_path: str) -> dict:
+    """``rl_config.json``: the resolved settings of the run (``lora.fine_tune_type`` left out: RL
+    admits only ``lora``, recorded as ``fine_tune_type``)."""
+    return {"seed": seed, "model": model_path, "rl": cfg.model_dump(mode="json", exclude={"lora": {"fine_tune_type"}})}
+
+
+def fingerprint(record: dict) -> dict:
+    """The keys of a :func:`config_record` that a resume compares: the seed and the rl: settings
+    (not the model path: a run directory copied or moved with its merged model is the same run)."""
+    rl = {f"rl.{k}": v for k, v in (record.get("rl") or {}).items() if k not in RESUMABLE_KEYS}
+    return {"seed": record.get("seed"), **rl}
 
 
 def train(model, tokenizer, tasks: list[Task], cfg: RLConfig, out_dir: str | Path, *, seed: int = 0,
@@ -541,15 +497,20 @@ def train(model, tokenizer, tasks: list[Task], cfg: RLConfig, out_dir: str | Pat
     tr = Trainer(model, tokenizer, tasks, cfg, out, seed=seed, ref_model=ref_model, model_path=model_path)
     metrics_path = out / "metrics.jsonl"
     ckpt = latest_checkpoint(out) if resume else None
+    record = config_record(cfg, seed, model_path)
     dist.check_same(str(ckpt), what=f"the checkpoint to resume from in {out} (it must be on a disk all hosts share)")
     if ckpt is not None:
+        saved = out / "rl_config.json"
+        if saved.is_file():
+            ckpts.check_fingerprint(fingerprint(json.loads(saved.read_text())), fingerprint(record), where=out,
+                                    hint="pass --restart to start afresh")
         tr.load_checkpoint(ckpt)
         if dist.is_main():
-            _truncate_metrics(metrics_path, tr.step_no)
+            ckpts.trim_metrics(metrics_path, tr.step_no)
     elif metrics_path.exists() and dist.is_main():
         metrics_path.unlink()
     if dist.is_main():
-        write_json_atomic(out / "rl_config.json", {"seed": seed, "model": model_path, "rl": cfg.model_dump(mode="json")})
+        write_json_atomic(out / "rl_config.json", record)
     bar = None
     if cfg.progress and dist.is_main():
         from tqdm import tqdm

@@ -61,12 +61,40 @@ def seq_mean_token_sum_norm(per_token: mx.array, mask: mx.array, max_tokens: int
     return (_masked_sum(per_token, mask, axis=-1) / norm).mean()
 
 
-#: name -> fn(per_token [B, T], mask [B, T] float, max_tokens) -> scalar
-AGGREGATIONS: dict[str, Callable[..., mx.array]] = {
-    "seq-mean-token-mean": seq_mean_token_mean,
-    "token-mean": token_mean,
-    "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
+def _token_units(mask: mx.array) -> mx.array:
+    return mask.sum()
+
+
+def _sequence_units(mask: mx.array) -> mx.array:
+    return (mask.sum(axis=-1) > 0).sum().astype(mx.float32)
+
+
+def _row_units(mask: mx.array) -> mx.array:
+    return mx.array(float(mask.shape[0]))
+
+
+class Aggregation(NamedTuple):
+    """One aggregation mode: its reduction and the denominator it averages over (the units a
+    micro-batch's loss is weighted by, so summed micro-batch gradients equal the full batch's)."""
+
+    reduce: Callable[..., mx.array]  # fn(per_token [B, T], mask [B, T] float, max_tokens) -> scalar
+    units: Callable[[mx.array], mx.array]  # fn(mask [B, T]) -> scalar
+
+    def __call__(self, per_token: mx.array, mask: mx.array, max_tokens: int | None = None) -> mx.array:
+        return self.reduce(per_token, mask, max_tokens)
+
+
+#: name -> Aggregation(reduce, units)
+AGGREGATIONS: dict[str, Aggregation] = {
+    "seq-mean-token-mean": Aggregation(seq_mean_token_mean, _sequence_units),
+    "token-mean": Aggregation(token_mean, _token_units),
+    "seq-mean-token-sum-norm": Aggregation(seq_mean_token_sum_norm, _row_units),
 }
+
+
+def aggregation_units(mode: str, mask: mx.array) -> mx.array:
+    """The denominator ``mode`` averages over (for exact micro-batch accumulation)."""
+    return AGGREGATIONS[mode].units(mask)
 
 
 def aggregate(per_token: mx.array, mask: mx.array, mode: str, max_tokens: int | None = None) -> mx.array:

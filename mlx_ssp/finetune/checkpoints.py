@@ -1,0 +1,94 @@
+"""The checkpoint layout both trainers write and resume from.
+
+``<run>/checkpoints/<name>/`` holds ``adapters.safetensors`` (the trained weights),
+``adapter_config.json``, ``optimizer.safetensors`` and ``state.json`` (written last in an atomic
+directory, so a directory with ``state.json`` is complete). The directory name encodes the step:
+SFT writes ``0000050`` (:data:`SFT_NAME`), RL ``step_000050`` (:data:`RL_NAME`), the names each
+stage has always written; :func:`step_of` reads both. Resume checks the optimizer-state keys
+against the fresh optimizer and the saved config fingerprint against the current one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Optional
+
+from mlx_ssp.errors import UserError
+from mlx_ssp.io import atomic_dir, iter_jsonl, write_json_atomic, write_jsonl_atomic
+
+ADAPTER_FILE = "adapters.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+SFT_NAME = "{:07d}"
+RL_NAME = "step_{:06d}"
+
+
+def step_of(name: str) -> Optional[int]:
+    """The step a checkpoint directory name encodes (``0000050`` or ``step_000050``), else None."""
+    digits = name[5:] if name.startswith("step_") else name
+    return int(digits) if digits.isdigit() else None
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under ``root`` (``<run>/checkpoints``), oldest step first."""
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.is_dir() and step_of(p.name) is not None and (p / "state.json").is_file()]
+    return sorted(done, key=lambda p: step_of(p.name))
+
+
+def write_checkpoint(path: Path, weights: dict, adapter_cfg: dict, opt_state: dict, state: dict) -> None:
+    """One checkpoint directory, written atomically (replaces an existing one)."""
+    import mlx.core as mx
+
+    with atomic_dir(path, overwrite=True) as tmp:
+        mx.save_safetensors(str(tmp / ADAPTER_FILE), weights)
+        write_json_atomic(tmp / "adapter_config.json", adapter_cfg)
+        mx.save_safetensors(str(tmp / OPTIMIZER_FILE), opt_state)
+        write_json_atomic(tmp / "state.json", state)
+
+
+def drop_optimizer_states(ckpts: Iterable[Path], keep: Path) -> None:
+    """Only the newest checkpoint is a resume point: drop older optimizer states (the bulk of a
+    checkpoint with Adam)."""
+    for p in ckpts:
+        if p.name != keep.name:
+            (p / OPTIMIZER_FILE).unlink(missing_ok=True)
+
+
+def load_adapter_weights(model, ckpt: Path) -> None:
+    import mlx.core as mx
+
+    model.load_weights(list(mx.load(str(ckpt / ADAPTER_FILE)).items()), strict=False)
+
+
+def load_optimizer_state(optimizer, model, ckpt: Path, *, hint: str) -> None:
+    """Put the saved optimizer state into ``optimizer`` (initialised on the model's trainable
+    parameters); a missing file or different state keys is a UserError ending in ``hint``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map_with_path
+
+    opt_file = ckpt / OPTIMIZER_FILE
+    if not opt_file.is_file():
+        raise UserError(f"{ckpt}: the optimizer state is missing, cannot resume ({hint})")
+    saved = mx.load(str(opt_file))
+    optimizer.init(model.trainable_parameters())
+    if set(dict(tree_flatten(optimizer.state))) != set(saved):
+        raise UserError(f"{opt_file}: the optimizer state does not match this model/config ({hint})")
+    optimizer.state = tree_map_with_path(lambda path, _: saved[path], optimizer.state)
+
+
+def check_fingerprint(old: dict, new: dict, *, where: Path, hint: str) -> None:
+    """Stop when a saved fingerprint ``old`` differs from ``new`` in any key (a resume would mix two runs)."""
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    if changed:
+        raise UserError(f"{where} holds a run with different settings ({', '.join(changed)}); {hint}")
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """On resume, drop metric rows of steps after the checkpoint (they will be redone)."""
+    if path.is_file():
+        from mlx_ssp.io import repair_jsonl_tail
+
+        repair_jsonl_tail(path)  # a kill mid-write leaves a torn last row
+        rows = [r for r in iter_jsonl(path, what="metrics") if int(r.get("step", 0)) <= step]
+        write_jsonl_atomic(path, rows)

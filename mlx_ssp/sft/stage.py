@@ -1,0 +1,335 @@
+"""The SFT stage: train each domain's specialist with mlx-lm's trainer, checkpoint and probe every
+``save_every`` steps, choose a checkpoint, fuse it (the algorithm is in :mod:`mlx_ssp.sft`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from math import gcd
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from mlx_ssp import distributed as dist
+from mlx_ssp.errors import UserError
+from mlx_ssp.finetune import checkpoints as ckpts
+from mlx_ssp.finetune.fuse import fuse_and_save, restore_base
+from mlx_ssp.finetune.lora import adapter_config as lora_adapter_config
+from mlx_ssp.finetune.lora import attach_lora
+from mlx_ssp.finetune.optim import build_optimizer as _build
+from mlx_ssp.finetune.seed import step_seed
+from mlx_ssp.io import JsonlAppender, write_json_atomic
+from mlx_ssp.sft.batches import make_iterate_batches
+from mlx_ssp.sft.config import SFTConfig
+from mlx_ssp.sft.data import DomainPlan, plan_domains
+from mlx_ssp.sft.probe import ProbeFn, default_probe, probe_seed, read_curve, write_curve  # noqa: F401
+
+
+def build_optimizer(cfg: SFTConfig):
+    from mlx_lm.tuner.utils import build_schedule
+
+    lr = build_schedule(cfg.lr_schedule.model_dump()) if cfg.lr_schedule else cfg.learning_rate
+    return _build(cfg.optimizer, lr, cfg.optimizer_config, what="sft.optimizer_config")
+
+
+def adapter_config(cfg: SFTConfig, model_path: Path) -> dict:
+    """The adapter_config.json mlx-lm's ``load_adapters`` / ``fuse`` read (plus provenance)."""
+    return lora_adapter_config(
+        cfg.lora, fine_tune_type=cfg.lora.fine_tune_type, num_layers=cfg.lora.num_layers, model=str(model_path),
+        mask_prompt=cfg.mask_prompt, max_seq_length=cfg.max_seq_length, learning_rate=cfg.learning_rate,
+        iters=cfg.iters, batch_size=cfg.batch_size,
+    )
+
+
+#: config fields that must not change between a run and its resume
+_FINGERPRINT = (
+    "lora", "optimizer", "optimizer_config", "learning_rate", "lr_schedule", "iters", "batch_size",
+    "max_seq_length", "mask_prompt", "grad_accumulation_steps", "report_every", "save_every", "val_batches", "probe",
+)
+
+
+def fingerprint(cfg: SFTConfig, seed: int, model_path: Path, plan: DomainPlan) -> dict:
+    d = cfg.model_dump(mode="json", include=set(_FINGERPRINT))
+    d["probe"].pop("progress", None)
+    d.update(seed=seed, model=str(model_path), train=str(plan.train_path), valid=str(plan.valid_path))
+    return d
+
+
+class _Hook:
+    """mlx-lm ``TrainingCallback``: logs loss reports, saves + probes a checkpoint every N steps."""
+
+    def __init__(self, run: "_DomainRun", start: int, extra: list):
+        self.run, self.start, self.extra = run, start, extra
+        self.hook_time = 0.0
+
+    def on_train_loss_report(self, info: dict) -> None:
+        tic = time.perf_counter()
+        step = self.start + int(info["iteration"])
+        rec = {"step": step, **{k: float(v) for k, v in info.items() if k != "iteration"}}
+        dist.heartbeat()
+        self.run.metrics.write(rec)
+        if step % self.run.cfg.save_every == 0 or step == self.run.cfg.iters:
+            self.run.checkpoint(step, rec["train_loss"])
+        self.hook_time += time.perf_counter() - tic
+        for cb in self.extra:  # user/test callbacks see global steps
+            cb.on_train_loss_report({**info, "iteration": step})
+
+    def on_val_loss_report(self, info: dict) -> None:  # we validate at checkpoints instead
+        pass
+
+
+class _DomainRun:
+    def __init__(self, cfg, plan, model, tokenizer, model_path, ddir, seed, probe_fn):
+        self.cfg, self.plan, self.model, self.tokenizer = cfg, plan, model, tokenizer
+        self.model_path, self.ddir, self.seed, self.probe_fn = model_path, ddir, seed, probe_fn
+        self.optimizer = None
+        self.metrics: Optional[JsonlAppender] = None
+        self.probe_time = 0.0
+        self.val_time = 0.0
+
+    # -- checkpoint + probe ---------------------------------------------------------------
+    def val_loss(self) -> Optional[float]:
+        if self.plan.valid_set is None:
+            return None
+        from mlx_lm.tuner.trainer import evaluate
+
+        tic = time.perf_counter()
+        loss = evaluate(
+            self.model, self.plan.valid_set, batch_size=self.cfg.batch_size, num_batches=self.cfg.val_batches,
+            max_seq_length=self.cfg.max_seq_length, iterate_batches=make_iterate_batches(self.seed),
+        )
+        self.val_time += time.perf_counter() - tic
+        return float(loss)
+
+    def checkpoint(self, step: int, train_loss: Optional[float]) -> None:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        weights = dict(tree_flatten(self.model.trainable_parameters()))
+        opt_state = dict(tree_flatten(self.optimizer.state))
+        val = self.val_loss()
+        root = self.ddir / "checkpoints"
+        path = root / ckpts.SFT_NAME.format(step)
+        if dist.is_main():  # rank 0 writes; val loss and the probe run on every rank (data parallel)
+            state = {"step": step, "train_loss": train_loss, "val_loss": val,
+                     "learning_rate": float(self.optimizer.learning_rate.item()), "time": time.time()}
+            ckpts.write_checkpoint(path, weights, adapter_config(self.cfg, self.model_path), opt_state, state)
+            ckpts.drop_optimizer_states(ckpts.list_checkpoints(root), keep=path)
+        self.probe(path)
+        self.model.train()
+        mx.random.seed(step_seed(self.seed, step))
+
+    def probe(self, ckpt: Path) -> None:
+        self.model.eval()  # no LoRA dropout while sampling
+        tic = time.perf_counter()
+        res = self.probe_fn(self.model, self.tokenizer, self.plan.probe_tasks, self.cfg.probe, probe_seed(self.cfg, self.seed))
+        dt = time.perf_counter() - tic
+        self.probe_time += dt
+        rec = {**res, "pass@1": float(res["pass@1"]), "pass@k": float(res["pass@k"]), "k": self.cfg.probe.k,
+               "n_tasks": len(self.plan.probe_tasks), "seconds": dt}
+        if not dist.is_main():  # every rank sampled its share of the probe; rank 0 writes
+            return
+        write_json_atomic(ckpt / "probe.json", rec)
+        chosen = write_curve(self.ddir, self.plan.name, self.cfg.select)
+        step = ckpts.step_of(ckpt.name)
+        click.echo(
+            f"[sft {self.plan.name}] step {step}: pass@1 {rec['pass@1']:.3f}  pass@{rec['k']} {rec['pass@k']:.3f}"
+            f"  (best so far: step {chosen['step'] if chosen else '-'}; probe {dt:.1f}s)",
+            err=True,
+        )
+
+    def load_adapter(self, ckpt: Path) -> None:
+        ckpts.load_adapter_weights(self.model, ckpt)
+
+    # -- the whole domain -----------------------------------------------------------------
+    def train(self, callbacks: list) -> dict:
+        import mlx.core as mx
+        from mlx_lm.tuner.trainer import TrainingArgs, train
+
+        cfg = self.cfg
+        done = ckpts.list_checkpoints(self.ddir / "checkpoints")
+        dist.check_same([p.name for p in done], what=f"the checkpoints in {self.ddir} (it must be on a disk all hosts share)")
+        # a checkpoint saved but not probed before a crash is probed now
+        for p in done:
+            if not (p / "probe.json").is_file():
+                self.load_adapter(p)
+                self.probe(p)
+        start = 0
+        if done:
+            start = ckpts.step_of(done[-1].name)
+            self.load_adapter(done[-1])
+        self.optimizer = build_optimizer(cfg)
+        if start and start < cfg.iters:
+            ckpts.load_optimizer_state(self.optimizer, self.model, done[-1], hint="pass --overwrite")
+            click.echo(f"[sft {self.plan.name}] resuming from step {start}", err=True)
+        # drop loss reports newer than the resume point (they are re-done)
+        mpath = self.ddir / "metrics.jsonl"
+        if dist.is_main():
+            ckpts.trim_metrics(mpath, start)
+        train_wall = 0.0
+        hook = None
+        self.metrics = dist.appender(mpath)  # rank 0 writes the metrics
+        try:
+            if start < cfg.iters:
+                mx.random.seed(step_seed(self.seed, start))
+                args = TrainingArgs(
+                    batch_size=cfg.batch_size,
+                    iters=cfg.iters - start,
+                    val_batches=cfg.val_batches,
+                    steps_per_report=gcd(cfg.report_every, cfg.save_every),
+                    steps_per_eval=cfg.iters + 1,  # we validate at checkpoints
+                    steps_per_save=cfg.iters + 1,  # we save at checkpoints
+                    max_seq_length=cfg.max_seq_length,
+                    adapter_file=str(self.ddir / "adapters_last.safetensors"),
+                    grad_checkpoint=cfg.grad_checkpoint,
+                    grad_accumulation_steps=cfg.grad_accumulation_steps,
+                )
+                hook = _Hook(self, start, callbacks)
+                self.model.train()
+                tic = time.perf_counter()
+                with dist.watch(f"sft {self.plan.name} training"):  # mlx-lm's all_sums: stop, not hang, on a lost rank
+                    train(
+                        model=self.model, optimizer=self.optimizer, train_dataset=self.plan.train_set, val_dataset=None,
+                        args=args, iterate_batches=make_iterate_batches(self.seed, skip=start), training_callback=hook,
+                    )
+                train_wall = time.perf_counter() - tic
+                # mlx-lm's trainer saves its final weights here; the last checkpoint already has them
+                (self.ddir / "adapters_last.safetensors").unlink(missing_ok=True)
+        finally:
+            self.metrics.close()
+        overhead = hook.hook_time if hook else 0.0
+        return {"train_seconds": train_wall - overhead, "probe_seconds": self.probe_time, "val_seconds": self.val_time,
+                "checkpoint_seconds": max(0.0, overhead - self.probe_time - self.val_time)}
+
+
+def train_specialist(
+    cfg: SFTConfig,
+    plan: DomainPlan,
+    model,
+    tokenizer,
+    model_path: Path,
+    out_dir: Path,
+    *,
+    seed: int,
+    probe_fn: ProbeFn = default_probe,
+    callbacks: list | None = None,
+) -> dict:
+    """Train, probe, choose and fuse one domain's specialist on the (shared) base ``model``.
+    The model is the base model again when this returns (also on error)."""
+    from mlx_ssp.select import safe_dirname
+
+    ddir = out_dir / safe_dirname(plan.name)
+    spec_dir = out_dir / "specialists" / safe_dirname(plan.name)
+    fp = fingerprint(cfg, seed, model_path, plan)
+    if cfg.overwrite and dist.is_main():
+        shutil.rmtree(ddir, ignore_errors=True)
+        shutil.rmtree(spec_dir, ignore_errors=True)
+    dist.barrier("sft: clear the domain directory")
+    fp_path = ddir / "sft_config.json"
+    if fp_path.is_file():
+        ckpts.check_fingerprint(json.loads(fp_path.read_text()), fp, where=ddir,
+                                hint="pass --overwrite (or sft.overwrite=true) to start this domain again")
+    result_path = ddir / "result.json"
+    if result_path.is_file() and spec_dir.is_dir():
+        done = json.loads(result_path.read_text())
+        if done.get("rule") == cfg.select:
+            click.echo(f"[sft {plan.name}] already done (step {done['chosen_step']}), skipping", err=True)
+            return done
+    if dist.is_main():
+        ddir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(fp_path, fp)
+        write_json_atomic(ddir / "adapter_config.json", adapter_config(cfg, model_path))
+
+    attach_lora(model, cfg.lora, seed)  # LoRA A init from the seed (replaced by the checkpoint on resume)
+    try:
+        run = _DomainRun(cfg, plan, model, tokenizer, model_path, ddir, seed, probe_fn)
+        times = run.train(callbacks or [])
+        chosen = dist.run_on_main(lambda: write_curve(ddir, plan.name, cfg.select), what="sft: choose the checkpoint")
+        if chosen is None:  # pragma: no cover - every run ends with a probed checkpoint
+            raise UserError(f"{ddir}: no probed checkpoint to choose from")
+        ckpt = ddir / "checkpoints" / ckpts.SFT_NAME.format(chosen["step"])
+        # rank 0 fuses and saves while the others wait (an error there stops them all)
+        with dist.main_first(f"sft {plan.name}: fuse the specialist") as do_it:
+            if do_it:
+                run.load_adapter(ckpt)
+                # the chosen adapter beside adapter_config.json: `mlx_lm fuse --adapter-path DDIR` works
+                shutil.copyfile(ckpt / "adapters.safetensors", ddir / "adapters.safetensors")
+                fuse_and_save(model, tokenizer, model_path, spec_dir, dequantize=cfg.dequantize, overwrite=True)
+        total = times["train_seconds"] + times["probe_seconds"]
+        result = {
+            "domain": plan.name,
+            "rule": cfg.select,
+            "chosen_step": chosen["step"],
+            "chosen": chosen,
+            "specialist": str(spec_dir),
+            "adapter": str(ckpt),
+            "probe_source": plan.probe_source,
+            "data": {"train": str(plan.train_path), "valid": str(plan.valid_path) if plan.valid_path else None,
+                     **plan.stats},
+            **times,
+            "probe_overhead": times["probe_seconds"] / times["train_seconds"] if times["train_seconds"] > 0 else None,
+            "total_seconds": total,
+        }
+        if not dist.is_main():
+            return result
+        write_json_atomic(result_path, result)
+        click.echo(f"[sft {plan.name}] chose step {chosen['step']} by {cfg.select}; specialist at {spec_dir}", err=True)
+        return result
+    finally:
+        restore_base(model)
+
+
+def run_sft(
+    cfg: SFTConfig,
+    model_cfg,
+    *,
+    run_dir: str | Path = "run",
+    run_data: dict | None = None,
+    seed: int = 0,
+    source: str = "",
+    only: list[str] | None = None,
+    probe_fn: ProbeFn = default_probe,
+    callbacks: list | None = None,
+    model_and_tokenizer: tuple | None = None,
+) -> dict:
+    """Train every domain's specialist, one after another, on one loaded base model.
+    All inputs are checked first. Returns the summary written to ``OUT/summary.json``."""
+    from mlx_ssp.models import load_model
+
+    if not cfg.domains:
+        raise UserError(f"{source or 'sft'}: sft.domains is empty; list the domains to train (e.g. domains: [math])")
+    if cfg.batch_size % dist.size():
+        raise UserError(f"sft.batch_size={cfg.batch_size} must be divisible by the number of ranks ({dist.size()})")
+    run_dir = Path(run_dir)
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else run_dir / "sft"
+    seed = cfg.seed if cfg.seed is not None else seed
+    if only:
+        unknown = [d for d in only if d not in cfg.domains]
+        if unknown:
+            raise UserError(f"--domain {', '.join(unknown)}: not in sft.domains ({', '.join(cfg.domains)})")
+        cfg = cfg.model_copy(update={"domains": {d: cfg.domains[d] for d in only}})
+    if model_and_tokenizer is not None:
+        model, tokenizer, model_path = model_and_tokenizer
+    else:
+        model, tokenizer, model_path = load_model(model_cfg)
+    plans = plan_domains(cfg, model, tokenizer, run_data or {}, run_dir, source)
+    results = {}
+    for plan in plans:
+        results[plan.name] = train_specialist(
+            cfg, plan, model, tokenizer, Path(model_path), out_dir, seed=seed, probe_fn=probe_fn, callbacks=callbacks
+        )
+    summary_path = out_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {"domains": {}}
+    for name, r in results.items():
+        summary["domains"][name] = {k: r[k] for k in ("specialist", "chosen_step", "rule", "adapter")} | {
+            "pass@1": r["chosen"].get("pass@1"), "pass@k": r["chosen"].get("pass@k"),
+            "probe_overhead": r.get("probe_overhead"),
+        }
+    summary["base_model"] = str(model_path)
+    if dist.is_main():
+        write_json_atomic(summary_path, summary)
+    return summary
+
+
