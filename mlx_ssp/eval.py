@@ -1,6 +1,6 @@
 """pass@1 / pass@k per domain with the unbiased estimator (the measuring stick of every stage).
 
-For each task, draw n >= k samples with the rollout engine (:func:`mlx_ssp.rollout.generate_rollouts`,
+For each task, draw n >= k samples with the rollout engine (:func:`mlx_ssp.rollout.generate`,
 same seeds and batching), count the c verified-correct ones, and report per domain the mean over
 tasks of pass@1 = c/n and pass@k = 1 - C(n-c, k)/C(n, k) (Chen et al. 2021, eq. 1;
 :func:`mlx_ssp.metrics.pass_at_k`). ``overall`` is the task-weighted mean over all domains. With
@@ -21,7 +21,7 @@ from pydantic import Field, model_validator
 
 from mlx_ssp.config import StrictModel
 from mlx_ssp.errors import UserError
-from mlx_ssp.rollout import SamplingConfig, generate_rollouts, summarize
+from mlx_ssp.rollout import RolloutRequest, SamplingConfig, generate, stage_settings, summarize
 from mlx_ssp.tasks import Task
 
 
@@ -46,34 +46,21 @@ class EvalConfig(StrictModel):
         return self
 
 
-def evaluate(
-    model,
-    tokenizer,
-    tasks: list[Task],
-    *,
-    k: int,
-    sampling: SamplingConfig,
-    seed: int = 0,
-    batch_size: int = 64,
-    greedy: bool = False,
-    progress: bool = True,
-    n: Optional[int] = None,
-    max_context: Optional[int] = None,
-    system: Optional[str] = None,
-    model_name: Optional[str] = None,
-) -> dict:
+def evaluate(model, tokenizer, tasks: list[Task], *, k: int, n: Optional[int] = None, greedy: bool = False,
+             model_name: Optional[str] = None, **settings) -> dict:
     """Returns ``{"model", "k", "n", "domains": {D: {"n_tasks", "pass@1", "pass@K", ...}},
-    "overall": {...}, "tasks": [{"task_id", "n", "c", "pass@1", "pass@K", ...}], "skipped": [...]}``."""
+    "overall": {...}, "tasks": [{"task_id", "n", "c", "pass@1", "pass@K", ...}], "skipped": [...]}``.
+    ``settings``: the other fields of :class:`mlx_ssp.rollout.RolloutRequest` (``sampling`` required;
+    seed, batch size, context, system prompt, progress)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise UserError(f"k must be an integer >= 1, got {k!r}")
     n = k if n is None else n
     if n < k:
         raise UserError(f"n ({n}) must be >= k ({k})")
+    request = RolloutRequest(tasks=tasks, k=n, verify=True, **settings)
+    sampling, seed = request.sampling, request.seed
     stats: dict = {}
-    recs = generate_rollouts(
-        model, tokenizer, tasks, k=n, sampling=sampling, seed=seed, batch_size=batch_size, verify=True,
-        progress=progress, max_context=max_context, system=system, stats=stats,
-    )
+    recs = generate(model, tokenizer, request, stats=stats)
     result = summarize(recs, k)
     # summarize() keys pass@k on its k argument but uses all n samples of each task
     result.update(
@@ -88,10 +75,7 @@ def evaluate(
     )
     if greedy:
         gsampling = sampling.model_copy(update={"temperature": 0.0})
-        grecs = generate_rollouts(
-            model, tokenizer, tasks, k=1, sampling=gsampling, seed=seed, batch_size=batch_size, verify=True,
-            progress=progress, max_context=max_context, system=system,
-        )
+        grecs = generate(model, tokenizer, request.replace(k=1, sampling=gsampling))
         gsum = summarize(grecs, 1)
         for d, row in result["domains"].items():
             row["greedy_pass@1"] = gsum["domains"].get(d, {}).get("pass@1")
@@ -113,11 +97,8 @@ def run_eval(model_spec, tasks_path, cfg: EvalConfig, out: str | Path, *, progre
     tasks = load_tasks(tasks_path)
     mcfg = model_spec if isinstance(model_spec, ModelConfig) else ModelConfig(path=str(model_spec))
     model, tokenizer, path = load_model(mcfg)
-    result = evaluate(
-        model, tokenizer, tasks, k=cfg.k, n=cfg.n, sampling=cfg.sampling, seed=cfg.seed or 0,
-        batch_size=cfg.batch_size, greedy=cfg.greedy, progress=progress, max_context=cfg.max_context,
-        system=cfg.system, model_name=str(path),
-    )
+    result = evaluate(model, tokenizer, tasks, k=cfg.k, n=cfg.n, greedy=cfg.greedy, model_name=str(path),
+                      progress=progress, **stage_settings(cfg))
     result["tasks_file"] = str(tasks_path)
     from mlx_ssp import distributed as dist
 
@@ -127,7 +108,8 @@ def run_eval(model_spec, tasks_path, cfg: EvalConfig, out: str | Path, *, progre
 
 
 from mlx_ssp.cli import config_option, set_option  # noqa: E402
-from mlx_ssp.rollout import format_table, load_stage_config, sampling_flags, sampling_options  # noqa: E402
+from mlx_ssp.cli_options import load_stage_config, sampling_flags, sampling_options  # noqa: E402
+from mlx_ssp.rollout import format_table  # noqa: E402
 
 
 @click.command("eval")

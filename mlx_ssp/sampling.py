@@ -16,6 +16,8 @@ is that one shared object: it maps rows to sequences, builds the (B, 2) key arra
 Python, and draws all B noise rows with one ``vmap``-ed ``gumbel`` (bit-identical to B separate
 keyed draws), so a step costs a constant number of ops, like mlx-lm's own ``categorical`` sampler.
 :class:`SequenceSampler` draws the same tokens one sequence at a time (the fallback).
+Both sit behind one interface, :class:`SamplingPath` (:data:`SAMPLING_PATHS`, chosen by
+:func:`sampling_path`), so the rollout engine drives either without knowing which.
 
 Behaviour log-probs. mlx-lm hands back with each token the normalised log-probs at T=1. What is
 stored is ``log_softmax(logprobs / T)[token]``: the *untruncated* tempered log-prob. Why
@@ -40,7 +42,9 @@ float32 model's logits pass through untouched (same tokens, same log-probs).
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import deque
+from typing import Optional, Protocol
 
 import mlx.core as mx
 
@@ -255,3 +259,75 @@ def behaviour_logprobs(rows: list[mx.array], tokens: list[int], temperature: flo
     x = x * (1.0 / temperature)
     lp = mx.take_along_axis(x, idx, axis=-1)[:, 0] - mx.logsumexp(x, axis=-1)
     return lp.tolist()
+
+
+# -- one interface over both paths, for the rollout engine ---------------------------------------
+
+
+class SamplingPath(Protocol):
+    """How the rollout engine samples through mlx-lm's ``BatchGenerator``: the sampler handed to the
+    generator (None: per-sequence samplers at insert), the samplers of newly inserted sequences,
+    and the behaviour log-probs of each step's tokens."""
+
+    generator_sampler: Optional[object]
+
+    def insert_samplers(self, streams: list[int]) -> Optional[list]: ...
+
+    def register(self, uid: int, stream: int) -> None: ...
+
+    def release(self, uid: int) -> None: ...
+
+    def step_logprobs(self, responses: list) -> list[float]: ...
+
+
+class SharedSampling:
+    """One :class:`BatchSampler` for every sequence: mlx-lm samples the batch in one call, and the
+    log-probs come out of the same graph as the draw."""
+
+    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
+        self.generator_sampler = BatchSampler(temperature, top_p, top_k, min_p)
+
+    def insert_samplers(self, streams: list[int]) -> None:
+        return None
+
+    def register(self, uid: int, stream: int) -> None:
+        self.generator_sampler.add(uid, stream)
+
+    def release(self, uid: int) -> None:
+        self.generator_sampler.drop(uid)
+
+    def step_logprobs(self, responses: list) -> list[float]:
+        return [self.generator_sampler.behaviour_logprob(r.uid) for r in responses]
+
+
+class PerSequenceSampling:
+    """One :class:`SequenceSampler` per sequence (the fallback; same samples, slower on small
+    models); log-probs from each step's returned T=1 rows."""
+
+    generator_sampler = None
+
+    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
+        self.params = (float(temperature), top_p, top_k, min_p)
+
+    def insert_samplers(self, streams: list[int]) -> list[SequenceSampler]:
+        return [SequenceSampler(st, *self.params) for st in streams]
+
+    def register(self, uid: int, stream: int) -> None:
+        pass  # the stream travels with the sequence's own sampler
+
+    def release(self, uid: int) -> None:
+        pass
+
+    def step_logprobs(self, responses: list) -> list[float]:
+        return behaviour_logprobs([r.logprobs for r in responses], [r.token for r in responses], self.params[0])
+
+
+#: name -> sampling path; ``MLX_SSP_PER_SEQUENCE_SAMPLER=1`` picks the fallback, in case mlx-lm's
+#: internals change under the shared sampler
+SAMPLING_PATHS: dict[str, type] = {"shared": SharedSampling, "per_sequence": PerSequenceSampling}
+
+
+def sampling_path(temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> SamplingPath:
+    """The sampling path this process uses (see :data:`SAMPLING_PATHS`)."""
+    name = "per_sequence" if os.environ.get("MLX_SSP_PER_SEQUENCE_SAMPLER") == "1" else "shared"
+    return SAMPLING_PATHS[name](temperature, top_p, top_k, min_p)

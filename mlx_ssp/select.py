@@ -347,7 +347,7 @@ def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, 
     system = None
     meta = rollouts.with_name(f"{rollouts.stem}.meta.json")
     if meta.is_file():
-        from mlx_ssp.rollout import read_meta
+        from mlx_ssp.rollout.resume import read_meta
 
         system = read_meta(meta).get("system")  # a corrupt meta file is one line, not a traceback
     data, report = select(records, cfg, system=system)
@@ -399,7 +399,7 @@ from mlx_ssp.cli import config_option, set_option  # noqa: E402
 def cli(rollouts, policy, per_prompt, distance, near_duplicate, output, overwrite, config_path, overrides):
     """Pick diverse correct solutions from ROLLOUTS.jsonl as mlx-lm chat SFT data, per domain."""
     from mlx_ssp.config import load_file, load_section
-    from mlx_ssp.rollout import apply_flags
+    from mlx_ssp.cli_options import apply_flags
 
     data = load_file(config_path, overrides)
     flags = {"policy": policy, "per_prompt": per_prompt, "distance": distance, "near_duplicate": near_duplicate,

@@ -1,0 +1,55 @@
+"""One rollout request: what to sample (tasks, K, sampling, seed) and how (batch size, context,
+system prompt, verification), passed whole from the stages (rollout, eval, RL) to the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from mlx_ssp.errors import UserError
+from mlx_ssp.rollout.config import SamplingConfig
+from mlx_ssp.tasks import Task
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """K samples of each task. ``seed`` keys every sample's noise stream with (task id, sample
+    index); ``max_context`` defaults to the model's; ``system`` is added to tasks that have none;
+    parallel (sandboxed) verifiers run on ``verify_workers`` threads."""
+
+    tasks: list[Task]
+    k: int
+    sampling: SamplingConfig
+    seed: int = 0
+    batch_size: int = 64
+    verify: bool = True
+    progress: bool = True
+    max_context: Optional[int] = None
+    system: Optional[str] = None
+    verify_workers: int = 4
+
+    def check(self) -> None:
+        """Bad K, no tasks or (when verifying) tasks the verifiers cannot score: a UserError."""
+        k = self.k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise UserError(f"k must be an integer >= 1, got {k!r}")
+        if not self.tasks:
+            raise UserError("no tasks to roll out (the task list is empty)")
+        if self.verify:
+            from mlx_ssp.tasks import check_tasks
+
+            check_tasks(self.tasks)
+
+    def replace(self, **changes: Any) -> "RolloutRequest":
+        return dataclasses.replace(self, **changes)
+
+
+def stage_settings(cfg) -> dict[str, Any]:
+    """The request fields a stage section (``rollout:``, ``eval:``) sets: sampling, seed (None -> 0),
+    batch size, context, system prompt, and verify workers where the section has them."""
+    out = {"sampling": cfg.sampling, "seed": cfg.seed if cfg.seed is not None else 0, "batch_size": cfg.batch_size,
+           "max_context": cfg.max_context, "system": cfg.system}
+    if hasattr(cfg, "verify_workers"):
+        out["verify_workers"] = cfg.verify_workers
+    return out

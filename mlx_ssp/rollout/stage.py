@@ -1,0 +1,113 @@
+"""The file-level rollout stage: a task file rolled out into ``rollouts.jsonl``, resumably.
+
+Steps: load the tasks (input errors before the model), lock the output, keep what a resume may
+keep (:mod:`.resume`), broadcast the missing (task, sample) pairs to the ranks, generate them in
+rounds appended whole by rank 0 (a writer thread fsyncs while generation goes on), and write the
+summary of the whole file (:func:`.summary.stage_summary`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+from mlx_ssp.rollout.config import RolloutConfig
+from mlx_ssp.rollout.request import RolloutRequest, stage_settings
+from mlx_ssp.rollout.resume import (NOTHING_DROPPED, load_resumable, lock_path, run_fingerprint, run_meta, sidecar,
+                                    task_fingerprint)
+from mlx_ssp.rollout.summary import stage_summary
+
+log = logging.getLogger("mlx_ssp.rollout")
+
+
+def run_rollouts(model_spec, tasks_path: str | Path, cfg: RolloutConfig, out: str | Path, *,
+                 overwrite: bool = False, progress: bool = True, model=None, tokenizer=None) -> dict:
+    """Roll out a task file into ``out`` (JSONL), resuming what is already there; writes
+    ``<out stem>.meta.json`` (the settings a resume must match) and ``<out stem>.summary.json``.
+    Returns the summary. All input errors are raised before the model is loaded. The output is
+    locked for the whole call (see :mod:`mlx_ssp.rollout` for what a resume keeps)."""
+    from mlx_ssp.io import exclusive_lock
+    from mlx_ssp.models import ModelConfig, resolve_model
+    from mlx_ssp.tasks import load_tasks
+
+    from mlx_ssp import distributed as dist
+
+    out = Path(out)
+    main = dist.is_main()  # under mlx.launch rank 0 alone reads/writes the output (issue 10)
+    tasks = load_tasks(tasks_path)  # empty file / bad record / unknown verifier: UserError
+    request = RolloutRequest(tasks=tasks, k=cfg.k, progress=progress, **stage_settings(cfg))
+    mcfg = model_spec if isinstance(model_spec, ModelConfig) else ModelConfig(path=str(model_spec))
+    model_path = str(resolve_model(mcfg.path, mcfg.revision)) if model is None else str(mcfg.path)
+    meta = run_meta(model_path, cfg, request.seed)
+    lock = exclusive_lock(lock_path(out), f"{out}") if main else contextlib.nullcontext()
+    with lock:
+        return _run_locked(mcfg, request, out, meta, overwrite=overwrite, model=model, tokenizer=tokenizer)
+
+
+def _missing(records: list[dict], request: RolloutRequest) -> dict[str, list[int]]:
+    """task id -> the sample indices < k not in ``records``."""
+    have: dict[str, set[int]] = defaultdict(set)
+    for r in records:
+        have[r["task_id"]].add(r["sample"])
+    return {t.id: [s for s in range(request.k) if s not in have[t.id]] for t in request.tasks}
+
+
+def _run_locked(mcfg, request: RolloutRequest, out: Path, meta: dict, *, overwrite: bool, model, tokenizer) -> dict:
+    from mlx_ssp.io import write_json_atomic
+    from mlx_ssp.models import load_model
+
+    from mlx_ssp import distributed as dist
+
+    main = dist.is_main()
+    meta_path = sidecar(out, "meta")
+    fingerprints = {t.id: task_fingerprint(t, request.system) for t in request.tasks}
+    existing: list[dict] = []
+    dropped = dict(NOTHING_DROPPED, stale_tasks=[])
+    if main:
+        existing, dropped = load_resumable(out, meta, fingerprints, overwrite)
+    missing = dist.broadcast_object(_missing(existing, request), what="rollout: samples to do")
+    todo = sum(len(v) for v in missing.values())
+    stats: dict = {}
+    if not todo and main and out.exists() and not meta_path.exists():
+        write_json_atomic(meta_path, meta)  # the records' run fingerprints vouched for these settings
+    if todo:
+        if model is None:
+            model, tokenizer, _ = load_model(mcfg)
+        if main:
+            write_json_atomic(meta_path, meta)
+        if existing:
+            log.info("resuming %s: %d samples done, %d to go", out, len(existing), todo)
+        stamps = {"fingerprints": fingerprints, "run_fingerprint": run_fingerprint(meta)}
+        existing.extend(_append_missing(model, tokenizer, request, missing, out, stats, stamps))
+    ids = {t.id for t in request.tasks}
+    summary = stage_summary([r for r in existing if r["task_id"] in ids], request.k, model=meta["model"],
+                            seed=request.seed, sampling=request.sampling.model_dump(), output=str(out),
+                            stats=stats, dropped=dropped)
+    if main:
+        write_json_atomic(sidecar(out, "summary"), summary)
+    return dist.broadcast_object(summary, what="rollout: summary")  # rank 0 read the whole file
+
+
+def _append_missing(model, tokenizer, request: RolloutRequest, missing: dict[str, list[int]], out: Path,
+                    stats: dict, stamps: dict) -> list[dict]:
+    """Generate the missing samples, stamp each record with what a later resume checks it against,
+    and append each round to ``out`` (rank 0); returns the new records."""
+    from mlx_ssp.io import JsonlAppender
+    from mlx_ssp.rollout.engine import iter_sharded
+
+    from mlx_ssp import distributed as dist
+
+    new: list[dict] = []
+    fingerprints, run_fp = stamps["fingerprints"], stamps["run_fingerprint"]
+    # several ranks: rounds of 8 batches per rank, each round appended whole by rank 0
+    round_size = 8 * request.batch_size * dist.size()
+    with (JsonlAppender(out, background=True) if dist.is_main() else contextlib.nullcontext()) as app:
+        for group in iter_sharded(model, tokenizer, request, missing, stats=stats, round_size=round_size):
+            for r in group:
+                r["task_fingerprint"] = fingerprints[r["task_id"]]
+                r["run_fingerprint"] = run_fp
+            if app is not None:
+                app.write_many(group)
+            new.extend(group)
+    return new
