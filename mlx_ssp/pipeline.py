@@ -1,6 +1,8 @@
 """``mlx_ssp run``: the whole Spectrum-to-Signal loop from one config, resumably.
 
-Stages, in order, each writing into ``RUN_DIR/<stage>`` in the format the stage writes on its own:
+Stages, in order (the entries of :data:`STAGE_REGISTRY`, from which the stage list, the sections each
+stage's fingerprint covers and the CLI choices all derive), each writing into ``RUN_DIR/<stage>`` in
+the format the stage writes on its own:
 
 1. ``tasks``   build the three disjoint splits of every domain (train / probe / eval) as task JSONL.
 2. ``rollout`` K rollouts per train prompt from the teacher (default: the model itself), verified.
@@ -42,21 +44,27 @@ from mlx_ssp.config import load_file, load_section
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import JsonlAppender, write_json_atomic, write_text_atomic
 
-STAGES = ("tasks", "rollout", "select", "sft", "merge", "rl", "eval")
-#: run-file sections each stage depends on (besides the previous stage's fingerprint)
-STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "tasks": ("tasks",),
-    "rollout": ("model", "teacher", "rollout", "sandbox"),
-    "select": ("select",),
-    "sft": ("model", "sft", "sandbox"),
-    "merge": ("merge",),
-    "rl": ("rl", "sandbox"),
-    "eval": ("model", "eval", "sandbox"),
-}
-#: sections that count in a fingerprint only when the run file sets them (added later: a run that
-#: never set one keeps its fingerprints, so it is not redone)
-OPTIONAL_SECTIONS = ("sandbox",)
 STATE_FILE = "_stage.json"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the loop, as an entry of :data:`STAGE_REGISTRY`."""
+
+    name: str
+    sections: tuple[str, ...]  # run-file sections its fingerprint covers (besides the previous stage's)
+    run: Callable[["Run"], dict]  # does the work in RUN_DIR/<name>; returns the stage's metrics
+    reports: str  # what those metrics hold (kept in _stage.json and metrics.jsonl)
+
+
+@dataclass(frozen=True)
+class Section:
+    """One top-level section of a run file, as an entry of :data:`SECTIONS`."""
+
+    name: str
+    check: Callable[["Run"], Any]  # validates it (load_run calls these in SECTIONS order)
+    resolve: Optional[Callable[["Run"], Any]] = None  # its form in config.resolved.yaml; None: as written
+    optional: bool = False  # counts in a fingerprint only when the run file sets it
 
 
 @dataclass
@@ -110,8 +118,8 @@ def fingerprint(run: Run, stage: str, previous: str) -> str:
         "stage": stage,
         "previous": previous,
         "seed": run.seed,
-        "sections": {s: _dump(run.section(s)) for s in STAGE_SECTIONS[stage]
-                     if s not in OPTIONAL_SECTIONS or run.data.get(s) is not None},
+        "sections": {s: _dump(run.section(s)) for s in STAGE_REGISTRY[stage].sections
+                     if not SECTIONS[s].optional or run.data.get(s) is not None},
     }
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -238,7 +246,7 @@ def stage_rl(run: Run) -> dict:
     adapters into ``rl/model`` so that eval and later users load one plain model directory."""
     from mlx_ssp.models import ModelConfig
     from mlx_ssp.rl.loop import load_and_train
-    from mlx_ssp.sft import fuse_and_save
+    from mlx_ssp.finetune.fuse import fuse_and_save
     from mlx_ssp.tasks import load_tasks
 
     cfg = run.section("rl")
@@ -371,15 +379,66 @@ def _signed(x) -> str:
     return "n/a" if x is None else f"{x:+.3f}"
 
 
-STAGE_FNS: dict[str, Callable[[Run], dict]] = {
-    "tasks": stage_tasks,
-    "rollout": stage_rollout,
-    "select": stage_select,
-    "sft": stage_sft,
-    "merge": stage_merge,
-    "rl": stage_rl,
-    "eval": stage_eval,
+# -- the registries: every list of stages or sections below derives from these two -------------------
+
+#: the stages in run order. Fingerprint sections must stay as they are: a run directory made before a
+#: change would otherwise be redone.
+STAGE_REGISTRY: dict[str, Stage] = {
+    st.name: st
+    for st in (
+        Stage("tasks", ("tasks",), stage_tasks, "n_train, n_probe, n_eval: tasks per split"),
+        Stage("rollout", ("model", "teacher", "rollout", "sandbox"), stage_rollout,
+              "summary: the rollout summary (tasks, rollouts, rewards); teacher: its path"),
+        Stage("select", ("select",), stage_select, "spectrum: per-domain selection report"),
+        Stage("sft", ("model", "sft", "sandbox"), stage_sft, "summary: per-domain chosen step and specialist"),
+        Stage("merge", ("merge",), stage_merge, "models: the merged specialists; result: the merge report"),
+        Stage("rl", ("rl", "sandbox"), stage_rl, "steps, skipped_total, last_reward_mean, model"),
+        Stage("eval", ("model", "eval", "sandbox"), stage_eval, "table: pass@1 / pass@k per model and domain"),
+    )
 }
+STAGES = tuple(STAGE_REGISTRY)
+
+
+def _section(name: str) -> Callable[[Run], Any]:
+    return lambda run: run.section(name)
+
+
+def _resolved(name: str) -> Callable[[Run], Any]:
+    return lambda run: _dump(run.section(name))
+
+
+def _check_sandbox(run: Run) -> None:
+    from mlx_ssp.sandbox_policy import install_from_config
+
+    run.section("sandbox")
+    install_from_config(run.data, run.source)  # one policy for every stage, also when a resume skips rollout
+
+
+def _check_sft(run: Run) -> None:
+    if run.data.get("tasks") is None:
+        raise UserError(f"{run.source}: a run needs a tasks: section with at least one domain")
+    sft_config(run)  # validates the sft section with its run defaults
+
+
+#: the run file's sections, in the order load_run checks them and config.resolved.yaml adds the missing
+#: ones; sft comes last because its defaults are the task domains and select's outputs.
+SECTIONS: dict[str, Section] = {
+    sec.name: sec
+    for sec in (
+        Section("model", _section("model"), _resolved("model")),
+        Section("teacher", _section("teacher")),  # kept as written (absent: the model itself)
+        Section("tasks", _section("tasks"), _resolved("tasks")),
+        Section("rollout", _section("rollout"), _resolved("rollout")),
+        Section("select", _section("select"), _resolved("select")),
+        Section("merge", _section("merge"), _resolved("merge")),
+        Section("rl", _section("rl"), _resolved("rl")),
+        Section("eval", _section("eval"), _resolved("eval")),
+        # added later: a run that never set it keeps its fingerprints, so it is not redone
+        Section("sandbox", _check_sandbox, optional=True),
+        Section("sft", _check_sft, lambda run: _dump(sft_config(run))),
+    )
+}
+assert all(s in SECTIONS for st in STAGE_REGISTRY.values() for s in st.sections)
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -395,14 +454,8 @@ def load_run(config_path: str | Path, overrides: tuple[str, ...] = (), progress:
     if not isinstance(seed, int):
         raise UserError(f"{source}: seed: must be an integer (got {seed!r})")
     run = Run(run_dir=Path(str(run_dir)).expanduser(), data=data, source=source, seed=seed, progress=progress)
-    for name in ("model", "teacher", "tasks", "rollout", "select", "merge", "rl", "eval", "sandbox"):
-        run.section(name)
-    from mlx_ssp.sandbox_policy import install_from_config
-
-    install_from_config(data, source)  # one policy for every stage, also when a resume skips rollout
-    if data.get("tasks") is None:
-        raise UserError(f"{source}: a run needs a tasks: section with at least one domain")
-    sft_config(run)  # validates the sft section with its run defaults
+    for sec in SECTIONS.values():
+        sec.check(run)
     return run
 
 
@@ -447,8 +500,7 @@ def plan_stage(
 def write_resolved_config(run: Run) -> None:
     """RUN_DIR/config.resolved.yaml: every section with its defaults filled in."""
     resolved = dict(run.data)
-    resolved.update({s: _dump(run.section(s)) for s in ("model", "tasks", "rollout", "select", "merge", "rl", "eval")})
-    resolved["sft"] = _dump(sft_config(run))
+    resolved.update({s.name: s.resolve(run) for s in SECTIONS.values() if s.resolve is not None})
     resolved["run_dir"], resolved["seed"] = str(run.run_dir), run.seed
     write_text_atomic(run.run_dir / "config.resolved.yaml", yaml.safe_dump(resolved, sort_keys=False))
 
@@ -458,7 +510,7 @@ def execute_stage(run: Run, stage: str, fp: str, log: JsonlAppender) -> dict:
     t0 = time.time()
     write_state(run, stage, {"fingerprint": fp, "complete": False, "started": t0})
     log.write({"stage": stage, "event": "start", "time": t0, "fingerprint": fp})
-    metrics = STAGE_FNS[stage](run)
+    metrics = STAGE_REGISTRY[stage].run(run)
     t1 = time.time()
     done = {"fingerprint": fp, "complete": True, "started": t0, "finished": t1, "seconds": t1 - t0, "metrics": metrics}
     write_state(run, stage, done)
@@ -481,6 +533,15 @@ def run_pipeline(
     run = load_run(config_path, overrides, progress)
     run.run_dir.mkdir(parents=True, exist_ok=True)
     write_resolved_config(run)
+    results = run_stages(run, from_stage=from_stage, only=only, echo=echo)
+    table_path = run.stage_dir("eval") / "table.json"
+    if table_path.exists() and read_state(run, "eval").get("complete"):
+        echo("\n" + format_eval_table(json.loads(table_path.read_text())))
+    return results
+
+
+def run_stages(run: Run, *, from_stage: Optional[str], only: Optional[str], echo: Callable[[str], None]) -> dict:
+    """Every stage in order: plan it from its state and fingerprint, then pass, skip or run it."""
     previous = ""
     invalidated = False  # a stage ran: every stage after it must run too
     results: dict[str, dict] = {}
@@ -495,18 +556,21 @@ def run_pipeline(
                 echo(f"[{stage}] complete, skipping ({why})")
                 results[stage] = state.get("metrics", {})
                 continue
-            if action == "rerun":
-                echo(f"[{stage}] rerunning: {why}; old outputs moved to {move_stale(run, stage)}")
-            else:
-                echo(f"[{stage}] " + ("resuming an interrupted run" if action == "resume" else "running"))
             invalidated = True
-            done = execute_stage(run, stage, fp, log)
-            results[stage] = done["metrics"]
-            echo(f"[{stage}] done in {done['seconds']:.1f}s")
-    table_path = run.stage_dir("eval") / "table.json"
-    if table_path.exists() and read_state(run, "eval").get("complete"):
-        echo("\n" + format_eval_table(json.loads(table_path.read_text())))
+            results[stage] = act_on_stage(run, stage, action, why, fp, log, echo)
     return results
+
+
+def act_on_stage(run: Run, stage: str, action: str, why: str, fp: str, log: JsonlAppender,
+                 echo: Callable[[str], None]) -> dict:
+    """Run, resume or rerun one stage (a rerun first moves the stale outputs aside); its metrics."""
+    if action == "rerun":
+        echo(f"[{stage}] rerunning: {why}; old outputs moved to {move_stale(run, stage)}")
+    else:
+        echo(f"[{stage}] " + ("resuming an interrupted run" if action == "resume" else "running"))
+    done = execute_stage(run, stage, fp, log)
+    echo(f"[{stage}] done in {done['seconds']:.1f}s")
+    return done["metrics"]
 
 
 @click.command("run")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,8 @@ def fake_stages(monkeypatch):
 
         return fn
 
-    monkeypatch.setattr(pipeline, "STAGE_FNS", {s: make(s) for s in pipeline.STAGES})
+    fakes = {s: replace(st, run=make(s)) for s, st in pipeline.STAGE_REGISTRY.items()}
+    monkeypatch.setattr(pipeline, "STAGE_REGISTRY", fakes)
     return calls
 
 
@@ -97,7 +99,7 @@ def test_config_change_reruns_that_stage_and_later(tmp_path, fake_stages):
 def test_interrupted_stage_resumes_and_later_stages_rerun(tmp_path, fake_stages, monkeypatch):
     cfg = _write(tmp_path)
     boom = {"n": 0}
-    real = pipeline.STAGE_FNS["sft"]
+    real = pipeline.STAGE_REGISTRY["sft"].run
 
     def flaky(run):
         boom["n"] += 1
@@ -105,7 +107,7 @@ def test_interrupted_stage_resumes_and_later_stages_rerun(tmp_path, fake_stages,
             raise KeyboardInterrupt  # killed mid-stage
         return real(run)
 
-    monkeypatch.setitem(pipeline.STAGE_FNS, "sft", flaky)
+    monkeypatch.setitem(pipeline.STAGE_REGISTRY, "sft", replace(pipeline.STAGE_REGISTRY["sft"], run=flaky))
     with pytest.raises(KeyboardInterrupt):
         pipeline.run_pipeline(cfg, echo=lambda s: None)
     assert fake_stages == ["tasks", "rollout", "select"]
@@ -232,3 +234,29 @@ def test_plan_stage_decisions():
         plan("select", {}, "a", **{**kw, "only": "sft"})
     with pytest.raises(UserError, match="--from sft"):
         plan("select", done, "b", **{**kw, "from_stage": "sft"})
+
+
+def test_stage_list_is_the_registry(tmp_path):
+    """One registry: the stage order, the --from/--only choices and each fingerprint's sections come
+    from STAGE_REGISTRY and SECTIONS; every stage says what it reports."""
+    assert pipeline.STAGES == tuple(pipeline.STAGE_REGISTRY)
+    choices = {p.name: tuple(p.type.choices) for p in pipeline.cli.params if p.name in ("from_stage", "only")}
+    assert choices == {"from_stage": pipeline.STAGES, "only": pipeline.STAGES}
+    for st in pipeline.STAGE_REGISTRY.values():
+        assert st.reports and callable(st.run) and all(s in pipeline.SECTIONS for s in st.sections)
+
+
+def test_fingerprints_stable_and_sandbox_only_when_set(tmp_path):
+    """A run directory made before a refactor keeps its fingerprints (so it is not redone); the
+    top-level sandbox section counts only when the run file sets it."""
+    cfg = _write(tmp_path)
+
+    def fps(*overrides):
+        run, prev, out = pipeline.load_run(cfg, overrides), "", {}
+        for s in pipeline.STAGES:
+            prev = out[s] = pipeline.fingerprint(run, s, prev)
+        return out
+
+    plain, boxed = fps(), fps("sandbox.nproc=16")
+    assert plain["tasks"] == boxed["tasks"] == "e3cd922da9a72f60"  # the tasks section alone, seed 0
+    assert all(plain[s] != boxed[s] for s in pipeline.STAGES[1:])
