@@ -197,53 +197,57 @@ def _f(x, digits: int = 3) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def build_report(run_dir: str | Path) -> Path:
-    """Write RUN_DIR/report/report.md (+ PNGs); returns its path."""
-    from mlx_ssp.pipeline import STAGES, STATE_FILE, format_eval_table
+def _stage_states(run_dir: Path) -> dict[str, dict]:
+    from mlx_ssp.pipeline import STAGES, STATE_FILE
 
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise UserError(f"run directory not found: {run_dir}")
-    states = {s: _read_json(run_dir / s / STATE_FILE) or {} for s in STAGES}
-    if not any(states.values()) and not (run_dir / "eval" / "table.json").exists():
-        raise UserError(f"{run_dir} does not look like an mlx_ssp run directory (no stage outputs)")
-    out = run_dir / "report"
-    out.mkdir(exist_ok=True)
-    md: list[str] = [f"# mlx_ssp run report: `{run_dir}`", ""]
+    return {s: _read_json(run_dir / s / STATE_FILE) or {} for s in STAGES}
 
-    md += ["## Stages", "", "| stage | status | time |", "|---|---|---|"]
-    for s in STAGES:
-        st = states[s]
+
+def stages_md(run_dir: Path, out: Path) -> list[str]:
+    """Status and time of every pipeline stage."""
+    md = ["## Stages", "", "| stage | status | time |", "|---|---|---|"]
+    for s, st in _stage_states(run_dir).items():
         status = "complete" if st.get("complete") else ("interrupted / running" if st else "not run")
         md.append(f"| {s} | {status} | {_f(st.get('seconds'), 1)} s |" if st.get("seconds") else f"| {s} | {status} | - |")
-    md.append("")
+    return md + [""]
+
+
+def eval_md(run_dir: Path, out: Path) -> list[str]:
+    """The held-out table of eval/table.json and its pass@k figure."""
+    from mlx_ssp.pipeline import format_eval_table
 
     table = _read_json(run_dir / "eval" / "table.json")
-    md += ["## Held-out evaluation", ""]
-    if table:
-        md += [format_eval_table(table), ""]
-        if plot_passk(table, out / "passk.png"):
-            md += ["![pass@k by stage and domain](passk.png)", ""]
-    else:
-        md += ["(no evaluation yet)", ""]
+    md = ["## Held-out evaluation", ""]
+    if not table:
+        return md + ["(no evaluation yet)", ""]
+    md += [format_eval_table(table), ""]
+    if plot_passk(table, out / "passk.png"):
+        md += ["![pass@k by stage and domain](passk.png)", ""]
+    return md
 
+
+def spectrum_md(run_dir: Path, out: Path) -> list[str]:
+    """Per-domain selection numbers of select/spectrum.json and the spectrum histogram."""
     spectrum = _read_json(run_dir / "select" / "spectrum.json")
-    md += ["## Spectrum (selection)", ""]
-    if spectrum:
-        md += ["| domain | prompts | with a correct solution | distinct correct / prompt | kept / prompt | "
-               "mean pairwise distance | SFT examples |", "|---|---|---|---|---|---|---|"]
-        for d, v in spectrum.get("domains", {}).items():
-            md.append(
-                f"| {d} | {v.get('n_prompts')} | {v.get('prompts_with_correct')} | "
-                f"{_f(v.get('mean_distinct_correct_per_prompt'), 2)} | {_f(v.get('mean_selected_per_prompt'), 2)} | "
-                f"{_f(v.get('mean_pairwise_distance'))} | {v.get('n_train')} |"
-            )
-        md.append(f"\npolicy: `{spectrum.get('policy')}`\n")
-        if plot_spectrum(spectrum, out / "spectrum.png"):
-            md += ["![spectrum](spectrum.png)", ""]
-    else:
-        md += ["(no selection yet)", ""]
+    md = ["## Spectrum (selection)", ""]
+    if not spectrum:
+        return md + ["(no selection yet)", ""]
+    md += ["| domain | prompts | with a correct solution | distinct correct / prompt | kept / prompt | "
+           "mean pairwise distance | SFT examples |", "|---|---|---|---|---|---|---|"]
+    for d, v in spectrum.get("domains", {}).items():
+        md.append(
+            f"| {d} | {v.get('n_prompts')} | {v.get('prompts_with_correct')} | "
+            f"{_f(v.get('mean_distinct_correct_per_prompt'), 2)} | {_f(v.get('mean_selected_per_prompt'), 2)} | "
+            f"{_f(v.get('mean_pairwise_distance'))} | {v.get('n_train')} |"
+        )
+    md.append(f"\npolicy: `{spectrum.get('policy')}`\n")
+    if plot_spectrum(spectrum, out / "spectrum.png"):
+        md += ["![spectrum](spectrum.png)", ""]
+    return md
 
+
+def specialists_md(run_dir: Path, out: Path) -> list[str]:
+    """The chosen checkpoint of every specialist (sft/<domain>/probe_curve.jsonl) and the curves."""
     curves = {}
     sft_dir = run_dir / "sft"
     if sft_dir.is_dir():
@@ -251,33 +255,53 @@ def build_report(run_dir: str | Path) -> Path:
             rows = _read_jsonl(d / "probe_curve.jsonl")
             if rows:
                 curves[d.name] = rows
-    md += ["## Specialists (SFT probe curves)", ""]
-    if curves:
-        md += ["| domain | chosen step | probe pass@1 | probe pass@k | checkpoints |", "|---|---|---|---|---|"]
-        for d, rows in curves.items():
-            ch = next((r for r in rows if r.get("chosen")), {})
-            md.append(f"| {d} | {ch.get('step', '-')} | {_f(ch.get('pass@1'))} | {_f(ch.get('pass@k'))} | {len(rows)} |")
-        md.append("")
-        if plot_probe_curves(curves, out / "probe_curves.png"):
-            md += ["![probe curves](probe_curves.png)", ""]
-    else:
-        md += ["(no specialists yet)", ""]
+    md = ["## Specialists (SFT probe curves)", ""]
+    if not curves:
+        return md + ["(no specialists yet)", ""]
+    md += ["| domain | chosen step | probe pass@1 | probe pass@k | checkpoints |", "|---|---|---|---|---|"]
+    for d, rows in curves.items():
+        ch = next((r for r in rows if r.get("chosen")), {})
+        md.append(f"| {d} | {ch.get('step', '-')} | {_f(ch.get('pass@1'))} | {_f(ch.get('pass@k'))} | {len(rows)} |")
+    md.append("")
+    if plot_probe_curves(curves, out / "probe_curves.png"):
+        md += ["![probe curves](probe_curves.png)", ""]
+    return md
 
-    rl_rows = _read_jsonl(run_dir / "rl" / "metrics.jsonl")
-    rl_rows = [r for r in rl_rows if "step" in r]
-    md += ["## Signal (MGPO-GRPO)", ""]
-    if rl_rows:
-        steps, series = rl_series(rl_rows)
-        first, last = rl_rows[0], rl_rows[-1]
-        md += ["| metric | first step | last step |", "|---|---|---|"]
-        for name, ys in series.items():
-            md.append(f"| {name} | {_f(ys[0])} | {_f(ys[-1])} |")
-        md.append(f"\n{len(rl_rows)} steps (step {first.get('step')} to {last.get('step')}).\n")
-        if plot_rl(rl_rows, out / "rl.png"):
-            md += ["![RL curves](rl.png)", ""]
-    else:
-        md += ["(no RL steps yet)", ""]
 
+def rl_md(run_dir: Path, out: Path) -> list[str]:
+    """First and last value of every RL series in rl/metrics.jsonl and the per-step curves."""
+    rl_rows = [r for r in _read_jsonl(run_dir / "rl" / "metrics.jsonl") if "step" in r]
+    md = ["## Signal (MGPO-GRPO)", ""]
+    if not rl_rows:
+        return md + ["(no RL steps yet)", ""]
+    _, series = rl_series(rl_rows)
+    first, last = rl_rows[0], rl_rows[-1]
+    md += ["| metric | first step | last step |", "|---|---|---|"]
+    for name, ys in series.items():
+        md.append(f"| {name} | {_f(ys[0])} | {_f(ys[-1])} |")
+    md.append(f"\n{len(rl_rows)} steps (step {first.get('step')} to {last.get('step')}).\n")
+    if plot_rl(rl_rows, out / "rl.png"):
+        md += ["![RL curves](rl.png)", ""]
+    return md
+
+
+#: the report's sections in order: each reads its stage's outputs, writes its figures into
+#: RUN_DIR/report and returns its Markdown lines (a "not yet" line when the stage has not run)
+REPORT_SECTIONS = (stages_md, eval_md, spectrum_md, specialists_md, rl_md)
+
+
+def build_report(run_dir: str | Path) -> Path:
+    """Write RUN_DIR/report/report.md (+ PNGs); returns its path."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run directory not found: {run_dir}")
+    if not any(_stage_states(run_dir).values()) and not (run_dir / "eval" / "table.json").exists():
+        raise UserError(f"{run_dir} does not look like an mlx_ssp run directory (no stage outputs)")
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    md: list[str] = [f"# mlx_ssp run report: `{run_dir}`", ""]
+    for section in REPORT_SECTIONS:
+        md += section(run_dir, out)
     path = out / "report.md"
     write_text_atomic(path, "\n".join(md) + "\n")
     return path
