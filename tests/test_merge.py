@@ -719,7 +719,7 @@ def test_parallel_schedule_largest_first_within_budget():
     import threading
     import time as _time
 
-    from mlx_ssp.merge.engine import _run_parallel, inflight_budget
+    from mlx_ssp.merge.parallel import inflight_budget, run_parallel
 
     sizes = [64, 8, 8, 8, 8, 8, 8, 1, 8, 64]  # embed first, lm_head last, as in a file
     assert inflight_budget(sizes, 2) == 64 + 8 and inflight_budget(sizes, 3) == 64 + 16
@@ -740,14 +740,14 @@ def test_parallel_schedule_largest_first_within_budget():
                 live.remove(i)
                 seen.append(i)
 
-        _run_parallel(list(range(len(sizes))), fn, workers, lambda: None, sizes=sizes)
+        run_parallel(list(range(len(sizes))), fn, workers, lambda: None, sizes=sizes)
         assert sorted(seen) == list(range(len(sizes)))
         assert starts[0] == 0 and peak["n"] == workers
         assert peak["elems"] <= inflight_budget(sizes, workers)
         assert starts.index(9) < starts.index(8) and starts[-1] == 7  # lm_head is not left for the end
     # equal sizes: file order, all workers busy
     order = []
-    _run_parallel(list(range(6)), order.append, 2, lambda: None, sizes=[5] * 6)
+    run_parallel(list(range(6)), order.append, 2, lambda: None, sizes=[5] * 6)
     assert sorted(order) == list(range(6))
 
 

@@ -1,0 +1,235 @@
+"""Plan a merge: open and check every input, resolve every tensor's dtypes and parameters; writes
+nothing, so any bad input stops the merge before a byte is written, with a message naming the
+tensor and the model.
+
+Every model must have the same layer count and the same tensor names (the union: a tensor only some
+models have is an error, never dropped). Then for every tensor, in the file order of the reference
+model (the base, else the first model): each input has the same shape (vocabulary rows per
+``vocab_mismatch``); the compute dtype is ``dtype``, else the widest input dtype, the output dtype
+``out_dtype``, else the compute dtype; every parameter is resolved (filters, gradients, defaults).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from mlx_ssp.errors import UserError
+from mlx_ssp.merge import safetensors_io as sio
+from mlx_ssp.merge.config import MergeConfig, check_parameter_names, layer_index, resolve
+from mlx_ssp.merge.methods import METHODS, MethodSpec
+from mlx_ssp.merge.sources import Source, open_source, read_model_config
+
+VOCAB_HINTS = ("embed_tokens", "lm_head", "wte", "embed_out", "word_embeddings", "output.weight")
+_WIDTH = {"F16": 1, "BF16": 1, "F32": 2, "F64": 3}
+
+
+@dataclass
+class TensorPlan:
+    """One output tensor: its inputs, dtypes and resolved parameters (or a copy of the reference's)."""
+
+    name: str
+    inputs: list[int]  # indices into sources (non-base inputs for task-vector methods)
+    base: Optional[int]
+    shape: tuple[int, ...]
+    cd: str  # compute dtype name
+    out: str  # safetensors dtype code
+    params: dict[str, Any] = field(default_factory=dict)
+    per_model: list[dict[str, Any]] = field(default_factory=list)
+    copy: bool = False  # non-float tensor: copied from the reference
+
+
+@dataclass
+class MergeJob:
+    """The whole merge: the config, the opened inputs and one plan per output tensor."""
+
+    cfg: MergeConfig
+    sources: list[Source]
+    base: Optional[int]
+    inputs: list[int]
+    reference: int
+    plans: list[TensorPlan]
+    ref_config: dict
+
+
+def code_name(code: str) -> str:
+    """The dtype name of a safetensors dtype code (``BF16`` -> ``bfloat16``)."""
+    return sio.DTYPES[code][2]
+
+
+def layer_count(src: Source, conf: dict) -> int:
+    """``num_hidden_layers`` (or GPT-2's ``n_layer``), else one more than the largest layer index
+    among the tensor names."""
+    n = conf.get("num_hidden_layers") or conf.get("n_layer")
+    if n:
+        return int(n)
+    idx = [layer_index(name) for name in src.tensors]
+    return max([i for i in idx if i is not None], default=0) + 1
+
+
+def check_layer_counts(sources: list[Source], configs: list[dict]) -> None:
+    """Models with different layer counts cannot be merged tensor by tensor (layer surgery,
+    mergekit's ``slices:``, is not supported): an error naming each count."""
+    counts = [layer_count(s, c) for s, c in zip(sources, configs)]
+    if len(set(counts)) > 1:
+        each = ", ".join(f"{n} in {s.ref}" for s, n in zip(sources, counts))
+        raise UserError(f"the models have different layer counts (num_hidden_layers: {each}); only models with "
+                        "the same layers can be merged (slices: is not supported)")
+
+
+def _tied(conf: dict) -> bool:
+    return bool(conf.get("tie_word_embeddings"))
+
+
+def check_same_tensors(sources: list[Source], configs: list[dict], reference: int) -> None:
+    """Every tensor of every input must be in every input (the output has each exactly once):
+    otherwise an error naming the first such tensor (reference file order, then by name), the
+    models that lack it and those that have it. mergekit has no rule that fills a missing tensor
+    in this engine's scope; an lm_head that only some models have (tied embeddings in the
+    others) gets a hint."""
+    ref = sources[reference]
+    others = sorted({n for s in sources for n in s.tensors} - set(ref.tensors))
+    bad = [(n, [i for i, s in enumerate(sources) if n not in s.tensors])
+           for n in [*sio.iter_names(ref.tensors), *others]]
+    bad = [(n, lack) for n, lack in bad if lack]
+    if not bad:
+        return
+    name, lack = bad[0]
+    have = [s.ref for s in sources if name in s.tensors]
+    msg = (f"tensor '{name}' is missing from model{'s' if len(lack) > 1 else ''} "
+           f"{', '.join(sources[i].ref for i in lack)} (present in {', '.join(have)})")
+    tied = [sources[i].ref for i in lack if _tied(configs[i])]
+    if "lm_head" in name and tied:
+        msg += (f"; {', '.join(tied)} tie{'s' if len(tied) == 1 else ''} lm_head to the input embeddings "
+                "(tie_word_embeddings): merge only tied or only untied models")
+    if len(bad) > 1:
+        msg += f"; {len(bad) - 1} more tensor(s) are not in every model"
+    raise UserError(msg + "; every model must have the same tensors")
+
+
+
+def _model_refs(cfg: MergeConfig, spec: MethodSpec, source_label: str) -> tuple[list[str], Optional[int]]:
+    """The input references (each once; the base appended when it is not listed, as mergekit adds
+    it as an input) and the index of the base (None: no base)."""
+    if spec.needs_base and not cfg.base_model:
+        raise UserError(f"{source_label}: merge_method {spec.name} needs base_model (the model the task vectors "
+                        "are taken from)")
+    refs: list[str] = []
+    for m in cfg.models:
+        if m.model in refs:
+            raise UserError(f"{source_label}: model {m.model} is listed twice")
+        refs.append(m.model)
+    if cfg.base_model and cfg.base_model not in refs:
+        refs.append(cfg.base_model)
+    return refs, (refs.index(cfg.base_model) if cfg.base_model else None)
+
+
+def check_shape(name: str, s: Source, ref_src: Source, vocab_mismatch: str) -> None:
+    """Model ``s``'s tensor ``name`` has the reference's shape, or (a vocabulary-sized tensor)
+    rows that ``vocab_mismatch`` may truncate or pad to the reference's."""
+    info, rinfo = s.tensors[name], ref_src.tensors[name]  # present: check_same_tensors
+    if info.shape == rinfo.shape:
+        return
+    vocab_like = (len(info.shape) == len(rinfo.shape) and info.shape[1:] == rinfo.shape[1:]
+                  and any(h in name for h in VOCAB_HINTS))
+    if not vocab_like:
+        raise UserError(f"tensor '{name}': shape {list(info.shape)} in model {s.ref} does not match "
+                        f"{list(rinfo.shape)} in {ref_src.ref}")
+    if vocab_mismatch == "error" or (vocab_mismatch == "truncate" and info.shape[0] < rinfo.shape[0]) \
+            or (vocab_mismatch == "pad" and info.shape[0] > rinfo.shape[0]):
+        fix = "truncate" if info.shape[0] > rinfo.shape[0] else "pad"
+        raise UserError(f"tensor '{name}': vocabulary size {info.shape[0]} in model {s.ref} differs from "
+                        f"{rinfo.shape[0]} in {ref_src.ref}; pass --vocab-mismatch {fix} to {fix} "
+                        f"to the reference's rows")
+
+
+def tensor_dtypes(codes: list[str], cfg: MergeConfig) -> tuple[str, str]:
+    """(compute dtype name, output safetensors code): ``dtype``, else the widest input dtype (torch
+    promotes bf16 + fp16 to float32; float64 computes in float32); ``out_dtype``, else the compute
+    dtype."""
+    widest = max(codes, key=lambda c: _WIDTH[c])
+    if {"F16", "BF16"} <= set(codes) and widest in ("F16", "BF16"):
+        widest = "F32"
+    cd = cfg.dtype or ("float32" if widest == "F64" else code_name(widest))
+    return cd, sio.CODE_OF[cfg.out_dtype or cd]
+
+
+def layer_position(name: str, n_layers: int) -> float:
+    """mergekit's gradient position ``t = i / (L - 1)`` of a layer's tensor; 0 outside the layers."""
+    li = layer_index(name)
+    if li is None:
+        return 0.0
+    return li / (n_layers - 1) if n_layers > 1 else 1.0
+
+
+def resolve_shared(spec: MethodSpec, top: dict, name: str, t: float) -> dict[str, Any]:
+    """The method's shared parameters for one tensor (top level, else the defaults)."""
+    defaults = dict(spec.defaults)
+    where = f"tensor '{name}'"
+    shared = {p: resolve(p, [top], name, t, defaults.get(p), where) for p in spec.shared_params}
+    if shared.get("normalize") is None:
+        shared["normalize"] = spec.default_normalize
+    if shared.get("rescale") is None and "rescale" in spec.shared_params:
+        shared["rescale"] = spec.default_rescale
+    return shared
+
+
+def resolve_per_model(spec: MethodSpec, scopes: list, name: str, t: float, ref: str) -> dict[str, Any]:
+    """One model's parameters for one tensor (its own, then the top level, then the defaults),
+    range-checked."""
+    defaults = dict(spec.defaults)
+    mw = f"tensor '{name}' of model {ref}"
+    pm = {p: resolve(p, scopes, name, t, defaults.get(p), mw) for p in spec.model_params}
+    if pm.get("weight") is None:
+        raise UserError(f"{mw}: no weight given (set parameters.weight for the model or at the top level)")
+    if "density" in pm and not (0 < pm["density"] <= 1):
+        raise UserError(f"{mw}: density {pm['density']} is outside (0, 1]")
+    if "gamma" in pm and not (0 <= pm["gamma"] < 1):
+        raise UserError(f"{mw}: gamma {pm['gamma']} is outside [0, 1)")
+    return pm
+
+
+def plan_tensor(job: MergeJob, spec: MethodSpec, name: str, n_layers: int, vocab_mismatch: str) -> TensorPlan:
+    """Check and resolve one tensor (see the module docstring); a non-float tensor is copied from
+    the reference."""
+    cfg, sources = job.cfg, job.sources
+    ref_src = sources[job.reference]
+    rinfo = ref_src.tensors[name]
+    base = job.base if spec.needs_base else None
+    involved = ([base] if spec.needs_base else []) + job.inputs
+    for i in involved:
+        check_shape(name, sources[i], ref_src, vocab_mismatch)
+    codes = [sources[i].tensors[name].dtype for i in involved]
+    if not all(c in sio.FLOAT_CODES for c in codes):
+        return TensorPlan(name, [], None, rinfo.shape, "float32", rinfo.dtype, copy=True)
+    cd, out = tensor_dtypes(codes, cfg)
+    t = layer_position(name, n_layers)
+    top = cfg.parameters or {}
+    shared = resolve_shared(spec, top, name, t)
+    entry_params = {m.model: m.parameters for m in cfg.models}
+    per_model = [resolve_per_model(spec, [entry_params.get(sources[i].ref), top], name, t, sources[i].ref)
+                 for i in job.inputs]
+    if shared["normalize"] and abs(sum(pm["weight"] for pm in per_model)) < 1e-8:
+        raise UserError(f"tensor '{name}': the weights of models "
+                        f"{', '.join(sources[i].ref for i in job.inputs)} sum to zero, so normalize cannot divide "
+                        "by them (set normalize: false or change the weights)")
+    return TensorPlan(name, job.inputs, base, rinfo.shape, cd, out, shared, per_model)
+
+
+def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label: str = "config") -> MergeJob:
+    """Open every model, check every tensor and resolve every parameter; writes nothing."""
+    check_parameter_names(cfg, source_label)
+    spec = METHODS[cfg.merge_method]
+    refs, base = _model_refs(cfg, spec, source_label)
+    sources = [open_source(r) for r in refs]
+    # task-vector methods take deltas from the base; for linear the base (if any) is just an input
+    inputs = [i for i in range(len(refs)) if not (spec.needs_base and i == base)]
+    reference = base if base is not None else 0
+    configs = [read_model_config(s) for s in sources]
+    check_layer_counts(sources, configs)
+    check_same_tensors(sources, configs, reference)
+    job = MergeJob(cfg, sources, base, inputs, reference, [], configs[reference])
+    n_layers = layer_count(sources[reference], configs[reference])
+    job.plans = [plan_tensor(job, spec, name, n_layers, vocab_mismatch)
+                 for name in sio.iter_names(sources[reference].tensors)]
+    return job

@@ -1,0 +1,114 @@
+"""Input models of a merge: a reference (a directory, a hub id, ``demo``, or ``path+adapter_dir``)
+opened as a :class:`Source` whose safetensors headers are scanned (no tensor data is read). A LoRA
+adapter is fused on the fly when a tensor is read (``W + scale * B^T A^T`` in the weight's dtype,
+as ``mlx_lm fuse`` does).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx_ssp  # noqa: F401
+import mlx.core as mx
+
+from mlx_ssp.errors import UserError
+from mlx_ssp.merge import safetensors_io as sio
+
+
+@dataclass
+class Source:
+    """One input model: its directory, tensors and (optional) LoRA adapter to fuse on the fly."""
+
+    ref: str
+    path: Path
+    tensors: dict[str, sio.TensorInfo]
+    adapter: Optional[dict[str, sio.TensorInfo]] = None
+    lora_scale: float = 1.0
+    adapter_path: Optional[Path] = None
+    given: Optional[Path] = None  # the model directory as written (before symlinks are resolved)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def load(self, name: str) -> mx.array:
+        x = sio.read_tensor(self.tensors[name])
+        if self.adapter is not None and name.endswith(".weight"):
+            stem = name[: -len(".weight")]
+            a, b = self.adapter.get(stem + ".lora_a"), self.adapter.get(stem + ".lora_b")
+            if a is not None and b is not None:
+                la, lb = sio.read_tensor(a).astype(mx.float32), sio.read_tensor(b).astype(mx.float32)
+                delta = (self.lora_scale * lb.T) @ la.T
+                if delta.shape != x.shape:
+                    raise UserError(f"adapter {self.adapter_path}: tensor '{name}': LoRA delta shape "
+                                    f"{tuple(delta.shape)} does not match the weight {tuple(x.shape)}")
+                x = x + delta.astype(x.dtype)
+        return x
+
+
+def open_source(ref: str) -> Source:
+    """``dir``, hub id, ``demo``, or ``model+adapter_dir`` -> Source (headers scanned)."""
+    from mlx_ssp.models import resolve_model
+
+    model_spec, adapter_spec = ref, None
+    if "+" in ref and not Path(ref).expanduser().exists():
+        model_spec, _, adapter_spec = ref.rpartition("+")
+    path = resolve_model(model_spec)
+    given = Path(model_spec).expanduser()
+    given = given if given.exists() and given.resolve() == path.resolve() else None  # not 'demo' or a hub id
+    src = Source(ref=ref, path=path, tensors=sio.scan_model(path), given=given)
+    if adapter_spec:
+        attach_adapter(src, Path(adapter_spec).expanduser())
+    return src
+
+
+def attach_adapter(src: Source, ad: Path) -> None:
+    """Read an mlx-lm LoRA adapter directory into ``src`` (fused when a tensor is read); anything
+    that cannot be fused on the fly is an error naming the model."""
+    ref = src.ref
+    cfg_file, weights = ad / "adapter_config.json", ad / "adapters.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise UserError(f"model {ref}: {ad} is not an mlx-lm adapter directory "
+                        "(needs adapter_config.json and adapters.safetensors)")
+    try:
+        acfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg_file}: corrupt JSON ({e.msg})") from None
+    kind = acfg.get("fine_tune_type", "lora")
+    if kind != "lora":
+        raise UserError(f"model {ref}: adapter type '{kind}' cannot be fused on the fly; "
+                        "only 'lora' (run `mlx_lm fuse` first)")
+    src.adapter = sio.scan_file(weights)
+    src.adapter_path = ad
+    src.lora_scale = float(acfg.get("lora_parameters", {}).get("scale", 20.0))
+    check_adapter_tensors(ref, src.adapter, src.tensors)
+
+
+def check_adapter_tensors(ref: str, adapter: dict, weights: dict) -> None:
+    """Every adapter tensor is used: a ``lora_a``/``lora_b`` pair on an existing ``.weight``
+    (anything else would be silently left out of the fused model)."""
+    for k in adapter:
+        stem, _, kind = k.rpartition(".")
+        if kind not in ("lora_a", "lora_b"):
+            raise UserError(f"model {ref}: adapter tensor '{k}' is not a LoRA matrix (lora_a / lora_b), so it "
+                            "cannot be fused on the fly (run `mlx_lm fuse` first)")
+        if stem + ".weight" not in weights:
+            raise UserError(f"model {ref}: adapter tensor '{k}' has no matching weight '{stem}.weight'")
+        pair = stem + (".lora_b" if kind == "lora_a" else ".lora_a")
+        if pair not in adapter:
+            raise UserError(f"model {ref}: adapter tensor '{k}' has no '{pair}' to pair with")
+
+
+def read_model_config(src: Source) -> dict:
+    """The model's ``config.json`` ({} if it has none); corrupt JSON is a UserError."""
+    path = src.path / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        conf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: corrupt JSON in the config of model {src.ref} ({e})") from None
+    return conf if isinstance(conf, dict) else {}
+
