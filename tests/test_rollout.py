@@ -281,3 +281,41 @@ def test_sequence_sampler_draws_from_tempered_softmax():
     assert np.abs(np.bincount(later, minlength=4) / n - want).max() < 0.03
     assert {SequenceSampler(i, T, top_k=2)(x).item() for i in range(300)} == {0, 1}
     assert SequenceSampler(5, 0.0)(x).item() == 0
+
+
+def test_both_sampling_paths_behind_one_interface(monkeypatch):
+    """The engine drives either sampler through the same calls; the environment picks the path."""
+    from mlx_ssp.sampling import SAMPLING_PATHS, BatchSampler, PerSequenceSampling, SequenceSampler, SharedSampling, sampling_path
+
+    for cls in SAMPLING_PATHS.values():
+        path = cls(0.7, 0.9, 0, 0.0)
+        for name in ("generator_sampler", "insert_samplers", "register", "release", "step_logprobs"):
+            assert hasattr(path, name), (cls, name)
+    shared, per_seq = SharedSampling(1.0), PerSequenceSampling(1.0)
+    assert isinstance(shared.generator_sampler, BatchSampler) and shared.insert_samplers([1, 2]) is None
+    assert per_seq.generator_sampler is None and all(isinstance(s, SequenceSampler) for s in per_seq.insert_samplers([1, 2]))
+    shared.register(7, 123)
+    assert shared.generator_sampler.n_live == 1
+    shared.release(7)
+    assert shared.generator_sampler.n_live == 0
+    monkeypatch.delenv("MLX_SSP_PER_SEQUENCE_SAMPLER", raising=False)
+    assert isinstance(sampling_path(1.0), SharedSampling)
+    monkeypatch.setenv("MLX_SSP_PER_SEQUENCE_SAMPLER", "1")
+    assert isinstance(sampling_path(1.0), PerSequenceSampling)
+
+
+def test_one_request_from_a_stage_section():
+    """rollout and eval sections give the engine the same request fields (eval: default verify workers)."""
+    from mlx_ssp.eval import EvalConfig
+    from mlx_ssp.rollout import RolloutConfig, RolloutRequest, stage_settings
+
+    r = stage_settings(RolloutConfig(seed=None, batch_size=3, verify_workers=2, system="s"))
+    assert r["seed"] == 0 and r["batch_size"] == 3 and r["verify_workers"] == 2 and r["system"] == "s"
+    e = stage_settings(EvalConfig(seed=5))
+    assert e["seed"] == 5 and "verify_workers" not in e
+    req = RolloutRequest(tasks=make_tasks(1), k=2, **e)
+    assert req.verify_workers == 4 and req.replace(k=1).k == 1 and req.k == 2
+    with pytest.raises(UserError, match="k must be"):
+        req.replace(k=0).check()
+    with pytest.raises(UserError, match="no tasks"):
+        req.replace(tasks=[]).check()
