@@ -8,5 +8,5 @@ def step_seed(seed: int, step: int) -> int:
     """The MLX RNG seed used from ``step`` on: a fixed function of (seed, step).
 
     Reduced mod 2**32 (what every RNG seeds from). SFT used to reduce mod 2**62: the two agree
-    whenever seed * 1_000_003 + step * 7_919 + 17 < 2**32 (any seed <= 4293 for a million steps)."""
+    whenever seed * 1_000_003 + step * 7_919 + 17 < 2**32 (e.g. any seed <= 1000 for 400,000 steps)."""
     return (int(seed) * 1_000_003 + int(step) * 7_919 + 17) % (2**32)
