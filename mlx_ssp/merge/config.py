@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from mlx_ssp.config import StrictModel, format_validation_error, read_yaml
 from mlx_ssp.errors import UserError
@@ -45,6 +45,18 @@ def _dtype(v):
     return v
 
 
+def _known_method(what: str):
+    def check(v: str) -> str:
+        if v not in METHODS:
+            raise ValueError(f"unknown {what} '{v}'; valid methods: {', '.join(METHODS)}")
+        return v
+    return check
+
+
+#: a dtype name or alias (bf16, fp32, half, ...), the same in both config forms
+DType = Annotated[Optional[DTypeName], BeforeValidator(_dtype)]
+
+
 class ModelEntry(StrictModel):
     model: str
     parameters: Optional[dict[str, Setting]] = None
@@ -54,24 +66,12 @@ class MergeConfig(StrictModel):
     """A mergekit YAML file (the ``models:`` form)."""
 
     models: list[ModelEntry]
-    merge_method: str
+    merge_method: Annotated[str, AfterValidator(_known_method("merge_method"))]
     base_model: Optional[str] = None
     parameters: Optional[dict[str, Setting]] = None
-    dtype: Optional[DTypeName] = None
-    out_dtype: Optional[DTypeName] = None
+    dtype: DType = None
+    out_dtype: DType = None
     tokenizer_source: Optional[str] = None
-
-    @field_validator("dtype", "out_dtype", mode="before")
-    @classmethod
-    def _alias(cls, v):
-        return _dtype(v)
-
-    @field_validator("merge_method")
-    @classmethod
-    def _method(cls, v: str) -> str:
-        if v not in METHODS:
-            raise ValueError(f"unknown merge_method '{v}'; valid methods: {', '.join(METHODS)}")
-        return v
 
     @field_validator("models")
     @classmethod
@@ -202,28 +202,16 @@ class MergeStageConfig(StrictModel):
     ``weights`` / ``density`` are per specialist (one value for all, or a list in specialist order).
     ``parameters`` holds any other mergekit top-level parameter (normalize, rescale, lambda, ...)."""
 
-    method: str = "linear"
+    method: Annotated[str, AfterValidator(_known_method("merge method"))] = "linear"
     base_model: Optional[str] = None
     weights: Optional[Union[float, list[float]]] = None
     density: Optional[Union[float, list[float]]] = None
     parameters: dict[str, Any] = {}
-    dtype: Optional[DTypeName] = None
-    out_dtype: Optional[DTypeName] = None
+    dtype: DType = None
+    out_dtype: DType = None
     seed: Optional[int] = None
     out_shard_size: str = "5GB"
     vocab_mismatch: Literal["error", "truncate", "pad"] = "error"
     copy_tokenizer: bool = True
     #: tensors merged side by side (None: 2 on the CPU, 1 on a GPU); the output does not depend on it
     workers: Optional[int] = Field(default=None, ge=1)
-
-    @field_validator("dtype", "out_dtype", mode="before")
-    @classmethod
-    def _alias(cls, v):
-        return _dtype(v)
-
-    @field_validator("method")
-    @classmethod
-    def _method(cls, v: str) -> str:
-        if v not in METHODS:
-            raise ValueError(f"unknown merge method '{v}'; valid methods: {', '.join(METHODS)}")
-        return v
