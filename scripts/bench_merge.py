@@ -13,11 +13,17 @@ line per method.
     python scripts/bench_merge.py --repeat 3 --keep /tmp/bfull   # the BENCHMARKS.md figures
     python scripts/bench_merge.py --small --methods ties  # quick look
     python scripts/bench_merge.py --layers 2 --no-mergekit --methods ties,dare_ties  # full-width proxy
+    python scripts/bench_merge.py --small --no-mergekit --compare /tmp/ref_tree --repeat 5  # vs another tree
+
+``--compare TREE`` also times the merge of another checkout of this project (its ``mlx_ssp``
+imported from TREE), alternating with ours in every round, reports the per-round time ratio and
+checks that both write byte-identical files (sha256 of each).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -100,6 +106,27 @@ def timed(cmd: list[str]) -> tuple[float, float]:
     return float(wall), int(rss_kb) / 1024
 
 
+def ours_cmd(tree: str | None) -> list[str]:
+    """The `mlx_ssp` command of this checkout, or of the checkout at ``tree``."""
+    if tree is None:
+        return ["mlx_ssp"]
+    boot = f"import sys; sys.path.insert(0, {str(Path(tree).resolve())!r}); from mlx_ssp.cli import main; main()"
+    return [sys.executable, "-c", boot]
+
+
+def digest(out: Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.iterdir()) if f.is_file()}
+
+
+def timed_merge(tree: str | None, cfg: Path, out: Path) -> tuple[float, float, dict[str, str]]:
+    """(wall s, peak RSS MiB, sha256 per output file) of one merge into ``out`` (removed after)."""
+    shutil.rmtree(out, ignore_errors=True)
+    wall, rss = timed([*ours_cmd(tree), "merge", str(cfg), str(out), "--quiet", "--seed", "1"])
+    sha = digest(out)
+    shutil.rmtree(out, ignore_errors=True)
+    return wall, rss, sha
+
+
 def io_floor(models: list[Path], out: Path) -> float:
     """Read every tensor of the given models (pread) and write one model's bytes."""
     t = time.perf_counter()
@@ -124,6 +151,8 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="build/keep models in this dir")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count (a quicker proxy at full width)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of (floor, ours, mergekit); medians are reported")
+    ap.add_argument("--compare", default=None, metavar="TREE",
+                    help="also time another checkout's merge (alternating with ours) and check identical outputs")
     args = ap.parse_args()
     args.hidden, args.intermediate, args.layers_, args.heads, args.vocab = (
         (256, 1024, 4, 4, 8000) if args.small else (1024, 4096, 14, 16, 32000))
@@ -146,15 +175,18 @@ def main() -> None:
         # ours, mergekit and the I/O floor back to back, `--repeat` times: this machine's pace
         # drifts by 10-30% within minutes, so each ratio is taken within one round, and the
         # table reports medians over rounds (with the range of the per-round speedups)
-        ours_s, ours_rss, mk_s, mk_rss, floors = [], [], [], [], []
-        for _ in range(args.repeat):
+        ours_s, ours_rss, mk_s, mk_rss, floors, cmp_s, same = [], [], [], [], [], [], []
+        for r in range(args.repeat):
             floors.append(io_floor(models, root / "floor"))
-            ours_out = root / f"ours_{name}"
-            shutil.rmtree(ours_out, ignore_errors=True)
-            wall, rss = timed(["mlx_ssp", "merge", str(cfg), str(ours_out), "--quiet", "--seed", "1"])
+            # with --compare, alternate which tree goes first so that drift favours neither
+            order = (None,) if not args.compare else (None, args.compare) if r % 2 == 0 else (args.compare, None)
+            runs = {tree: timed_merge(tree, cfg, root / f"ours_{name}") for tree in order}
+            wall, rss, sha = runs[None]
             ours_s.append(wall)
             ours_rss.append(rss)
-            shutil.rmtree(ours_out, ignore_errors=True)
+            if args.compare:
+                cmp_s.append(runs[args.compare][0])
+                same.append(runs[args.compare][2] == sha)
             if have_mk:
                 mk_out = root / f"mk_{name}"
                 shutil.rmtree(mk_out, ignore_errors=True)
@@ -167,6 +199,11 @@ def main() -> None:
                "io_floor_s": round(med(floors), 2),
                "ours_over_floor": round(med([o / f for o, f in zip(ours_s, floors)]), 2),
                "ours_s_all": [round(x, 2) for x in ours_s]}
+        if args.compare:
+            ratios = [o / c for o, c in zip(ours_s, cmp_s)]
+            row.update({"compare_s": round(med(cmp_s), 2), "ours_over_compare": round(med(ratios), 3),
+                        "ours_over_compare_range": [round(min(ratios), 3), round(max(ratios), 3)],
+                        "compare_s_all": [round(x, 2) for x in cmp_s], "identical_outputs": all(same)})
         if have_mk:
             per_round = [m / o for m, o in zip(mk_s, ours_s)]
             row.update({"mergekit_s": round(med(mk_s), 2), "mergekit_rss_mib": round(min(mk_rss)),

@@ -1,10 +1,17 @@
 """Parameter merging of fused specialists (recipe step 4): a native, streaming safetensors merger
 that reads mergekit YAML configs. See ``docs/merge.md``.
 
-- :mod:`mlx_ssp.merge.methods`: the methods as pure functions over MLX arrays, and their registry.
 - :mod:`mlx_ssp.merge.config`: mergekit's YAML, parameter filters/gradients, the ``merge:`` section.
+- :mod:`mlx_ssp.merge.sources`: input models (and LoRA adapters fused on read).
+- :mod:`mlx_ssp.merge.plan`: every check and every tensor's dtypes and parameters; writes nothing.
+- :mod:`mlx_ssp.merge.methods`: the methods' registry; each entry carries its merge function, built
+  from the task-vector steps (task vector, sparsify, weight, sign consensus, combine, add back).
+- :mod:`mlx_ssp.merge.sparsify`: magnitude trim, DARE drop, breadcrumbs, the L1 rescale.
+- :mod:`mlx_ssp.merge.kernels`: compute dtypes, rounding, the fused-kernel cache, the slice size.
+- :mod:`mlx_ssp.merge.parallel`: tensors merged side by side, largest first within a memory budget.
 - :mod:`mlx_ssp.merge.safetensors_io`: lazy header-based reads, shards written as tensors arrive.
-- :mod:`mlx_ssp.merge.engine`: plan + validate, then stream; ``run_merge`` and ``merge_models``.
+- :mod:`mlx_ssp.merge.outdir`: OUT_DIR safety (never an input; only a previous output replaced).
+- :mod:`mlx_ssp.merge.engine`: merge and write tensor by tensor; ``run_merge`` and ``merge_models``.
 - :mod:`mlx_ssp.merge.cli`: ``mlx_ssp merge CONFIG.yml OUT_DIR``.
 """
 
