@@ -222,6 +222,38 @@ def train_specialist(
 
     ddir = out_dir / safe_dirname(plan.name)
     spec_dir = out_dir / "specialists" / safe_dirname(plan.name)
+    done = _open_domain_dir(cfg, plan, model_path, ddir, spec_dir, seed)
+    if done is not None:
+        return done
+    attach_lora(model, cfg.lora, seed)  # LoRA A init from the seed (replaced by the checkpoint on resume)
+    try:
+        run = _DomainRun(cfg, plan, model, tokenizer, model_path, ddir, seed, probe_fn)
+        times = run.train(callbacks or [])
+        chosen = dist.run_on_main(lambda: write_curve(ddir, plan.name, cfg.select), what="sft: choose the checkpoint")
+        if chosen is None:  # pragma: no cover - every run ends with a probed checkpoint
+            raise UserError(f"{ddir}: no probed checkpoint to choose from")
+        ckpt = ddir / "checkpoints" / ckpts.SFT_NAME.format(chosen["step"])
+        # rank 0 fuses and saves while the others wait (an error there stops them all)
+        with dist.main_first(f"sft {plan.name}: fuse the specialist") as do_it:
+            if do_it:
+                run.load_adapter(ckpt)
+                # the chosen adapter beside adapter_config.json: `mlx_lm fuse --adapter-path DDIR` works
+                shutil.copyfile(ckpt / "adapters.safetensors", ddir / "adapters.safetensors")
+                fuse_and_save(model, tokenizer, model_path, spec_dir, dequantize=cfg.dequantize, overwrite=True)
+        result = _result(cfg, plan, chosen, ckpt, spec_dir, times)
+        if not dist.is_main():
+            return result
+        write_json_atomic(ddir / "result.json", result)
+        click.echo(f"[sft {plan.name}] chose step {chosen['step']} by {cfg.select}; specialist at {spec_dir}", err=True)
+        return result
+    finally:
+        restore_base(model)
+
+
+def _open_domain_dir(cfg: SFTConfig, plan: DomainPlan, model_path: Path, ddir: Path, spec_dir: Path,
+                     seed: int) -> Optional[dict]:
+    """Clear (``overwrite``) or check (same settings) the domain directory; the finished result when
+    the domain is already done, else None after recording the settings and the adapter config."""
     fp = fingerprint(cfg, seed, model_path, plan)
     if cfg.overwrite and dist.is_main():
         shutil.rmtree(ddir, ignore_errors=True)
@@ -241,44 +273,25 @@ def train_specialist(
         ddir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(fp_path, fp)
         write_json_atomic(ddir / "adapter_config.json", adapter_config(cfg, model_path))
+    return None
 
-    attach_lora(model, cfg.lora, seed)  # LoRA A init from the seed (replaced by the checkpoint on resume)
-    try:
-        run = _DomainRun(cfg, plan, model, tokenizer, model_path, ddir, seed, probe_fn)
-        times = run.train(callbacks or [])
-        chosen = dist.run_on_main(lambda: write_curve(ddir, plan.name, cfg.select), what="sft: choose the checkpoint")
-        if chosen is None:  # pragma: no cover - every run ends with a probed checkpoint
-            raise UserError(f"{ddir}: no probed checkpoint to choose from")
-        ckpt = ddir / "checkpoints" / ckpts.SFT_NAME.format(chosen["step"])
-        # rank 0 fuses and saves while the others wait (an error there stops them all)
-        with dist.main_first(f"sft {plan.name}: fuse the specialist") as do_it:
-            if do_it:
-                run.load_adapter(ckpt)
-                # the chosen adapter beside adapter_config.json: `mlx_lm fuse --adapter-path DDIR` works
-                shutil.copyfile(ckpt / "adapters.safetensors", ddir / "adapters.safetensors")
-                fuse_and_save(model, tokenizer, model_path, spec_dir, dequantize=cfg.dequantize, overwrite=True)
-        total = times["train_seconds"] + times["probe_seconds"]
-        result = {
-            "domain": plan.name,
-            "rule": cfg.select,
-            "chosen_step": chosen["step"],
-            "chosen": chosen,
-            "specialist": str(spec_dir),
-            "adapter": str(ckpt),
-            "probe_source": plan.probe_source,
-            "data": {"train": str(plan.train_path), "valid": str(plan.valid_path) if plan.valid_path else None,
-                     **plan.stats},
-            **times,
-            "probe_overhead": times["probe_seconds"] / times["train_seconds"] if times["train_seconds"] > 0 else None,
-            "total_seconds": total,
-        }
-        if not dist.is_main():
-            return result
-        write_json_atomic(result_path, result)
-        click.echo(f"[sft {plan.name}] chose step {chosen['step']} by {cfg.select}; specialist at {spec_dir}", err=True)
-        return result
-    finally:
-        restore_base(model)
+
+def _result(cfg: SFTConfig, plan: DomainPlan, chosen: dict, ckpt: Path, spec_dir: Path, times: dict) -> dict:
+    """``result.json`` of a domain: the chosen checkpoint, the specialist, the data and the timings."""
+    return {
+        "domain": plan.name,
+        "rule": cfg.select,
+        "chosen_step": chosen["step"],
+        "chosen": chosen,
+        "specialist": str(spec_dir),
+        "adapter": str(ckpt),
+        "probe_source": plan.probe_source,
+        "data": {"train": str(plan.train_path), "valid": str(plan.valid_path) if plan.valid_path else None,
+                 **plan.stats},
+        **times,
+        "probe_overhead": times["probe_seconds"] / times["train_seconds"] if times["train_seconds"] > 0 else None,
+        "total_seconds": times["train_seconds"] + times["probe_seconds"],
+    }
 
 
 def run_sft(
