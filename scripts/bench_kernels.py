@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_ssp.rl import kernels as K
+from mlx_ssp.rl.kernels import dispatch as KD
 from mlx_ssp.rl.logprobs import token_logprobs
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -60,7 +61,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
 
-    impls = ["reference"] + [b for b in K.BACKENDS if K._PROBES[b]()]
+    impls = ["reference"] + [b for b in K.BACKENDS if KD._PROBES[b]()]
     info = K.available()
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"# {now:%Y-%m-%d %H:%M} UTC, {platform.machine()} {platform.system()}, "

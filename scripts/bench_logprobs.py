@@ -20,8 +20,6 @@ import argparse
 import os
 import datetime
 import platform
-import statistics
-import time
 
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
@@ -29,24 +27,12 @@ import mlx.nn as nn
 
 from mlx_ssp.rl.logprobs import auto_chunk_size, chunk_impl_name, naive_token_logprobs, token_logprobs
 
+from bench_kernels import measure  # scripts/ is on sys.path when this script runs
+
 
 def run(fn, h, g, repeat):
-    times, peaks = [], []
-    grad = mx.grad(lambda x: (fn(x) * g).sum())
-    for i in range(repeat + 1):
-        mx.synchronize()
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        base = mx.get_active_memory()
-        t0 = time.perf_counter()
-        out = grad(h)
-        mx.eval(out)
-        dt = time.perf_counter() - t0
-        if i:  # first run is the warm-up
-            times.append(dt)
-            peaks.append(mx.get_peak_memory() - base)
-        del out
-    return statistics.median(times), max(peaks)
+    """(median time, peak memory) of the gradient of ``sum(fn(h) * g)`` w.r.t. h; first run is the warm-up."""
+    return measure(mx.grad(lambda x: (fn(x) * g).sum()), (h,), repeat)
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ import mlx_ssp  # noqa: F401
 import mlx.core as mx
 
 from mlx_ssp.rl import kernels as K
+from mlx_ssp.rl.kernels import advantages as KA, log_softmax as KL, sources as KS
 
 # the generated source, mirroring mlx/backend/cuda/custom_kernel.cpp (mlx 0.32)
 DEFAULT_HEADER = (
@@ -105,13 +106,13 @@ class Nvrtc:
 
 def instantiations():
     for dtype, vocab in itertools.product([mx.float32, mx.float16, mx.bfloat16], [7, 1000, 50257, 151936]):
-        t = K._sls_templates("cuda", dtype, vocab)
+        t = KL._sls_templates("cuda", dtype, vocab)
         yield ("selective_log_softmax_fwd", [dtype, mx.int32, mx.float32], [mx.float32, mx.float32], t["fwd"],
                f"{dtype}-{vocab}")
         yield ("selective_log_softmax_bwd", [dtype, mx.int32, mx.float32, mx.float32, mx.float32], [dtype], t["bwd"],
                f"{dtype}-{vocab}")
-    for scale, n in itertools.product(K.SCALE_CODES, [5, 1000, 5000]):
-        t = K._template("grouped_advantages", "cuda", {"TG": K._adv_threadgroup(n), "SCALE": K.SCALE_CODES[scale]})
+    for scale, n in itertools.product(KA.SCALE_CODES, [5, 1000, 5000]):
+        t = KS.template_args("grouped_advantages", "cuda", {"TG": KA._adv_threadgroup(n), "SCALE": KA.SCALE_CODES[scale]})
         yield "grouped_advantages", [mx.float32, mx.int32, mx.float32, mx.int32], [mx.float32] * 10, t, f"{scale}-{n}"
 
 

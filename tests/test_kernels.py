@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from mlx_ssp.errors import UserError
 from mlx_ssp.rl import kernels as K
+from mlx_ssp.rl.kernels import advantages as KA, dispatch as KD, log_softmax as KL, sources as KS
 from mlx_ssp.rl.logprobs import naive_token_logprobs, selective_log_softmax_reference, token_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +94,7 @@ def test_dispatcher_picks_reference_on_this_machine():
 
 
 def test_env_var_forces_reference(monkeypatch):
-    monkeypatch.setitem(K._PROBES, "metal", lambda: True)  # pretend a Mac
+    monkeypatch.setitem(KD._PROBES, "metal", lambda: True)  # pretend a Mac
     assert K.backend() == "metal"
     monkeypatch.setenv(K.ENV, "reference")
     assert K.backend() == "reference"
@@ -103,8 +104,8 @@ def test_env_var_forces_reference(monkeypatch):
 
 
 def test_mode_override_and_context(monkeypatch):
-    monkeypatch.setitem(K._PROBES, "cuda", lambda: True)
-    monkeypatch.setitem(K._PROBES, "metal", lambda: False)
+    monkeypatch.setitem(KD._PROBES, "cuda", lambda: True)
+    monkeypatch.setitem(KD._PROBES, "metal", lambda: False)
     assert K.backend() == "cuda"
     with K.use_mode("reference"):
         assert K.backend() == "reference"
@@ -115,8 +116,8 @@ def test_mode_override_and_context(monkeypatch):
 
 
 def test_metal_preferred_over_cuda(monkeypatch):
-    monkeypatch.setitem(K._PROBES, "metal", lambda: True)
-    monkeypatch.setitem(K._PROBES, "cuda", lambda: True)
+    monkeypatch.setitem(KD._PROBES, "metal", lambda: True)
+    monkeypatch.setitem(KD._PROBES, "cuda", lambda: True)
     assert K.backend() == "metal"
 
 
@@ -125,7 +126,7 @@ def test_bad_or_unavailable_mode_is_a_user_error(monkeypatch):
     with pytest.raises(UserError, match="auto, reference, metal, cuda"):
         K.backend()
     assert K.available()["backend"] == "unavailable"
-    monkeypatch.setitem(K._PROBES, "cuda", lambda: False)
+    monkeypatch.setitem(KD._PROBES, "cuda", lambda: False)
     monkeypatch.setenv(K.ENV, "cuda")
     with pytest.raises(UserError, match="not available"):
         K.backend()
@@ -139,10 +140,37 @@ def test_logprobs_chunk_dispatch_follows_kernels(monkeypatch):
 
     expected = K.selective_log_softmax if K.kernel_available() else selective_log_softmax_reference
     assert logprobs._chunk_impl() is expected
-    monkeypatch.setitem(K._PROBES, "metal", lambda: True)
+    monkeypatch.setitem(KD._PROBES, "metal", lambda: True)
     assert logprobs._chunk_impl() is K.selective_log_softmax
     monkeypatch.setenv(K.ENV, "reference")
     assert logprobs._chunk_impl() is selective_log_softmax_reference
+
+
+def _imported_modules(tree) -> set[str]:
+    import ast
+
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            out |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            out |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+    return out
+
+
+def test_one_dispatcher_and_no_import_circle():
+    """The kernel package never imports the chunked op built on it; only dispatch.py reads the env var."""
+    import ast
+
+    pkg = ROOT / "mlx_ssp"
+    for f in (pkg / "rl" / "kernels").glob("*.py"):
+        mods = _imported_modules(ast.parse(f.read_text()))
+        assert not any(m.startswith("mlx_ssp.rl.logprobs") for m in mods), f"{f.name} imports the log-prob op"
+    readers = sorted(
+        f.relative_to(pkg).as_posix() for f in pkg.rglob("*.py")
+        if any(isinstance(n, ast.Constant) and n.value == K.ENV for n in ast.walk(ast.parse(f.read_text())))
+    )
+    assert readers == ["rl/kernels/dispatch.py"]
 
 
 # -- packaging and sources ----------------------------------------------------------------------
@@ -163,10 +191,10 @@ def test_kernel_folder_files_are_all_package_data():
     import tomllib
 
     setuptools_cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    patterns = setuptools_cfg["package-data"]["mlx_ssp.kernels"]
+    patterns = setuptools_cfg["package-data"]["mlx_ssp.rl.kernels"]
     suffixes = {p.lstrip("*") for p in patterns}
-    for f in (ROOT / "kernels").iterdir():
-        if f.is_file() and f.name != "__init__.py" and not f.name.endswith(".pyc"):
+    for f in (ROOT / "mlx_ssp" / "rl" / "kernels").iterdir():
+        if f.is_file() and f.suffix not in (".py", ".pyc"):  # Python modules ship as the package itself
             assert f.suffix in suffixes, f"{f.name} would not ship in the wheel"
 
 
@@ -187,8 +215,9 @@ def test_wheel_contains_kernel_sources(tmp_path):
     names = set(zipfile.ZipFile(whl).namelist())
     for kernel in K.KERNELS:
         for suffix in K.SUFFIX.values():
-            assert f"mlx_ssp/kernels/{kernel}{suffix}" in names
-    assert {"mlx_ssp/kernels/ssp_metal.h", "mlx_ssp/kernels/ssp_cuda.h", "mlx_ssp/rl/kernels.py"} <= names
+            assert f"mlx_ssp/rl/kernels/{kernel}{suffix}" in names
+    shipped = {f"mlx_ssp/rl/kernels/{f}" for f in ("ssp_metal.h", "ssp_cuda.h", "__init__.py", "dispatch.py")}
+    assert shipped <= names
 
 
 _METAL_ATTRS = {
@@ -228,41 +257,41 @@ def test_sources_are_well_formed_and_twins_agree(kernel):
 def test_wrapper_templates_match_sources():
     for backend in K.BACKENDS:
         for vocab in VOCABS:
-            for dtype in K.SLS_DTYPES:
-                t = K._sls_templates(backend, dtype, vocab)
+            for dtype in KL.SLS_DTYPES:
+                t = KL._sls_templates(backend, dtype, vocab)
                 assert [k for k, _ in t["fwd"]] == list(K.load_source("selective_log_softmax_fwd", backend).template)
                 assert [k for k, _ in t["bwd"]] == list(K.load_source("selective_log_softmax_bwd", backend).template)
         with pytest.raises(ValueError, match="declares template"):
-            K._template("grouped_advantages", backend, {"TG": 32})
+            KS.template_args("grouped_advantages", backend, {"TG": 32})
 
 
 @pytest.mark.parametrize("vocab", VOCABS + [1, 32, 128, 129, 4096, 4097])
 def test_threadgroup_width(vocab):
-    tg = K.sls_threadgroup(vocab)
+    tg = KL.sls_threadgroup(vocab)
     assert tg % 32 == 0 and 32 <= tg <= 1024 and (tg & (tg - 1)) == 0
-    assert tg * K.SLS_M >= vocab or tg == 1024
-    assert 32 <= K._adv_threadgroup(vocab) <= 1024 and K._adv_threadgroup(vocab) % 32 == 0
+    assert tg * KL.SLS_M >= vocab or tg == 1024
+    assert 32 <= KA._adv_threadgroup(vocab) <= 1024 and KA._adv_threadgroup(vocab) % 32 == 0
 
 
 def test_kernels_built_once_per_process(monkeypatch):
-    monkeypatch.setattr(K, "_KERNEL_CACHE", {})
-    monkeypatch.setattr(K, "BUILD_COUNTS", type(K.BUILD_COUNTS)())
+    monkeypatch.setattr(KS, "_KERNEL_CACHE", {})
+    monkeypatch.setattr(KS, "BUILD_COUNTS", type(KS.BUILD_COUNTS)())
     calls = []
 
     def fake_cuda(**kw):
         calls.append(kw)
         return object()
 
-    real_factory = K._factory
-    monkeypatch.setattr(K, "_factory", lambda b: fake_cuda if b == "cuda" else real_factory(b))
+    real_factory = KS._factory
+    monkeypatch.setattr(KS, "_factory", lambda b: fake_cuda if b == "cuda" else real_factory(b))
     for _ in range(3):
         # Metal kernel objects can be created (not run) without Metal: this is the real mlx call
         a = K.get_kernel("selective_log_softmax_fwd", "metal")
         b = K.get_kernel("selective_log_softmax_fwd", "cuda")
     assert K.get_kernel("selective_log_softmax_fwd", "metal") is a
     assert K.get_kernel("selective_log_softmax_fwd", "cuda") is b
-    assert K.BUILD_COUNTS[("metal", "selective_log_softmax_fwd")] == 1
-    assert K.BUILD_COUNTS[("cuda", "selective_log_softmax_fwd")] == 1
+    assert KS.BUILD_COUNTS[("metal", "selective_log_softmax_fwd")] == 1
+    assert KS.BUILD_COUNTS[("cuda", "selective_log_softmax_fwd")] == 1
     (kw,) = calls
     src = K.load_source("selective_log_softmax_fwd", "cuda")
     assert kw["input_names"] == list(src.inputs) and kw["output_names"] == list(src.outputs)
@@ -270,7 +299,7 @@ def test_kernels_built_once_per_process(monkeypatch):
 
 
 def test_metal_kernel_objects_build_for_every_kernel(monkeypatch):
-    monkeypatch.setattr(K, "_KERNEL_CACHE", {})
+    monkeypatch.setattr(KS, "_KERNEL_CACHE", {})
     for kernel in K.KERNELS:
         assert K.get_kernel(kernel, "metal") is not None
 
@@ -296,9 +325,9 @@ def test_dispatch_to_a_kernel_backend_runs_through_token_logprobs(monkeypatch):
     """With a (pretend) Metal device, token_logprobs goes through our custom_function: equal to naive."""
     import mlx.nn as nn
 
-    monkeypatch.setitem(K._PROBES, "metal", lambda: True)
-    monkeypatch.setitem(K.SLS_LAUNCHERS, "metal", K.SLS_LAUNCHERS["emulate"])
-    K._sls_op.cache_clear()
+    monkeypatch.setitem(KD._PROBES, "metal", lambda: True)
+    monkeypatch.setitem(KL.SLS_LAUNCHERS, "metal", KL.SLS_LAUNCHERS["emulate"])
+    KL._sls_op.cache_clear()
     try:
         mx.random.seed(1)
         head = nn.Linear(16, 1000, bias=False)
@@ -310,24 +339,24 @@ def test_dispatch_to_a_kernel_backend_runs_through_token_logprobs(monkeypatch):
         np.testing.assert_allclose(np.array(lp), np.array(lp_n), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.array(dh), np.array(dh_n), rtol=1e-4, atol=1e-5)
     finally:
-        K._sls_op.cache_clear()
+        KL._sls_op.cache_clear()
 
 
 def test_unsupported_inputs_fall_back_to_reference(monkeypatch):
-    monkeypatch.setitem(K._PROBES, "metal", lambda: True)
+    monkeypatch.setitem(KD._PROBES, "metal", lambda: True)
 
     def boom(*a, **k):
         raise AssertionError("kernel launched for an unsupported input")
 
-    monkeypatch.setitem(K.SLS_LAUNCHERS, "metal", (boom, boom))
-    K._sls_op.cache_clear()
+    monkeypatch.setitem(KL.SLS_LAUNCHERS, "metal", (boom, boom))
+    KL._sls_op.cache_clear()
     try:
         logits = mx.zeros((0, 10))
         assert K.selective_log_softmax(logits, mx.zeros((0,), dtype=mx.int32)).shape == (0,)
         with pytest.raises(ValueError):
             K.selective_log_softmax(mx.zeros((2, 10)), mx.zeros((2,), dtype=mx.int32), 0.0)
     finally:
-        K._sls_op.cache_clear()
+        KL._sls_op.cache_clear()
 
 
 # -- grouped advantages -------------------------------------------------------------------------
@@ -371,9 +400,9 @@ def _reference_launcher(mgpo):
 
 def test_advantage_wrapper_plumbing(mgpo, monkeypatch):
     """Dispatch, MGPOAdvantages assembly and the vjp of the kernel wrapper (kernel outputs stated by the reference)."""
-    monkeypatch.setitem(K._PROBES, "cuda", lambda: True)
-    monkeypatch.setitem(K.ADV_LAUNCHERS, "cuda", _reference_launcher(mgpo))
-    K._adv_op.cache_clear()
+    monkeypatch.setitem(KD._PROBES, "cuda", lambda: True)
+    monkeypatch.setitem(KA.ADV_LAUNCHERS, "cuda", _reference_launcher(mgpo))
+    KA._adv_op.cache_clear()
     try:
         for what, r, gid in _adv_cases():
             for scale in ("group", "batch", "none"):
@@ -390,18 +419,18 @@ def test_advantage_wrapper_plumbing(mgpo, monkeypatch):
             np.array(vjp_of(K.grouped_advantages)), np.array(vjp_of(mgpo.mgpo_advantages)), rtol=1e-5, atol=1e-6
         )
     finally:
-        K._adv_op.cache_clear()
+        KA._adv_op.cache_clear()
 
 
 def test_advantage_dispatch_falls_back_to_reference(mgpo, monkeypatch):
-    monkeypatch.setitem(K._PROBES, "metal", lambda: True)
+    monkeypatch.setitem(KD._PROBES, "metal", lambda: True)
 
     def boom(*a, **k):
         raise AssertionError("kernel launched for an input it must not take")
 
-    monkeypatch.setitem(K.ADV_LAUNCHERS, "metal", boom)
-    monkeypatch.setattr(K, "ADV_KERNEL_MAX_N", 8)
-    K._adv_op.cache_clear()
+    monkeypatch.setitem(KA.ADV_LAUNCHERS, "metal", boom)
+    monkeypatch.setattr(KA, "ADV_KERNEL_MAX_N", 8)
+    KA._adv_op.cache_clear()
     try:
         r, gid = mx.zeros((16,)), mx.repeat(mx.arange(4), 4)  # above ADV_KERNEL_MAX_N
         assert_same_advantages(K.grouped_advantages(r, gid, lam=1.0), mgpo.mgpo_advantages(r, gid, lam=1.0))
@@ -411,7 +440,7 @@ def test_advantage_dispatch_falls_back_to_reference(mgpo, monkeypatch):
         with pytest.raises(ValueError, match="scale_rewards"):
             K.grouped_advantages(r, gid, lam=1.0, scale_rewards="sample")
     finally:
-        K._adv_op.cache_clear()
+        KA._adv_op.cache_clear()
 
 
 # -- on the real kernels (Metal on a Mac, CUDA with mlx[cuda]); skipped elsewhere ------------------
@@ -425,7 +454,7 @@ _DEVICE_REASON = {
 @pytest.fixture(params=list(K.BACKENDS))
 def device_backend(request):
     b = request.param
-    if not K._PROBES[b]():
+    if not KD._PROBES[b]():
         pytest.skip(_DEVICE_REASON[b])
     return b
 
@@ -466,10 +495,13 @@ def test_token_logprobs_with_kernel_on_device(device_backend):
 def test_advantage_kernel_on_device(mgpo, device_backend, scale):
     rng = np.random.default_rng(1)
     cases = list(_adv_cases()) + [("large", rng.integers(0, 2, 3000).astype(np.float32), np.repeat(np.arange(375), 8))]
+    assert_backend_matches_reference(mgpo, device_backend, cases, scale)
+
+
+def assert_backend_matches_reference(mgpo, backend, cases, scale):
+    """grouped_advantages_on(backend) equals mgpo_advantages on each case, for lambda 0, 1 and 2.5."""
     for lam in (0.0, 1.0, 2.5):
         for what, r, gid in cases:
             ref = mgpo.mgpo_advantages(mx.array(r), mx.array(gid), lam=lam, scale_rewards=scale, eps=1e-6)
-            out = K.grouped_advantages_on(
-                device_backend, mx.array(r), mx.array(gid), lam=lam, scale_rewards=scale, eps=1e-6
-            )
-            assert_same_advantages(out, ref, f"{device_backend} {what} {scale} lam={lam}")
+            out = K.grouped_advantages_on(backend, mx.array(r), mx.array(gid), lam=lam, scale_rewards=scale, eps=1e-6)
+            assert_same_advantages(out, ref, f"{backend} {what} {scale} lam={lam}")

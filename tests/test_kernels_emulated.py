@@ -32,6 +32,7 @@ import mlx_ssp  # noqa: F401
 import mlx.core as mx
 
 from mlx_ssp.rl import kernels as K
+from mlx_ssp.rl.kernels import advantages as KA, log_softmax as KL, sources as KS
 from mlx_ssp.rl.logprobs import selective_log_softmax_reference
 
 CXX = shutil.which("g++") or shutil.which("c++")
@@ -205,8 +206,8 @@ def emulate(backend, name, inputs, out_shapes, out_dtypes, template, groups, tg)
 
 def _sls_fwd(backend, logits, targets, inv_t):
     n, vocab = logits.shape
-    tg = K.sls_threadgroup(vocab)
-    t = K._sls_templates(backend, logits.dtype, vocab)["fwd"]
+    tg = KL.sls_threadgroup(vocab)
+    t = KL._sls_templates(backend, logits.dtype, vocab)["fwd"]
     logp, lse = emulate(backend, "selective_log_softmax_fwd", [logits, targets, inv_t], [(n,), (n,)],
                         [mx.float32, mx.float32], t, n, tg)
     return logp, lse
@@ -214,8 +215,8 @@ def _sls_fwd(backend, logits, targets, inv_t):
 
 def _sls_bwd(backend, logits, targets, inv_t, lse, cotan):
     n, vocab = logits.shape
-    tg = K.sls_threadgroup(vocab)
-    t = K._sls_templates(backend, logits.dtype, vocab)["bwd"]
+    tg = KL.sls_threadgroup(vocab)
+    t = KL._sls_templates(backend, logits.dtype, vocab)["bwd"]
     mx.eval(lse, cotan)
     (d,) = emulate(backend, "selective_log_softmax_bwd", [logits, targets, inv_t, lse, cotan], [logits.shape],
                    [logits.dtype], t, n, tg)
@@ -224,8 +225,8 @@ def _sls_bwd(backend, logits, targets, inv_t, lse, cotan):
 
 def _adv(backend, rewards, group_ids, params, sizes, scale, num_groups):
     n = rewards.shape[0]
-    tg = K._adv_threadgroup(max(n, num_groups))
-    t = K._template("grouped_advantages", backend, {"TG": tg, "SCALE": K.SCALE_CODES[scale]})
+    tg = KA._adv_threadgroup(max(n, num_groups))
+    t = KS.template_args("grouped_advantages", backend, {"TG": tg, "SCALE": KA.SCALE_CODES[scale]})
     return emulate(backend, "grouped_advantages", [rewards, group_ids, params, sizes],
                    [(n,)] * 3 + [(num_groups,)] * 7, [mx.float32] * 10, t, 1, tg)
 
@@ -235,11 +236,11 @@ def emu_backend(request, monkeypatch):
     """The real wrapper (custom_function, vjp, dispatch) with the launchers running the emulated source."""
     b = request.param
     name = f"emu-{b}"
-    monkeypatch.setitem(K.SLS_LAUNCHERS, name, (lambda _b, *a: _sls_fwd(b, *a), lambda _b, *a: _sls_bwd(b, *a)))
-    monkeypatch.setitem(K.ADV_LAUNCHERS, name, lambda _b, *a: _adv(b, *a))
+    monkeypatch.setitem(KL.SLS_LAUNCHERS, name, (lambda _b, *a: _sls_fwd(b, *a), lambda _b, *a: _sls_bwd(b, *a)))
+    monkeypatch.setitem(KA.ADV_LAUNCHERS, name, lambda _b, *a: _adv(b, *a))
     yield name
-    K._sls_op.cache_clear()
-    K._adv_op.cache_clear()
+    KL._sls_op.cache_clear()
+    KA._adv_op.cache_clear()
 
 
 def float32_tol(vocab: int) -> dict:
@@ -297,17 +298,11 @@ def mgpo():
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_advantage_kernel_source(mgpo, emu_backend, scale):
-    from test_kernels import _adv_cases, assert_same_advantages
+    from test_kernels import _adv_cases, assert_backend_matches_reference
 
     rng = np.random.default_rng(0)
     cases = list(_adv_cases()) + [
         ("more samples than threads", rng.integers(0, 2, 1100).astype(np.float32), np.repeat(np.arange(275), 4)),
         ("more groups than threads", rng.integers(0, 2, 2100).astype(np.float32), np.arange(2100) % 1050),
     ]
-    for lam in (0.0, 1.0, 2.5):
-        for what, r, gid in cases:
-            ref = mgpo.mgpo_advantages(mx.array(r), mx.array(gid), lam=lam, scale_rewards=scale, eps=1e-6)
-            out = K.grouped_advantages_on(
-                emu_backend, mx.array(r), mx.array(gid), lam=lam, scale_rewards=scale, eps=1e-6
-            )
-            assert_same_advantages(out, ref, f"{emu_backend} {what} lam={lam}")
+    assert_backend_matches_reference(mgpo, emu_backend, cases, scale)

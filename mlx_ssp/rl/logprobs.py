@@ -13,12 +13,13 @@ again in the backward pass. This module computes it in chunks of ``chunk_size`` 
   part scatter-added at the targets only, and the gradient flows on into the hidden states (and
   into the head's weight when it is trained), chunk by chunk.
 
-Kernel dispatch: :func:`_chunk_impl` returns ``mlx_ssp.rl.kernels.selective_log_softmax`` when that
-module exists and says a kernel is available, else :func:`selective_log_softmax_reference`.
-``MLX_SSP_KERNELS=reference`` forces the reference. With the reference, the chunked op runs the
-same math written out per chunk (:class:`_Fused`, which keeps the forward's logsumexp for the
-backward); a kernel is called per chunk as ``impl(logits, targets, T)`` with its own vjp
-(:class:`_Impl`).
+Kernel dispatch: :func:`_chunk_impl` asks the one dispatcher (:mod:`mlx_ssp.rl.kernels`) and returns
+its ``selective_log_softmax`` when a kernel runs, else ``selective_log_softmax_reference`` (both live in
+:mod:`mlx_ssp.rl.kernels.log_softmax`; this module builds on them and is never imported by them).
+``MLX_SSP_KERNELS=reference`` or the ``rl.kernels`` config key forces the reference. With the
+reference, the chunked op runs the same math written out per chunk (:class:`_Fused`, which keeps the
+forward's logsumexp for the backward); a kernel is called per chunk as ``impl(logits, targets, T)``
+with its own vjp (:class:`_Impl`).
 
 Heads: ``nn.Linear`` (with or without bias), a tied ``nn.Embedding`` (its ``as_linear``),
 ``nn.QuantizedLinear`` and ``nn.QuantizedEmbedding`` (``mx.quantized_matmul``; no gradient into the
@@ -43,75 +44,23 @@ instead of 2).
 
 from __future__ import annotations
 
-import functools
-import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-KERNELS_ENV = "MLX_SSP_KERNELS"
-
+from mlx_ssp.rl import kernels
+from mlx_ssp.rl.kernels.log_softmax import flat_index, scaled, selective_log_softmax_reference
 
 # -- the per-chunk op ---------------------------------------------------------------------------
 
 
-def _scaled(logits: mx.array, temperature: float) -> mx.array:
-    x = logits.astype(mx.float32)
-    return x if temperature == 1.0 else x * (1.0 / temperature)
-
-
-@functools.lru_cache(maxsize=64)
-def _sls_ref_for(temperature: float):
-    """The reference op for one temperature (a closure: T is a constant, not an array input)."""
-
-    @mx.custom_function
-    def sls(logits: mx.array, targets: mx.array) -> mx.array:
-        x = _scaled(logits, temperature)
-        picked = mx.take_along_axis(x, targets[:, None], axis=-1)[:, 0]
-        return picked - mx.logsumexp(x, axis=-1)
-
-    @sls.vjp
-    def sls_vjp(primals, cotangent, output):
-        logits, targets = primals
-        x = _scaled(logits, temperature)
-        # d lp_i / d x_iv = onehot(t_i) - softmax(x_i); chained through x = logits / T, the one-hot
-        # part is a scatter-add of g / T at the targets only
-        gt = cotangent.astype(mx.float32) * (1.0 / temperature)
-        d = mx.exp(x - mx.logsumexp(x, axis=-1, keepdims=True)) * (-gt)[:, None]
-        d = d.reshape(-1).at[_flat_index(targets, x.shape[1])].add(gt).reshape(x.shape)
-        return d.astype(logits.dtype), mx.zeros_like(targets)
-
-    return sls
-
-
-def selective_log_softmax_reference(logits: mx.array, targets: mx.array, temperature: float = 1.0) -> mx.array:
-    """``log_softmax(logits.astype(float32) / T)[i, targets[i]]`` for each row i -> [n] float32.
-
-    logits [n, V] (any float dtype), targets [n] int. The vjp with respect to logits is
-    ``g[:, None] * (onehot(targets) - softmax(logits / T)) / T`` cast to logits' dtype (no
-    gradient into targets or T). Plain MLX; the kernels in :mod:`mlx_ssp.rl.kernels` equal it."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    return _sls_ref_for(float(temperature))(logits, targets.astype(mx.int32))
-
-
 def _chunk_impl() -> Callable[[mx.array, mx.array, float], mx.array]:
     """The per-chunk selective log-softmax: a custom kernel where one can run, else the reference."""
-    if os.environ.get(KERNELS_ENV, "").strip().lower() == "reference":
-        return selective_log_softmax_reference
-    try:
-        from mlx_ssp.rl import kernels
-    except ImportError:
-        return selective_log_softmax_reference
-    available = getattr(kernels, "kernel_available", None)
-    impl = getattr(kernels, "selective_log_softmax", None)
-    if impl is None or (callable(available) and not available()):
-        return selective_log_softmax_reference
-    return impl
+    return kernels.selective_log_softmax if kernels.kernel_available() else selective_log_softmax_reference
 
 
 def chunk_impl_name() -> str:
@@ -210,16 +159,10 @@ def auto_chunk_size(vocab: int, budget_bytes: int = CHUNK_BYTES) -> int:
 # save_grad forward (log-probs plus d logp / d hidden rows for cotangent 1).
 
 
-def _flat_index(targets: mx.array, vocab: int) -> mx.array:
-    """Row-major index of (i, targets[i]) in a flattened [n x vocab] array."""
-    dtype = mx.int32 if targets.shape[0] * vocab < 2**31 else mx.int64
-    return mx.arange(targets.shape[0], dtype=dtype) * vocab + targets.astype(dtype)
-
-
 def _onehot_add(d: mx.array, targets: mx.array, values: mx.array) -> mx.array:
     """``d + values[:, None] * onehot(targets)``: a scatter-add at the targets only (in place where
     MLX can donate ``d``; no [chunk x V] one-hot, no put_along_axis)."""
-    return d.reshape(-1).at[_flat_index(targets, d.shape[1])].add(values).reshape(d.shape)
+    return d.reshape(-1).at[flat_index(targets, d.shape[1])].add(values).reshape(d.shape)
 
 
 class _Fused:
@@ -238,7 +181,7 @@ class _Fused:
         self.inv_t = 1.0 / temperature
 
     def _picked(self, logits, tc):
-        flat = _flat_index(tc, logits.shape[1])
+        flat = flat_index(tc, logits.shape[1])
         return mx.take(logits.reshape(-1), flat).astype(mx.float32) * self.inv_t
 
     def forward(self, logits, tc, want_entropy):
@@ -392,33 +335,36 @@ def _cat(xs):
     return mx.concatenate(xs) if len(xs) > 1 else xs[0]
 
 
+def _forward_chunks(fn: Callable, h: mx.array, targets: mx.array, chunk_size: int, off_thread: bool) -> list:
+    """``fn(h_chunk, targets_chunk)`` (a tuple of arrays or None) for each chunk -> its outputs column-wise.
+
+    One chunk stays lazy (forcing evaluation inside the gradient trace would materialise the whole
+    model's forward at once: measured 2x the activation memory on a tiny model); with several,
+    each is evaluated on its own, on the helper thread for the CPU path (``off_thread``)."""
+    n = h.shape[0]
+    if n <= chunk_size:
+        return [[x] for x in fn(h, targets)]
+    threaded = off_thread and _evaluable(h, targets)
+    rows = []
+    for s, e in _chunks(n, chunk_size):
+        hc, tc = _materialize(h[s:e], targets[s:e])
+        rows.append(_outside_trace(fn, hc, tc) if threaded else _materialize(*fn(hc, tc)))
+    return [list(col) for col in zip(*rows)]
+
+
 def _make_op(logits_fn, n_params: int, temperature: float, chunk_size: int, impl, want_entropy: bool):
     """The chunked op as an mx.custom_function of (h, targets, *trained_head_params).
 
     Outputs: (log-probs, [entropy], [logsumexp per token, kept for the backward by the CPU path])."""
     eng = _engine(impl, temperature)
-    # one chunk stays lazy (forcing evaluation inside the gradient trace would materialise the
-    # whole model's forward at once: measured 2x the activation memory on a tiny model); with
-    # several, each is evaluated on its own, on the helper thread for the CPU path
-    off_thread = isinstance(eng, _Fused)
+    off_thread = isinstance(eng, _Fused)  # the CPU path evaluates chunks on the helper thread
 
     @mx.custom_function
     def op(h, targets, *params):
-        lps, ents, lses = [], [], []
-        n = h.shape[0]
-        threaded = off_thread and n > chunk_size and _evaluable(h, targets)
-        for s, e in _chunks(n, chunk_size):
-            if n <= chunk_size:  # one chunk: stay lazy
-                lp, ent, lse = eng.forward(logits_fn(h, *params), targets, want_entropy)
-            elif threaded:
-                hc, tc = _materialize(h[s:e], targets[s:e])
-                lp, ent, lse = _outside_trace(lambda x, t: eng.forward(logits_fn(x, *params), t, want_entropy), hc, tc)
-            else:
-                hc, tc = _materialize(h[s:e], targets[s:e])
-                lp, ent, lse = _materialize(*eng.forward(logits_fn(hc, *params), tc, want_entropy))
-            lps.append(lp)
-            ents.append(ent)
-            lses.append(lse)
+        def chunk(x, t):
+            return eng.forward(logits_fn(x, *params), t, want_entropy)
+
+        lps, ents, lses = _forward_chunks(chunk, h, targets, chunk_size, off_thread)
         out = (_cat(lps),)
         if want_entropy:
             out += (_cat(ents),)
@@ -467,21 +413,10 @@ def _make_saved_op(logits_fn, temperature: float, chunk_size: int, impl, want_en
 
     @mx.custom_function
     def op(h, targets):
-        lps, js, ents = [], [], []
-        n = h.shape[0]
-        threaded = isinstance(eng, _Fused) and n > chunk_size and _evaluable(h, targets)
-        for s, e in _chunks(n, chunk_size):
-            if n <= chunk_size:  # one chunk: stay lazy (see _make_op)
-                lp, j, ent = eng.saved(logits_fn, h, targets, want_entropy)
-            else:
-                hc, tc = _materialize(h[s:e], targets[s:e])
-                if threaded:
-                    lp, j, ent = _outside_trace(lambda x, t: eng.saved(logits_fn, x, t, want_entropy), hc, tc)
-                else:
-                    lp, j, ent = _materialize(*eng.saved(logits_fn, hc, tc, want_entropy))
-            lps.append(lp)
-            js.append(j)
-            ents.append(ent)
+        def chunk(x, t):
+            return eng.saved(logits_fn, x, t, want_entropy)
+
+        lps, js, ents = _forward_chunks(chunk, h, targets, chunk_size, isinstance(eng, _Fused))
         return (_cat(lps), _cat(js)) + ((_cat(ents),) if want_entropy else ())
 
     @op.vjp
@@ -495,7 +430,7 @@ def _make_saved_op(logits_fn, temperature: float, chunk_size: int, impl, want_en
 
 def _entropy(logits: mx.array, temperature: float) -> mx.array:
     """Entropy of softmax(logits / T) per row, float32, no gradient (a statistic)."""
-    x = mx.stop_gradient(_scaled(logits, temperature))
+    x = mx.stop_gradient(scaled(logits, temperature))
     lse = mx.logsumexp(x, axis=-1, keepdims=True)
     p = mx.exp(x - lse)
     return lse[:, 0] - (p * x).sum(axis=-1)
@@ -521,8 +456,8 @@ def token_logprobs(
     Qwen3's 151,936 vocab, about 0.8 GB at the peak).
     ``save_grad=True`` (for callers that will take the gradient, with a frozen head) computes
     each chunk's d logp / d hidden rows in the forward instead of recomputing the chunk in the
-    backward: two head matmuls in all instead of three (see :func:`_make_saved_op`). Gradients flow into ``hidden`` and into a
-    float head's weights. With ``return_entropy`` also returns the per-token entropy of
+    backward: two head matmuls in all instead of three (see :func:`_make_saved_op`). Gradients flow
+    into ``hidden`` and into a float head's weights. With ``return_entropy`` also returns the per-token entropy of
     softmax(logits / T) (from the same forward logits; no gradient)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -538,29 +473,35 @@ def token_logprobs(
         return (z, z) if return_entropy else z
     build = _head_builder(head)
     if build is None:  # unknown head type: correct but unchunked
-        logits = head.as_linear(h) if hasattr(head, "as_linear") else head(h)
-        lp = selective_log_softmax_reference(logits, t, temperature)
-        out = (lp, _entropy(logits, temperature)) if return_entropy else lp
+        lp, ent = _unchunked(head, h, t, temperature, return_entropy)
     else:
-        params, logits_fn = build(head)
-        cs = auto_chunk_size(head_vocab(head)) if chunk_size is None else int(chunk_size)
-        if h.shape[0] > cs:
-            mx.eval(*params)  # chunks are built on a helper thread: its inputs must be evaluated
-        if not _trainable(head):
-            # frozen head (LoRA, quantized): weights are constants of the op, so its backward
-            # never computes (or keeps buffers for) a head gradient nobody asked for
-            frozen, fn = params, logits_fn
-            params, logits_fn = (), (lambda hc: fn(hc, *frozen))
-        if save_grad and not params:
-            outs = _make_saved_op(logits_fn, float(temperature), cs, _chunk_impl(), return_entropy)(h, t)
-            out = (outs[0], outs[2]) if return_entropy else outs[0]
-        else:
-            op = _make_op(logits_fn, len(params), float(temperature), cs, _chunk_impl(), return_entropy)
-            outs = op(h, t, *params)
-            out = (outs[0], outs[1]) if return_entropy else outs[0]
-    if return_entropy:
-        return out[0].reshape(shape), out[1].reshape(shape)
-    return out.reshape(shape)
+        lp, ent = _chunked(build(head), head, h, t, temperature, chunk_size, return_entropy, save_grad)
+    return (lp.reshape(shape), ent.reshape(shape)) if return_entropy else lp.reshape(shape)
+
+
+def _unchunked(head: nn.Module, h, t, temperature: float, want_entropy: bool):
+    """(log-probs, entropy or None) through the full logits of a head type HEADS does not know."""
+    logits = head.as_linear(h) if hasattr(head, "as_linear") else head(h)
+    lp = selective_log_softmax_reference(logits, t, temperature)
+    return lp, (_entropy(logits, temperature) if want_entropy else None)
+
+
+def _chunked(built, head: nn.Module, h, t, temperature: float, chunk_size, want_entropy: bool, save_grad: bool):
+    """(log-probs, entropy or None) by the chunked op, for a head with a HEADS builder (``built``)."""
+    params, logits_fn = built
+    cs = auto_chunk_size(head_vocab(head)) if chunk_size is None else int(chunk_size)
+    if h.shape[0] > cs:
+        mx.eval(*params)  # chunks are built on a helper thread: its inputs must be evaluated
+    if not _trainable(head):
+        # frozen head (LoRA, quantized): weights are constants of the op, so its backward
+        # never computes (or keeps buffers for) a head gradient nobody asked for
+        frozen, fn = params, logits_fn
+        params, logits_fn = (), (lambda hc: fn(hc, *frozen))
+    if save_grad and not params:
+        outs = _make_saved_op(logits_fn, float(temperature), cs, _chunk_impl(), want_entropy)(h, t)
+        return outs[0], (outs[2] if want_entropy else None)
+    outs = _make_op(logits_fn, len(params), float(temperature), cs, _chunk_impl(), want_entropy)(h, t, *params)
+    return outs[0], (outs[1] if want_entropy else None)
 
 
 def naive_token_logprobs(hidden: mx.array, head: nn.Module, targets: mx.array, temperature: float = 1.0) -> mx.array:
@@ -579,28 +520,23 @@ def sequence_hidden(model: nn.Module, inputs: mx.array) -> mx.array:
 
 
 def model_token_logprobs(
-    model: nn.Module,
-    inputs: mx.array,
-    targets: mx.array,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    *,
-    return_entropy: bool = False,
-    compute_dtype: mx.Dtype | None = None,
+    model: nn.Module, inputs: mx.array, targets: mx.array, *args, compute_dtype: mx.Dtype | None = None, **options
 ) -> mx.array | tuple[mx.array, mx.array]:
     """``token_logprobs`` of ``targets`` given ``inputs`` ([B, L] each, targets = inputs shifted
-    by one) through an mlx-lm model's backbone and head."""
+    by one) through an mlx-lm model's backbone and head. ``args`` / ``options`` are
+    :func:`token_logprobs`' (temperature, chunk_size, return_entropy, ...); the hidden states are
+    cast to ``compute_dtype`` first when one is given."""
     h = sequence_hidden(model, inputs)
     if compute_dtype is not None:
         h = h.astype(compute_dtype)
-    return token_logprobs(h, head_of(model), targets, temperature, chunk_size, return_entropy=return_entropy)
+    return token_logprobs(h, head_of(model), targets, *args, **options)
 
 
 __all__: Sequence[str] = (
+    "chunk_impl_name",
+    "head_of",
+    "model_token_logprobs",
+    "naive_token_logprobs",
     "selective_log_softmax_reference",
     "token_logprobs",
-    "naive_token_logprobs",
-    "model_token_logprobs",
-    "head_of",
-    "chunk_impl_name",
 )
