@@ -232,3 +232,19 @@ def test_bug_in_own_verifier_module_is_not_swallowed(tmp_path, monkeypatch):
     finally:
         sys.modules.pop("mlx_ssp_verify_copy", None)
         sys.modules.update(saved)
+
+
+def test_sources_are_registry_entries():
+    """Each source kind carries its own functions (a split's items, the default domain name, its
+    `tasks list` line); nothing outside the registry branches on the kind."""
+    from mlx_ssp.tasks.sources import SOURCES, default_domain_name
+
+    assert all(callable(s.split_items) for s in SOURCES.values())
+    assert [k for k, s in SOURCES.items() if s.catalogue] == ["reasoning_gym", "bfcl"]
+    assert [k for k, s in SOURCES.items() if s.default_size] == ["reasoning_gym"]
+    names = {
+        "reasoning_gym:basic_arithmetic": "basic_arithmetic", "bfcl:simple": "bfcl_simple",
+        "jsonl:/x/my data.v2.jsonl": "my_data", "jsonl:.hidden": "jsonl", "hf:org/name/": "name",
+        "gsm8k:/x/train.jsonl": "gsm8k", "humaneval": "humaneval", "hf:json": "json",
+    }
+    assert {s: default_domain_name(s) for s in names} == names

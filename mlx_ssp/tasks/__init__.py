@@ -140,6 +140,7 @@ def render_prompt(tokenizer, task: Task, system: str | None = None) -> list[int]
 # -- the ``tasks:`` config section and its splits -------------------------------------------------
 
 from mlx_ssp.tasks.config import SPLITS, DomainConfig, SplitSizes, TasksConfig  # noqa: E402
+from mlx_ssp.tasks.sources import default_domain_name  # noqa: E402  (its home is the source registry)
 
 
 def _to_task(domain: str, dcfg: DomainConfig, item, split: str) -> Task:
@@ -188,23 +189,6 @@ def build_split(cfg: TasksConfig, split: str) -> list[Task]:
     return tasks
 
 
-def default_domain_name(source: str) -> str:
-    import re
-
-    kind, _, arg = source.partition(":")
-    if kind == "reasoning_gym":
-        name = arg
-    elif kind == "bfcl":
-        name = f"bfcl_{arg}"
-    elif kind in ("jsonl",):
-        name = Path(arg).name.split(".")[0] or kind
-    elif kind == "hf":
-        name = arg.rstrip("/").split("/")[-1] or kind
-    else:
-        name = kind
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip("._-") or kind
-
-
 def export_source(
     source: str,
     *,
@@ -217,7 +201,7 @@ def export_source(
 ) -> list[Task]:
     """Tasks from one source shorthand (``gsm8k:PATH``, ``reasoning_gym:NAME``, ``humaneval``,
     ``bfcl:CAT``, ``jsonl:PATH``, ``hf:ID``): ``size`` tasks of ``split`` (default: every row of a
-    file source; 100 for procedural ones). ``domain_options`` are DomainConfig keys (instruction,
+    file source; the source's default_size for procedural ones). ``domain_options`` are DomainConfig keys (instruction,
     system, verifier, answer_extraction, sandbox)."""
     from mlx_ssp.config import validate
     from mlx_ssp.tasks.sources import parse_source
@@ -229,8 +213,8 @@ def export_source(
     except ValueError as e:
         raise UserError(str(e)) from None
     if size is None:
-        if src.procedural:
-            size = 100
+        if src.default_size is not None:
+            size = src.default_size
         elif split != "train":
             raise UserError(f"--size is needed with --split {split}")
     sizes = {"train": 0} if split != "train" else {}

@@ -94,21 +94,14 @@ def export(source, output, size, seed, split, params, instruction, system, verif
 @cli.command("list")
 def list_cmd() -> None:
     """List source kinds, reasoning-gym datasets and BFCL categories."""
-    from mlx_ssp.tasks.sources import SOURCES, bfcl_categories
+    from mlx_ssp.tasks.sources import SOURCES
 
     click.echo("Sources:")
     for k, s in SOURCES.items():
         click.echo(f"  {k + ':' + s.help:64s} verifier: {s.verifier or '(configure)'}")
-    try:
-        import reasoning_gym.factory as rgf
-
-        click.echo(f"reasoning_gym datasets ({len(rgf.DATASETS)}): " + ", ".join(sorted(rgf.DATASETS)))
-    except ImportError:
-        click.echo("reasoning_gym: not installed")
-    try:
-        click.echo("BFCL categories: simple, " + ", ".join(bfcl_categories()))
-    except UserError as e:
-        click.echo(f"BFCL: {e}")
+    for s in SOURCES.values():
+        if s.catalogue is not None:
+            click.echo(s.catalogue())
     from mlx_ssp.verify import UNAVAILABLE, VERIFIERS
 
     click.echo("Verifiers: " + ", ".join(sorted(VERIFIERS)) + "".join(f"; {k}: {v}" for k, v in UNAVAILABLE.items()))

@@ -1,7 +1,8 @@
 """Task sources and the three disjoint splits.
 
-A source is named ``KIND:ARG``; ``SOURCES`` maps each kind to how it loads and to its defaults
-(verifier, answer-format instruction):
+A source is named ``KIND:ARG``; ``SOURCES`` maps each kind to an entry carrying its own functions
+(how it draws a split's items, its default domain name, what ``tasks list`` says of its arguments) and
+its defaults (verifier, answer-format instruction, export size):
 
 - ``gsm8k:PATH``: GSM8K's own JSONL (``question``; ``answer`` ending in ``#### n``) -> ``math``.
 - ``reasoning_gym:DATASET``: a seeded procedural generator; ``params`` are the dataset's config
@@ -58,13 +59,19 @@ class Item:
 
 @dataclass(frozen=True)
 class Source:
+    """One source kind, as an entry of :data:`SOURCES`."""
+
     kind: str
     verifier: Optional[str]  # None: must be configured (jsonl/hf with plain rows)
     instruction: str
+    #: (source, ARG, domain, domain config, seed, split) -> that split's items, disjoint from the others
+    split_items: Callable[[Source, str, str, Any, int, str], list[Item]]
     load: Optional[Callable[[str, dict], list[Item]]] = None  # file sources: all rows
-    procedural: bool = False
+    default_size: Optional[int] = None  # `tasks export` without --size; None: every row of the file
     arg_required: bool = True
     help: str = ""
+    domain_name: Callable[[str], str] = lambda arg: ""  # default domain name from ARG ("": the kind)
+    catalogue: Optional[Callable[[], str]] = None  # a `tasks list` line naming what ARG may be
 
 
 def parse_source(spec: str) -> tuple[Source, str]:
@@ -75,6 +82,9 @@ def parse_source(spec: str) -> tuple[Source, str]:
     if src.arg_required and not arg:
         raise ValueError(f"source '{spec}' needs an argument: {kind}:{src.help}")
     return src, arg
+
+
+ORDER = ("eval", "probe", "train")  # eval is drawn first: it stays fixed when train/probe change
 
 
 # -- file sources ------------------------------------------------------------------------------------
@@ -170,6 +180,13 @@ def bfcl_categories() -> list[str]:
     d = _bfcl_dir() / "possible_answer"
     cats = sorted(p.name[len("BFCL_v4_"):-len(".json")] for p in d.glob("BFCL_v4_*.json"))
     return [c for c in cats if not c.startswith(("multi_turn", "memory", "web_search"))]
+
+
+def _bfcl_catalogue() -> str:
+    try:
+        return "BFCL categories: simple, " + ", ".join(bfcl_categories())
+    except UserError as e:
+        return f"BFCL: {e}"
 
 
 def _load_bfcl(arg: str, params: dict) -> list[Item]:
@@ -334,14 +351,29 @@ def _rg_generate(name: str, params: dict, seed: int, n: int, exclude: set[str], 
     )
 
 
-SOURCES: dict[str, Source] = {
-    "gsm8k": Source("gsm8k", "math", ANSWER_INSTRUCTION, _load_gsm8k, help="PATH (a GSM8K .jsonl)"),
-    "reasoning_gym": Source("reasoning_gym", "reasoning_gym", ANSWER_INSTRUCTION, procedural=True, help="DATASET (e.g. basic_arithmetic)"),
-    "humaneval": Source("humaneval", "code", CODE_INSTRUCTION, _load_humaneval, arg_required=False, help="[PATH]"),
-    "bfcl": Source("bfcl", "toolcall", TOOL_INSTRUCTION, _load_bfcl, help="CATEGORY (simple, multiple, parallel...)"),
-    "jsonl": Source("jsonl", None, "", _load_jsonl, help="PATH (with params: prompt_field, answer_field...)"),
-    "hf": Source("hf", None, "", _load_hf, help="DATASET (hub id, local builder like json, or saved dir)"),
-}
+def _rg_items(src: Source, arg: str, domain: str, dcfg, seed: int, split: str) -> list[Item]:
+    """Draw the splits in ORDER, each from its own seed, skipping problems of the splits before it."""
+    taken: set[str] = set()
+    for s in ORDER:
+        n = dcfg.sizes.of(s)
+        if n is None:
+            raise UserError(f"domain '{domain}': sizes.{s} must be a number for {src.kind} sources")
+        items = _rg_generate(arg, dcfg.params, split_seed(seed, domain, s), n, taken, domain, s)
+        if s == split:
+            return items
+        taken.update(it.metadata["reasoning_gym"]["key"] for it in items)
+    raise ValueError(split)  # unreachable: split is one of ORDER
+
+
+def _rg_catalogue() -> str:
+    try:
+        import reasoning_gym.factory as rgf
+    except ImportError:
+        return "reasoning_gym: not installed"
+    return f"reasoning_gym datasets ({len(rgf.DATASETS)}): " + ", ".join(sorted(rgf.DATASETS))
+
+
+# -- file sources: every row loaded once, shuffled and partitioned -----------------------------------
 
 _ROWS_CACHE: dict[str, list[Item]] = {}
 
@@ -360,22 +392,9 @@ def _rows(src: Source, arg: str, params: dict) -> list[Item]:
     return _ROWS_CACHE[key]
 
 
-ORDER = ("eval", "probe", "train")  # eval is drawn first: it stays fixed when train/probe change
 
-
-def domain_items(domain: str, dcfg, seed: int, split: str) -> list[Item]:
-    """The raw items of one domain's split (disjoint from its other splits)."""
-    src, arg = parse_source(dcfg.source)
-    if src.procedural:
-        taken: set[str] = set()
-        for s in ORDER:
-            n = dcfg.sizes.of(s)
-            if n is None:
-                raise UserError(f"domain '{domain}': sizes.{s} must be a number for {src.kind} sources")
-            items = _rg_generate(arg, dcfg.params, split_seed(seed, domain, s), n, taken, domain, s)
-            if s == split:
-                return items
-            taken.update(it.metadata["reasoning_gym"]["key"] for it in items)
+def _file_items(src: Source, arg: str, domain: str, dcfg, seed: int, split: str) -> list[Item]:
+    """The file's distinct rows shuffled by (seed, domain) and cut in ORDER: eval, probe, train."""
     rows = _rows(src, arg, dcfg.params)
     order = list(range(len(rows)))
     random.Random(f"{seed}:{domain}").shuffle(order)
@@ -390,3 +409,43 @@ def domain_items(domain: str, dcfg, seed: int, split: str) -> list[Item]:
             return [rows[i] for i in sorted(order[start:start + n])]
         start += n
     raise ValueError(split)  # unreachable
+
+
+def _file_stem(arg: str) -> str:
+    return Path(arg).name.split(".")[0]
+
+
+def _hf_name(arg: str) -> str:
+    return arg.rstrip("/").split("/")[-1]
+
+
+SOURCES: dict[str, Source] = {
+    s.kind: s
+    for s in (
+        Source("gsm8k", "math", ANSWER_INSTRUCTION, _file_items, _load_gsm8k, help="PATH (a GSM8K .jsonl)"),
+        Source("reasoning_gym", "reasoning_gym", ANSWER_INSTRUCTION, _rg_items, default_size=100,
+               help="DATASET (e.g. basic_arithmetic)", domain_name=lambda arg: arg, catalogue=_rg_catalogue),
+        Source("humaneval", "code", CODE_INSTRUCTION, _file_items, _load_humaneval, arg_required=False, help="[PATH]"),
+        Source("bfcl", "toolcall", TOOL_INSTRUCTION, _file_items, _load_bfcl,
+               help="CATEGORY (simple, multiple, parallel...)", domain_name=lambda arg: f"bfcl_{arg}",
+               catalogue=_bfcl_catalogue),
+        Source("jsonl", None, "", _file_items, _load_jsonl, help="PATH (with params: prompt_field, answer_field...)",
+               domain_name=_file_stem),
+        Source("hf", None, "", _file_items, _load_hf, help="DATASET (hub id, local builder like json, or saved dir)",
+               domain_name=_hf_name),
+    )
+}
+
+
+def domain_items(domain: str, dcfg, seed: int, split: str) -> list[Item]:
+    """The raw items of one domain's split (disjoint from its other splits)."""
+    src, arg = parse_source(dcfg.source)
+    return src.split_items(src, arg, domain, dcfg, seed, split)
+
+
+def default_domain_name(source: str) -> str:
+    """The domain a source shorthand exports into when --domain is not given (letters, digits, _.-)."""
+    kind, _, arg = source.partition(":")
+    src = SOURCES.get(kind)
+    name = (src.domain_name(arg) if src else "") or kind
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip("._-") or kind
