@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import warnings
 
-import mlx_ssp  # noqa: F401
 import mlx.core as mx
 import pytest
 
+import mlx_ssp  # noqa: F401
 from mlx_ssp.errors import UserError
 from mlx_ssp.rollout import SamplingConfig, generate_rollouts
 from mlx_ssp.tasks import Task
@@ -285,7 +285,14 @@ def test_sequence_sampler_draws_from_tempered_softmax():
 
 def test_both_sampling_paths_behind_one_interface(monkeypatch):
     """The engine drives either sampler through the same calls; the environment picks the path."""
-    from mlx_ssp.sampling import SAMPLING_PATHS, BatchSampler, PerSequenceSampling, SequenceSampler, SharedSampling, sampling_path
+    from mlx_ssp.sampling import (
+        SAMPLING_PATHS,
+        BatchSampler,
+        PerSequenceSampling,
+        SequenceSampler,
+        SharedSampling,
+        sampling_path,
+    )
 
     for cls in SAMPLING_PATHS.values():
         path = cls(0.7, 0.9, 0, 0.0)

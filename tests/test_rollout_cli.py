@@ -124,8 +124,7 @@ def test_bad_input_is_one_line_before_generation(tmp_path, tiny_qwen3, setup, ar
 def test_cli_flags_live_in_the_cli_layer():
     """apply_flags puts non-empty flags under dotted keys of a section (flags beat the file); the
     rollout package re-exports the CLI helpers for older imports."""
-    import mlx_ssp.rollout as rollout
-    from mlx_ssp import cli_options
+    from mlx_ssp import cli_options, rollout
 
     data = cli_options.apply_flags({"rollout": {"k": 2}}, "rollout", {"k": None, "sampling.stop": ("a", "b"), "seed": 3, "x": ()})
     assert data == {"rollout": {"k": 2, "sampling": {"stop": ["a", "b"]}, "seed": 3}}

@@ -52,15 +52,21 @@ mlx-lm's BatchGenerator; :mod:`mlx_ssp.sampling` holds the sampler interface), :
 """
 
 from mlx_ssp.cli_options import apply_flags, load_stage_config, sampling_flags, sampling_options
+from mlx_ssp.rollout.command import cli
 from mlx_ssp.rollout.config import RolloutConfig, SamplingConfig
 from mlx_ssp.rollout.engine import generate, generate_rollouts, iter_rollouts, model_context_length, run_request
 from mlx_ssp.rollout.request import RolloutRequest, stage_settings
-from mlx_ssp.rollout.resume import (check_provenance, drop_stale, lock_path, read_meta, run_fingerprint, sidecar,
-                                    task_fingerprint)
+from mlx_ssp.rollout.resume import (
+    check_provenance,
+    drop_stale,
+    lock_path,
+    read_meta,
+    run_fingerprint,
+    sidecar,
+    task_fingerprint,
+)
 from mlx_ssp.rollout.stage import run_rollouts
 from mlx_ssp.rollout.summary import format_table, group_by_task, stage_summary, summarize
-
-from mlx_ssp.rollout.command import cli  # noqa: E402  (last: it imports the CLI layer)
 
 __all__ = [
     "RolloutConfig", "RolloutRequest", "SamplingConfig", "apply_flags", "check_provenance", "cli", "drop_stale",

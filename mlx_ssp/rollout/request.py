@@ -41,7 +41,7 @@ class RolloutRequest:
 
             check_tasks(self.tasks)
 
-    def replace(self, **changes: Any) -> "RolloutRequest":
+    def replace(self, **changes: Any) -> RolloutRequest:
         return dataclasses.replace(self, **changes)
 
 

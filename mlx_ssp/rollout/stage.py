@@ -14,8 +14,15 @@ from pathlib import Path
 
 from mlx_ssp.rollout.config import RolloutConfig
 from mlx_ssp.rollout.request import RolloutRequest, stage_settings
-from mlx_ssp.rollout.resume import (NOTHING_DROPPED, load_resumable, lock_path, run_fingerprint, run_meta, sidecar,
-                                    task_fingerprint)
+from mlx_ssp.rollout.resume import (
+    NOTHING_DROPPED,
+    load_resumable,
+    lock_path,
+    run_fingerprint,
+    run_meta,
+    sidecar,
+    task_fingerprint,
+)
 from mlx_ssp.rollout.summary import stage_summary
 
 log = logging.getLogger("mlx_ssp.rollout")
@@ -27,11 +34,10 @@ def run_rollouts(model_spec, tasks_path: str | Path, cfg: RolloutConfig, out: st
     ``<out stem>.meta.json`` (the settings a resume must match) and ``<out stem>.summary.json``.
     Returns the summary. All input errors are raised before the model is loaded. The output is
     locked for the whole call (see :mod:`mlx_ssp.rollout` for what a resume keeps)."""
+    from mlx_ssp import distributed as dist
     from mlx_ssp.io import exclusive_lock
     from mlx_ssp.models import ModelConfig, resolve_model
     from mlx_ssp.tasks import load_tasks
-
-    from mlx_ssp import distributed as dist
 
     out = Path(out)
     main = dist.is_main()  # under mlx.launch rank 0 alone reads/writes the output (issue 10)
@@ -54,10 +60,9 @@ def _missing(records: list[dict], request: RolloutRequest) -> dict[str, list[int
 
 
 def _run_locked(mcfg, request: RolloutRequest, out: Path, meta: dict, *, overwrite: bool, model, tokenizer) -> dict:
+    from mlx_ssp import distributed as dist
     from mlx_ssp.io import write_json_atomic
     from mlx_ssp.models import load_model
-
-    from mlx_ssp import distributed as dist
 
     main = dist.is_main()
     meta_path = sidecar(out, "meta")
@@ -93,10 +98,9 @@ def _append_missing(model, tokenizer, request: RolloutRequest, missing: dict[str
                     stats: dict, stamps: dict) -> list[dict]:
     """Generate the missing samples, stamp each record with what a later resume checks it against,
     and append each round to ``out`` (rank 0); returns the new records."""
+    from mlx_ssp import distributed as dist
     from mlx_ssp.io import JsonlAppender
     from mlx_ssp.rollout.engine import iter_sharded
-
-    from mlx_ssp import distributed as dist
 
     new: list[dict] = []
     fingerprints, run_fp = stamps["fingerprints"], stamps["run_fingerprint"]
