@@ -309,18 +309,19 @@ def _sum_fn(normalize: bool, lam_on: bool, cd, out):
     return f
 
 
-def combiner(n: int, consensus: bool, p: TaskVectorParams, w: list[float], cd, out):
+def combiner(consensus: bool, p: TaskVectorParams, w: list[float], ws: list[mx.array], cd, out):
     """``combine(base_slice, weighted, votes)`` -> the merged slice: sign consensus + disjoint
     merge, or the plain weighted sum; then normalise, scale by lambda and add back to the base.
-    ``w``: the weights rounded to ``cd``."""
+    ``w``: the weights rounded to ``cd``, ``ws`` the same as 0-d arrays."""
+    n = len(ws)
     lam_on, lam = p.lam != 1, scalar(p.lam)
-    ws = [scalar(x) for x in w]
     if consensus:
         vote_fn, apply_fn = _consensus_fns(p.sign_vote, p.normalize, lam_on, cd, out)
         vote_k = kernel(("vote", n, str(cd), p.sign_vote), lambda: vote_fn)
         apply_k = kernel(("apply", str(cd), str(out), p.normalize, lam_on), lambda: apply_fn)
         return lambda base, wd, votes: apply_k(base, *vote_k(wd, votes, ws), lam)
-    sum_k = kernel(("combine", n, str(cd), str(out), p.normalize, lam_on), lambda: _sum_fn(p.normalize, lam_on, cd, out))
+    sum_k = kernel(("combine", n, str(cd), str(out), p.normalize, lam_on),
+                   lambda: _sum_fn(p.normalize, lam_on, cd, out))
     dv = float(rnd(scalar(sum(w)), cd).item())
     dvs = scalar(1.0 if abs(dv) < 1e-8 else dv)
     return lambda base, wd, votes: sum_k(base, wd, dvs, lam)
@@ -345,9 +346,9 @@ def task_vector_merge(base: mx.array, tensors: Sequence, p: TaskVectorParams, *,
     w = [float(rnd(scalar(x), cd).item()) for x in p.weights]
     sparse = [sparsify_task_vector(task_vector(_load(x), base, cd), i, sparsify, p, cd)
               for i, x in enumerate(tensors)]
-    combine = combiner(len(sparse), consensus, p, w, cd, out)
-    keep_raw = consensus and p.sign_vote == "unweighted"
     ws = [scalar(x) for x in w]
+    combine = combiner(consensus, p, w, ws, cd, out)
+    keep_raw = consensus and p.sign_vote == "unweighted"
     mx.eval(base)
     parts = []
     for lo, hi in K.slices(base.size):
