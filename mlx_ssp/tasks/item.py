@@ -1,0 +1,36 @@
+"""What every task source produces before the domain's instruction and system prompt are applied:
+:class:`Item` rows, drawn into the three splits in :data:`ORDER`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlx_ssp.errors import UserError
+
+ORDER = ("eval", "probe", "train")  # eval is drawn first: it stays fixed when train/probe change
+
+
+@dataclass
+class Item:
+    """One problem before the domain's instruction/system prompt are applied."""
+
+    key: str  # id within the source (row index, task_id, BFCL id)
+    prompt: Any  # str or chat messages
+    answer: Any
+    metadata: dict[str, Any]
+
+
+def read_rows(path: str) -> list[dict]:
+    from mlx_ssp.io import iter_jsonl_numbered
+
+    rows = [rec for _, rec in iter_jsonl_numbered(path, what="source")]
+    if not rows:
+        raise UserError(f"{Path(path).expanduser()}: no rows")
+    return rows
+
+
+def no_params(kind: str, params: dict) -> None:
+    if params:
+        raise UserError(f"source '{kind}' takes no params (got {', '.join(params)})")
