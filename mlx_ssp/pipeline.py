@@ -53,7 +53,7 @@ class Stage:
 
     name: str
     sections: tuple[str, ...]  # run-file sections its fingerprint covers (besides the previous stage's)
-    run: Callable[["Run"], dict]  # does the work in RUN_DIR/<name>; returns the stage's metrics
+    run: Callable[[Run], dict]  # does the work in RUN_DIR/<name>; returns the stage's metrics
     reports: str  # what those metrics hold (kept in _stage.json and metrics.jsonl)
 
 
@@ -62,8 +62,8 @@ class Section:
     """One top-level section of a run file, as an entry of :data:`SECTIONS`."""
 
     name: str
-    check: Callable[["Run"], Any]  # validates it (load_run calls these in SECTIONS order)
-    resolve: Optional[Callable[["Run"], Any]] = None  # its form in config.resolved.yaml; None: as written
+    check: Callable[[Run], Any]  # validates it (load_run calls these in SECTIONS order)
+    resolve: Optional[Callable[[Run], Any]] = None  # its form in config.resolved.yaml; None: as written
     optional: bool = False  # counts in a fingerprint only when the run file sets it
 
 
