@@ -260,3 +260,20 @@ def test_fingerprints_stable_and_sandbox_only_when_set(tmp_path):
     plain, boxed = fps(), fps("sandbox.nproc=16")
     assert plain["tasks"] == boxed["tasks"] == "e3cd922da9a72f60"  # the tasks section alone, seed 0
     assert all(plain[s] != boxed[s] for s in pipeline.STAGES[1:])
+
+
+def test_shipped_smoke_config_keeps_every_stage_fingerprint():
+    """Every stage fingerprint of configs/smoke.yaml as written by 3e5b942 (before issues 15-16) and
+    0307e0a: a refactor that changes a resolved section (e.g. a new key in a dump) would make every
+    existing run directory redo its stages from there."""
+    from pathlib import Path
+
+    cfg = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    run, prev, got = pipeline.load_run(cfg), "", {}
+    for s in pipeline.STAGES:
+        prev = got[s] = pipeline.fingerprint(run, s, prev)
+    assert got == {
+        "tasks": "b7587a9c699dd9bd", "rollout": "6b1a17128ef60a07", "select": "24e997def5cc588e",
+        "sft": "4988e9a6d1bfe003", "merge": "3f6c85c28017ceec", "rl": "8e13e157f625e7cc",
+        "eval": "9266bd535282d726",
+    }

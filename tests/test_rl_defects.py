@@ -216,26 +216,15 @@ def test_step_skipped_at_a_later_inner_update_changes_nothing(tiny_qwen3, tmp_pa
     first inner update stayed applied, optimizer step 3)."""
     import json
 
-    from test_rl_loop import _cfg, _policy, _tasks
+    from test_rl_loop import _cfg, _policy, _tasks, poison_loss
 
     import mlx_ssp.rl.loop as loop
 
     cfg = _cfg(steps=3, mu=2, micro_batch_size=4, max_bad_steps=5, checkpoint_every=1, optimizer="adamw")
     model, tok = _policy(tiny_qwen3, cfg)
-    real = loop.make_loss
-    calls = {"n": 0}
-
-    def poisoned(cfg_, units):
-        fn = real(cfg_, units)
-
-        def f(model, mb):
-            loss, aux = fn(model, mb)
-            calls["n"] += 1  # 2 groups x 4 samples, micro-batch 4: 2 calls per inner update, 4 per step
-            return (loss * mx.nan if calls["n"] in (7, 8) else loss), aux
-
-        return f
-
-    monkeypatch.setattr(loop, "make_loss", poisoned)
+    # 2 groups x 4 samples, micro-batch 4: 2 loss calls per inner update, 4 per step; 7-8 are step 2's
+    # second inner update
+    poison_loss(monkeypatch, lambda n: n in (7, 8))
     states = []
     loop.train(model, tok, _tasks(), cfg, tmp_path / "run", seed=0, on_step=lambda tr, rec: states.append(_flat_state(tr)))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -130,11 +130,11 @@ def test_resume_continues_identically(tiny_qwen3, tmp_path):
     assert ra == rb
 
 
-def test_non_finite_steps_are_skipped_then_stop(tiny_qwen3, tmp_path, monkeypatch):
+def poison_loss(monkeypatch, is_bad) -> None:
+    """Make the RL loss NaN on the loss calls ``n`` (counted from 1, one per micro-batch and inner
+    update) for which ``is_bad(n)`` holds."""
     import mlx_ssp.rl.loop as loop
 
-    cfg = _cfg(steps=6, max_bad_steps=2, checkpoint_every=1)
-    model, tok = _policy(tiny_qwen3, cfg)
     real = loop.make_loss
     calls = {"n": 0}
 
@@ -144,11 +144,19 @@ def test_non_finite_steps_are_skipped_then_stop(tiny_qwen3, tmp_path, monkeypatc
         def f(model, mb):
             loss, aux = fn(model, mb)
             calls["n"] += 1
-            return (loss * mx.nan if calls["n"] > 2 else loss), aux  # step 1 ok, then NaN forever
+            return (loss * mx.nan if is_bad(calls["n"]) else loss), aux
 
         return f
 
     monkeypatch.setattr(loop, "make_loss", poisoned)
+
+
+def test_non_finite_steps_are_skipped_then_stop(tiny_qwen3, tmp_path, monkeypatch):
+    import mlx_ssp.rl.loop as loop
+
+    cfg = _cfg(steps=6, max_bad_steps=2, checkpoint_every=1)
+    model, tok = _policy(tiny_qwen3, cfg)
+    poison_loss(monkeypatch, lambda n: n > 2)  # step 1 ok, then NaN forever
     good = None
 
     def snap(tr, rec):

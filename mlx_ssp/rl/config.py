@@ -20,7 +20,9 @@ class RLLoRAConfig(LoRAConfig):
     block (``num_layers: -1``), plain LoRA only (the KL reference switches adapters off by setting
     their scale to 0, which does not give back the base layer of a DoRA wrapper)."""
 
-    fine_tune_type: Literal["lora"] = "lora"
+    # left out of dumps: RL's resolved config (rl_config.json, the pipeline's stage fingerprint) is
+    # as before the shared class had this key, so earlier runs resume instead of being redone
+    fine_tune_type: Literal["lora"] = Field("lora", exclude=True)
     num_layers: int = -1
 
 

@@ -470,9 +470,9 @@ RESUMABLE_KEYS = ("steps", "checkpoint_every", "max_bad_steps", "progress", "ker
 
 
 def config_record(cfg: RLConfig, seed: int, model_path: str) -> dict:
-    """``rl_config.json``: the resolved settings of the run (``lora.fine_tune_type`` left out: RL
-    admits only ``lora``, recorded as ``fine_tune_type``)."""
-    return {"seed": seed, "model": model_path, "rl": cfg.model_dump(mode="json", exclude={"lora": {"fine_tune_type"}})}
+    """``rl_config.json``: the resolved settings of the run (``lora.fine_tune_type`` is excluded from
+    dumps: RL admits only ``lora``, recorded as ``fine_tune_type``)."""
+    return {"seed": seed, "model": model_path, "rl": cfg.model_dump(mode="json")}
 
 
 def fingerprint(record: dict) -> dict:
