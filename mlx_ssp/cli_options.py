@@ -1,5 +1,5 @@
 """CLI plumbing shared by the stage commands: flags into a config section, the sampling flags of
-rollout and eval, and the loader of a stage's config from YAML + ``--set`` + flags (flags win)."""
+rollout and eval, and :func:`load_stage_config` (rollout/eval form of :func:`mlx_ssp.stage_config.load_stage`)."""
 
 from __future__ import annotations
 
@@ -62,21 +62,8 @@ def sampling_flags(kw: dict) -> dict:
 
 
 def load_stage_config(config_path, overrides, section: str, flags: dict, model: Optional[str]):
-    """(ModelConfig, stage config, raw data) from YAML + --set + flags (flags win)."""
-    from mlx_ssp.config import load_file, load_section
-    from mlx_ssp.sandbox_policy import install_from_config as install_sandbox_policy
+    """(ModelConfig, stage config with the seed rule applied, raw data): :func:`mlx_ssp.stage_config.load_stage`."""
+    from mlx_ssp.stage_config import load_stage
 
-    data = load_file(config_path, overrides)
-    if model is not None:
-        data["model"] = model
-    data = apply_flags(data, section, flags)
-    source = str(config_path or "flags")
-    from mlx_ssp import distributed as dist
-
-    dist.configure(load_section(data, "distributed", source=source))
-    install_sandbox_policy(data, source)
-    cfg = load_section(data, section, source=source)
-    if getattr(cfg, "seed", 0) is None and "seed" in data:
-        cfg.seed = int(data["seed"])
-    mcfg = load_section(data, "model", source=source)
-    return mcfg, cfg, data
+    st = load_stage(config_path, overrides, section, flags=flags, model=model)
+    return st.model, st.seeded(), st.data

@@ -145,7 +145,8 @@ def _env_float(name: str) -> float | None:
 
 def configure(cfg: DistributedConfig | dict | None = None) -> DistributedConfig:
     """Set the timeouts/backend (environment variables ``MLX_SSP_DIST_TIMEOUT`` and
-    ``MLX_SSP_DIST_INIT_TIMEOUT`` beat the config). Call before the first :func:`world`."""
+    ``MLX_SSP_DIST_INIT_TIMEOUT`` beat the config). Call before the first :func:`world`; every
+    stage loads its config through :func:`mlx_ssp.stage_config.load_stage`, which calls this once."""
     global _config
     if cfg is None:
         cfg = DistributedConfig()
@@ -160,16 +161,6 @@ def configure(cfg: DistributedConfig | dict | None = None) -> DistributedConfig:
         updates["init_timeout_s"] = t
     _config = cfg.model_copy(update=updates) if updates else cfg
     return _config
-
-
-def setup(data: dict | None = None, *, source: str = "") -> World:
-    """For stage commands: read the ``distributed:`` section of a loaded run file (defaults when
-    absent), configure, initialise and return the world."""
-    from mlx_ssp.config import load_section
-
-    cfg = load_section(data or {}, "distributed", source=source, cls=DistributedConfig)
-    configure(cfg)
-    return world()
 
 
 def settings() -> DistributedConfig:

@@ -40,9 +40,10 @@ import click
 import yaml
 
 from mlx_ssp.cli import set_option
-from mlx_ssp.config import load_file, load_section
+from mlx_ssp.config import load_section
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import JsonlAppender, write_json_atomic, write_text_atomic
+from mlx_ssp.stage_config import section_seed, with_seed
 
 STATE_FILE = "_stage.json"
 
@@ -168,9 +169,7 @@ def stage_tasks(run: Run) -> dict:
 def stage_rollout(run: Run) -> dict:
     from mlx_ssp.rollout import run_rollouts
 
-    cfg = run.section("rollout")
-    if cfg.seed is None:
-        cfg = cfg.model_copy(update={"seed": run.seed})
+    cfg = with_seed(run.section("rollout"), run.seed)
     teacher = run.section("teacher") or run.section("model")
     summary = run_rollouts(
         teacher, run.tasks_path("train"), cfg, run.stage_dir("rollout") / "rollouts.jsonl", progress=run.progress
@@ -250,7 +249,7 @@ def stage_rl(run: Run) -> dict:
     from mlx_ssp.tasks import load_tasks
 
     cfg = run.section("rl")
-    seed = cfg.seed if cfg.seed is not None else run.seed
+    seed = section_seed(cfg, run.seed)
     tasks = load_tasks(cfg.tasks) if cfg.tasks else load_tasks(run.tasks_path("train"))
     out = run.stage_dir("rl")
     merged = ModelConfig(path=str(run.stage_dir("merge") / "model"))
@@ -285,7 +284,7 @@ def stage_eval(run: Run) -> dict:
     from mlx_ssp.tasks import load_tasks
 
     cfg = run.section("eval")
-    seed = cfg.seed if cfg.seed is not None else run.seed
+    seed = section_seed(cfg, run.seed)
     tasks = load_tasks(run.tasks_path("eval"))
     out_dir = run.stage_dir("eval")
     results = {}
@@ -407,13 +406,6 @@ def _resolved(name: str) -> Callable[[Run], Any]:
     return lambda run: _dump(run.section(name))
 
 
-def _check_sandbox(run: Run) -> None:
-    from mlx_ssp.sandbox_policy import install_from_config
-
-    run.section("sandbox")
-    install_from_config(run.data, run.source)  # one policy for every stage, also when a resume skips rollout
-
-
 def _check_sft(run: Run) -> None:
     if run.data.get("tasks") is None:
         raise UserError(f"{run.source}: a run needs a tasks: section with at least one domain")
@@ -434,7 +426,8 @@ SECTIONS: dict[str, Section] = {
         Section("rl", _section("rl"), _resolved("rl")),
         Section("eval", _section("eval"), _resolved("eval")),
         # added later: a run that never set it keeps its fingerprints, so it is not redone
-        Section("sandbox", _check_sandbox, optional=True),
+        # (load_stage installs it: one policy for every stage, also when a resume skips rollout)
+        Section("sandbox", _section("sandbox"), optional=True),
         Section("sft", _check_sft, lambda run: _dump(sft_config(run))),
     )
 }
@@ -447,13 +440,10 @@ assert all(s in SECTIONS for st in STAGE_REGISTRY.values() for s in st.sections)
 def load_run(config_path: str | Path, overrides: tuple[str, ...] = (), progress: bool = True) -> Run:
     """Read and validate the whole run file up front (every section), so a typo in the last stage's
     section fails before the first stage runs."""
-    data = load_file(config_path, overrides)
-    source = str(config_path)
-    run_dir = data.get("run_dir") or "runs/" + Path(config_path).stem
-    seed = data.get("seed", 0)
-    if not isinstance(seed, int):
-        raise UserError(f"{source}: seed: must be an integer (got {seed!r})")
-    run = Run(run_dir=Path(str(run_dir)).expanduser(), data=data, source=source, seed=seed, progress=progress)
+    from mlx_ssp.stage_config import load_stage
+
+    st = load_stage(config_path, overrides, with_model=False)  # no section: the seed is the top-level one
+    run = Run(run_dir=st.run_dir, data=st.data, source=st.source, seed=st.seed, progress=progress)
     for sec in SECTIONS.values():
         sec.check(run)
     return run

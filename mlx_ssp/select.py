@@ -398,14 +398,11 @@ from mlx_ssp.cli import config_option, set_option  # noqa: E402
 @set_option
 def cli(rollouts, policy, per_prompt, distance, near_duplicate, output, overwrite, config_path, overrides):
     """Pick diverse correct solutions from ROLLOUTS.jsonl as mlx-lm chat SFT data, per domain."""
-    from mlx_ssp.config import load_file, load_section
-    from mlx_ssp.cli_options import apply_flags
+    from mlx_ssp.stage_config import load_stage
 
-    data = load_file(config_path, overrides)
     flags = {"policy": policy, "per_prompt": per_prompt, "distance": distance, "near_duplicate": near_duplicate,
              "input": rollouts, "output": output}
-    data = apply_flags(data, "select", flags)
-    cfg = load_section(data, "select", source=str(config_path or "flags"))
+    cfg = load_stage(config_path, overrides, "select", flags=flags, with_model=False).cfg
     if not cfg.input:
         raise UserError("no rollouts file: pass ROLLOUTS.jsonl (or set select.input)")
     if not cfg.output:

@@ -19,24 +19,15 @@ from mlx_ssp.errors import UserError
 
 
 def load_config(config_path, overrides):
-    from mlx_ssp.config import load_file, load_section
+    """(raw data, rl section, ModelConfig, seed, output directory) through the one stage loader;
+    the output is ``rl.output``, else ``<run_dir>/rl``."""
+    from mlx_ssp.stage_config import load_stage, note_old_default
 
-    data = load_file(config_path, overrides)
-    source = str(config_path or "--set")
-    from mlx_ssp import distributed as dist
-
-    dist.configure(load_section(data, "distributed", source=source))  # timeouts under mlx.launch (issue 10)
-    from mlx_ssp.sandbox_policy import install_from_config
-
-    install_from_config(data, source)  # bounds what code tasks may ask of the sandbox
-    cfg = load_section(data, "rl", source=source)
-    mcfg = load_section(data, "model", source=source)
-    seed = cfg.seed if cfg.seed is not None else int(data.get("seed", 0) or 0)
-    if cfg.output:
-        out = Path(cfg.output)
-    else:
-        out = Path(data["run_dir"]) / "rl" if data.get("run_dir") else Path("runs/rl")
-    return data, cfg, mcfg, seed, out
+    st = load_stage(config_path, overrides, "rl")
+    out = Path(st.cfg.output) if st.cfg.output else st.run_dir / "rl"
+    if not st.cfg.output:
+        note_old_default(st, Path("runs/rl"), out, "pass --set rl.output=runs/rl")
+    return st.data, st.cfg, st.model, st.seed, out
 
 
 def load_train_tasks(data: dict, cfg, source: str):

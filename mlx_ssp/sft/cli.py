@@ -2,30 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from mlx_ssp import distributed as dist
 from mlx_ssp.cli import set_option
 from mlx_ssp.sft.config import SFTConfig
 from mlx_ssp.sft.stage import run_sft
+from mlx_ssp.stage_config import StageConfig, load_stage, note_old_default
 
 
-def _load_config(config_path: str, overrides, overwrite: bool):
-    from mlx_ssp.config import load_file, load_section
-
-    data = load_file(config_path, overrides)
-    if overwrite:
-        if data.get("sft") is None:
-            data["sft"] = {}
-        if isinstance(data["sft"], dict):
-            data["sft"]["overwrite"] = True
-    cfg = load_section(data, "sft", source=str(config_path), cls=SFTConfig)
-    model_cfg = load_section(data, "model", source=str(config_path))
-    dist.configure(load_section(data, "distributed", source=str(config_path)))  # under mlx.launch (issue 10)
-    from mlx_ssp.sandbox_policy import install_from_config
-
-    install_from_config(data, str(config_path))  # the probes may verify code tasks
-    return data, cfg, model_cfg
+def _load_config(config_path: str, overrides, overwrite: bool) -> StageConfig:
+    """The run file's sft section (``--overwrite`` sets ``sft.overwrite``) through the one stage loader."""
+    return load_stage(config_path, overrides, "sft", flags={"overwrite": True} if overwrite else None,
+                      cls=SFTConfig)
 
 
 @click.command("sft")
@@ -36,10 +27,12 @@ def _load_config(config_path: str, overrides, overwrite: bool):
 def cli(config_path: str, overrides: tuple[str, ...], domains: tuple[str, ...], overwrite: bool) -> None:
     """Train one LoRA specialist per domain (sft: section), keep the checkpoint with the best
     probe Pass@K, fuse it into OUT/specialists/<domain>/. Re-running resumes."""
-    data, cfg, model_cfg = _load_config(config_path, overrides, overwrite)
+    st = _load_config(config_path, overrides, overwrite)
+    if not st.cfg.out_dir:
+        note_old_default(st, Path("run") / "sft", st.run_dir / "sft", "pass --set run_dir=run")
     summary = run_sft(
-        cfg, model_cfg, run_dir=data.get("run_dir", "run"), run_data=data, seed=int(data.get("seed", 0) or 0),
-        source=str(config_path), only=list(domains) or None,
+        st.cfg, st.model, run_dir=st.run_dir, run_data=st.data, seed=st.seed, source=st.source,
+        only=list(domains) or None,
     )
     if not dist.is_main():  # rank 0 reports for all ranks
         return
