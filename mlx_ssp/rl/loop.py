@@ -220,6 +220,16 @@ def _grad_norm(grads) -> mx.array:
     return mx.sqrt(sum(((g.astype(mx.float32) ** 2).sum() for g in leaves), mx.array(0.0)))
 
 
+def reward_metrics(sampled: list[list[dict]]) -> dict:
+    """Reward statistics over every sampled group (kept or dropped by dynamic sampling)."""
+    rewards_all = np.array([float(r["reward"]) for g in sampled for r in g], np.float32)
+    rec = {"reward_mean": float(rewards_all.mean()) if rewards_all.size else 0.0}
+    rec["pass_rate"] = float((rewards_all >= 0.999).mean()) if rewards_all.size else 0.0
+    p_all = [float(np.mean([r["reward"] for r in g])) for g in sampled]
+    rec["frac_groups_mixed"] = float(np.mean([0.0 < p < 1.0 for p in p_all])) if p_all else 0.0
+    return rec
+
+
 # -- the trainer ---------------------------------------------------------------------------------
 
 
@@ -286,8 +296,29 @@ class Trainer:
 
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> dict:
-        cfg = self.cfg
+        """One GRPO step: rollouts (dynamic sampling in :meth:`collect`) -> rewards -> MGPO
+        advantages -> ``mu`` inner updates -> metrics."""
         t_step, cpu_step = time.perf_counter(), time.process_time()
+        groups, info, sampled = self._sample()
+        rec: dict = {"step": self.step_no + 1, **reward_metrics(sampled)}
+        rec.update(info)
+        if not groups:
+            rec.update(skipped=True, reason="no informative groups", step_s=time.perf_counter() - t_step)
+            self.step_no += 1
+            return rec
+        batch = self._advantage_batch(groups, rec)
+        t_train = time.perf_counter()
+        ok, train_stats = self._update(batch)
+        train_s = time.perf_counter() - t_train
+        rec.update(train_stats)
+        rec.update(self._throughput(info, batch, train_s, t_step, cpu_step))
+        rec["skipped"] = not ok
+        self._count_outcome(ok)
+        rec["skipped_total"] = self.skipped_total
+        return rec
+
+    def _sample(self) -> tuple[list[list[dict]], dict, list[list[dict]]]:
+        """Rollouts of the current policy (:meth:`collect`) with the generation's peak memory."""
         mx.reset_peak_memory()
         # the global MLX RNG (LoRA dropout) is reseeded from (seed, step): resuming at step k
         # draws what an uninterrupted run draws, with no RNG state to save
@@ -295,17 +326,12 @@ class Trainer:
         groups, info, sampled = self.collect()
         info["peak_memory_gen_mb"] = mx.get_peak_memory() / 2**20
         mx.reset_peak_memory()
-        rewards_all = np.array([float(r["reward"]) for g in sampled for r in g], np.float32)
-        rec: dict = {"step": self.step_no + 1}
-        rec["reward_mean"] = float(rewards_all.mean()) if rewards_all.size else 0.0
-        rec["pass_rate"] = float((rewards_all >= 0.999).mean()) if rewards_all.size else 0.0
-        p_all = [float(np.mean([r["reward"] for r in g])) for g in sampled]
-        rec["frac_groups_mixed"] = float(np.mean([0.0 < p < 1.0 for p in p_all])) if p_all else 0.0
-        rec.update(info)
-        if not groups:
-            rec.update(skipped=True, reason="no informative groups", step_s=time.perf_counter() - t_step)
-            self.step_no += 1
-            return rec
+        return groups, info, sampled
+
+    def _advantage_batch(self, groups: list[list[dict]], rec: dict) -> dict:
+        """MGPO advantages A' = w(p) * A of the kept groups (their statistics into ``rec``) and the
+        training batch built from them."""
+        cfg = self.cfg
         recs = [r for g in groups for r in g]
         gids = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
         rewards = np.array([float(r["reward"]) for r in recs], np.float32)
@@ -314,28 +340,27 @@ class Trainer:
                                  num_groups=len(groups))
         rec["mgpo_weight_mean"] = float(adv.w.mean().item())
         rec["adv_abs_mean"] = float(mx.abs(adv.advantages).mean().item())
-        batch = build_batch(recs, np.array(adv.advantages))
+        return build_batch(recs, np.array(adv.advantages))
 
-        t_train = time.perf_counter()
-        ok, train_stats = self._update(batch)
-        train_s = time.perf_counter() - t_train
-        rec.update(train_stats)
-        rec["train_s"] = train_s
+    def _throughput(self, info: dict, batch: dict, train_s: float, t_step: float, cpu_step: float) -> dict:
+        """Timing, throughput and peak-memory metrics of the step."""
+        rec = {"train_s": train_s}
         rec["gen_tokens_per_s"] = info["gen_tokens"] / info["gen_s"] if info["gen_s"] > 0 else 0.0
-        rec["train_tokens_per_s"] = batch["tokens"] * cfg.mu / train_s if train_s > 0 else 0.0
+        rec["train_tokens_per_s"] = batch["tokens"] * self.cfg.mu / train_s if train_s > 0 else 0.0
         rec["step_s"] = time.perf_counter() - t_step
         rec["step_cpu_s"] = time.process_time() - cpu_step  # all threads; less sensitive to a busy machine
         rec["peak_memory_train_mb"] = mx.get_peak_memory() / 2**20
         rec["peak_memory_mb"] = max(rec["peak_memory_train_mb"], info["peak_memory_gen_mb"])
-        rec["skipped"] = not ok
+        return rec
+
+    def _count_outcome(self, ok: bool) -> None:
+        """Advance the step; a skipped step extends the run of bad steps that ``max_bad_steps`` stops."""
         self.step_no += 1
         if ok:
             self.bad_in_row = 0
         else:
             self.bad_in_row += 1
             self.skipped_total += 1
-        rec["skipped_total"] = self.skipped_total
-        return rec
 
     def _update(self, batch: dict) -> tuple[bool, dict]:
         """``mu`` inner updates on the batch; returns (all finite, statistics).
@@ -345,6 +370,33 @@ class Trainer:
         from a snapshot), so a skipped step changes nothing. Statistics are whole-batch values
         (totals over micro-batches, inner updates and ranks, divided once: see
         :func:`mlx_ssp.rl.loss.finalize_totals`), whatever ``micro_batch_size`` and the world size."""
+        cfg = self.cfg
+        batch, mbs, units = self._plan(batch)
+        loss_and_grad = nn.value_and_grad(self.model, make_loss(cfg, units))
+        # with one inner update nothing is applied before the finiteness check: no snapshot needed
+        snap = _snapshot(self.model, self.opt) if cfg.mu > 1 else None
+        glob: dict[str, float] = {}  # loss, grad norm: already global (all-reduced), mean over mu
+        parts: list[dict] = []  # this rank's totals, one per micro-batch and inner update
+        old_parts: list[mx.array] = []
+        ok = True
+        for inner in range(cfg.mu):
+            grads_sum, loss_sum = self._accumulate(loss_and_grad, batch, mbs, inner, old_parts, parts)
+            grads_sum, loss_sum = self._all_reduce(grads_sum, loss_sum)
+            gnorm = _grad_norm(grads_sum)
+            if not (math.isfinite(loss_sum) and _finite(gnorm)):
+                ok = False
+                break
+            self._apply(grads_sum, gnorm)
+            glob["loss"] = glob.get("loss", 0.0) + loss_sum / cfg.mu
+            glob["grad_norm"] = glob.get("grad_norm", 0.0) + float(gnorm.item()) / cfg.mu
+        if not ok and snap is not None:
+            _restore(self.model, self.opt, snap)
+            mx.eval(self.model.trainable_parameters(), self.opt.state)
+        return ok, self._statistics(parts, glob, ok)
+
+    def _plan(self, batch: dict) -> tuple[dict, list[tuple[int, int]], float]:
+        """(this rank's block of the batch, its micro-batch bounds, the batch's aggregation units),
+        with the reference log-probs (KL) and the behaviour log-probs as old log-probs attached."""
         cfg = self.cfg
         units = float(aggregation_units(cfg.aggregation, batch["mask"]).item()) or 1.0
         # data parallel (issue 10): each rank trains on its block of the (identical, gathered)
@@ -357,49 +409,48 @@ class Trainer:
             batch["ref"] = self._ref_logprobs(batch, mbs)
         if cfg.old_logprobs == "behaviour":
             batch["old"] = batch["behaviour"]
-        loss_and_grad = nn.value_and_grad(self.model, make_loss(cfg, units))
-        # with one inner update nothing is applied before the finiteness check: no snapshot needed
-        snap = _snapshot(self.model, self.opt) if cfg.mu > 1 else None
-        glob: dict[str, float] = {}  # loss, grad norm: already global (all-reduced), mean over mu
-        parts: list[dict] = []  # this rank's totals, one per micro-batch and inner update
-        old_parts: list[mx.array] = []
-        ok = True
-        for inner in range(cfg.mu):
-            grads_sum, loss_sum = None, 0.0
-            for i, j in mbs:
-                mb = _slice(batch, i, j)
-                if cfg.old_logprobs == "recompute" and inner > 0:
-                    mb["old"] = old_parts[mbs.index((i, j))]
-                elif cfg.old_logprobs == "recompute":
-                    mb["old"] = None
-                (loss, (totals, logp)), grads = loss_and_grad(self.model, mb)
-                if inner == 0:  # sampler vs trainer log-probs of the same tokens: should be ~1e-5
-                    totals = {**totals, **behaviour_totals(logp, mb["behaviour"], mb["mask"])}
-                mx.eval(loss, grads, totals, logp)
-                if inner == 0 and cfg.old_logprobs == "recompute":
-                    old_parts.append(logp)
-                loss_sum += float(loss.item())
-                grads_sum = grads if grads_sum is None else tree_map(lambda a, b: a + b, grads_sum, grads)
-                parts.append(_to_floats(totals))
-            if dist.size() > 1:
-                if grads_sum is None:  # no sequence on this rank (batch smaller than the world)
-                    grads_sum = tree_map(mx.zeros_like, self.model.trainable_parameters())
-                grads_sum = dist.sum_gradients(grads_sum, what="rl: sum gradients")
-                loss_sum = dist.sum_floats({"loss": loss_sum}, what="rl: sum loss")["loss"]
-            gnorm = _grad_norm(grads_sum)
-            if not (math.isfinite(loss_sum) and _finite(gnorm)):
-                ok = False
-                break
-            if cfg.max_grad_norm is not None:
-                scale = mx.minimum(1.0, cfg.max_grad_norm / (gnorm + 1e-6))
-                grads_sum = tree_map(lambda g: g * scale, grads_sum)
-            self.opt.update(self.model, grads_sum)
-            mx.eval(self.model.trainable_parameters(), self.opt.state)
-            glob["loss"] = glob.get("loss", 0.0) + loss_sum / cfg.mu
-            glob["grad_norm"] = glob.get("grad_norm", 0.0) + float(gnorm.item()) / cfg.mu
-        if not ok and snap is not None:
-            _restore(self.model, self.opt, snap)
-            mx.eval(self.model.trainable_parameters(), self.opt.state)
+        return batch, mbs, units
+
+    def _accumulate(self, loss_and_grad, batch: dict, mbs, inner: int, old_parts: list, parts: list):
+        """(summed gradients, summed loss) of one inner update over this rank's micro-batches; each
+        micro-batch's totals go to ``parts``. ``recompute``: the first inner update's log-probs are
+        the old log-probs of the later ones (kept in ``old_parts``)."""
+        recompute = self.cfg.old_logprobs == "recompute"
+        grads_sum, loss_sum = None, 0.0
+        for k, (i, j) in enumerate(mbs):
+            mb = _slice(batch, i, j)
+            if recompute:
+                mb["old"] = old_parts[k] if inner > 0 else None
+            (loss, (totals, logp)), grads = loss_and_grad(self.model, mb)
+            if inner == 0:  # sampler vs trainer log-probs of the same tokens: should be ~1e-5
+                totals = {**totals, **behaviour_totals(logp, mb["behaviour"], mb["mask"])}
+            mx.eval(loss, grads, totals, logp)
+            if inner == 0 and recompute:
+                old_parts.append(logp)
+            loss_sum += float(loss.item())
+            grads_sum = grads if grads_sum is None else tree_map(lambda a, b: a + b, grads_sum, grads)
+            parts.append(_to_floats(totals))
+        return grads_sum, loss_sum
+
+    def _all_reduce(self, grads_sum, loss_sum: float):
+        """Gradients and loss summed over ranks (unchanged on one)."""
+        if dist.size() > 1:
+            if grads_sum is None:  # no sequence on this rank (batch smaller than the world)
+                grads_sum = tree_map(mx.zeros_like, self.model.trainable_parameters())
+            grads_sum = dist.sum_gradients(grads_sum, what="rl: sum gradients")
+            loss_sum = dist.sum_floats({"loss": loss_sum}, what="rl: sum loss")["loss"]
+        return grads_sum, loss_sum
+
+    def _apply(self, grads_sum, gnorm: mx.array) -> None:
+        """Clip the gradients to ``max_grad_norm`` and take one optimizer step."""
+        if self.cfg.max_grad_norm is not None:
+            scale = mx.minimum(1.0, self.cfg.max_grad_norm / (gnorm + 1e-6))
+            grads_sum = tree_map(lambda g: g * scale, grads_sum)
+        self.opt.update(self.model, grads_sum)
+        mx.eval(self.model.trainable_parameters(), self.opt.state)
+
+    def _statistics(self, parts: list[dict], glob: dict, ok: bool) -> dict:
+        """Whole-batch statistics: this rank's totals, summed over ranks, divided once."""
         totals = reduce_totals(parts)
         if dist.size() > 1:  # sums and counts over every rank's tokens, maxima as maxima
             totals = reduce_totals(dist.gather_per_rank(totals, what="rl: gather statistics"))
@@ -407,7 +458,7 @@ class Trainer:
         stats["lr"] = float(self.opt.learning_rate.item())
         if not ok:
             stats["loss"] = float("nan")
-        return ok, stats
+        return stats
 
     def _ref_logprobs(self, batch: dict, mbs) -> mx.array:
         T = self.cfg.sampling.temperature
@@ -485,19 +536,51 @@ def fingerprint(record: dict) -> dict:
 def train(model, tokenizer, tasks: list[Task], cfg: RLConfig, out_dir: str | Path, *, seed: int = 0,
           resume: bool = True, ref_model=None, model_path: str = "", on_step: Optional[Callable] = None) -> dict:
     """Run (or resume) MGPO-GRPO. ``model`` must already be set up (:func:`setup_model`).
-    Returns a summary; writes metrics.jsonl, checkpoints/ and the latest adapters to ``out_dir``."""
+    Returns a summary; writes metrics.jsonl, checkpoints/ and the latest adapters to ``out_dir``.
+
+    Load or resume (config fingerprint, optimizer keys) -> one :meth:`Trainer.step` per line of
+    metrics -> a checkpoint every ``checkpoint_every`` steps (and a stop after ``max_bad_steps``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _check_inputs(tokenizer, tasks, cfg)
+    tr = Trainer(model, tokenizer, tasks, cfg, out, seed=seed, ref_model=ref_model, model_path=model_path)
+    metrics_path = out / "metrics.jsonl"
+    _start_or_resume(tr, metrics_path, resume)
+    bar = _progress_bar(cfg, tr.step_no)
+    last = {}
+    with dist.appender(metrics_path) as log:  # rank 0 writes the metrics
+        while tr.step_no < cfg.steps:
+            rec = tr.step()
+            log.write(rec)
+            last = rec
+            if on_step is not None:
+                on_step(tr, rec)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", loss=f"{rec.get('loss', float('nan')):.4f}")
+            _checkpoint_or_stop(tr)
+    if bar is not None:
+        bar.close()
+    return {"steps": tr.step_no, "skipped_total": tr.skipped_total, "last": last, "checkpoint": tr.last_good_ckpt,
+            "out_dir": str(out)}
+
+
+def _check_inputs(tokenizer, tasks: list[Task], cfg: RLConfig) -> None:
+    """Select the kernel mode and fail early on prompts the tokenizer cannot render."""
     if cfg.kernels is not None:
         from mlx_ssp.rl import kernels
 
         kernels.set_mode(cfg.kernels)
-    for t in tasks:  # fail early on prompts the tokenizer cannot render
+    for t in tasks:
         render_prompt(tokenizer, t, cfg.system)
-    tr = Trainer(model, tokenizer, tasks, cfg, out, seed=seed, ref_model=ref_model, model_path=model_path)
-    metrics_path = out / "metrics.jsonl"
+
+
+def _start_or_resume(tr: Trainer, metrics_path: Path, resume: bool) -> None:
+    """Resume from the latest checkpoint (its config fingerprint and optimizer keys checked; the
+    metrics trimmed to its step) or start afresh; record the run's config either way."""
+    out = tr.out_dir
     ckpt = latest_checkpoint(out) if resume else None
-    record = config_record(cfg, seed, model_path)
+    record = config_record(tr.cfg, tr.seed, tr.model_path)
     dist.check_same(str(ckpt), what=f"the checkpoint to resume from in {out} (it must be on a disk all hosts share)")
     if ckpt is not None:
         saved = out / "rl_config.json"
@@ -511,34 +594,29 @@ def train(model, tokenizer, tasks: list[Task], cfg: RLConfig, out_dir: str | Pat
         metrics_path.unlink()
     if dist.is_main():
         write_json_atomic(out / "rl_config.json", record)
-    bar = None
-    if cfg.progress and dist.is_main():
-        from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=tr.step_no, desc="rl", unit="step")
-    last = {}
-    with dist.appender(metrics_path) as log:  # rank 0 writes the metrics
-        while tr.step_no < cfg.steps:
-            rec = tr.step()
-            log.write(rec)
-            last = rec
-            if on_step is not None:
-                on_step(tr, rec)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", loss=f"{rec.get('loss', float('nan')):.4f}")
-            if tr.bad_in_row >= cfg.max_bad_steps:
-                path = tr.save_checkpoint()  # skipped steps changed nothing: this is the last good state
-                raise UserError(
-                    f"rl: {tr.bad_in_row} steps in a row had a non-finite loss or gradient (step {tr.step_no}); "
-                    f"stopped. Last good state saved to {path}; lower rl.learning_rate or check the rewards."
-                )
-            if tr.step_no % cfg.checkpoint_every == 0 or tr.step_no == cfg.steps:
-                tr.save_checkpoint()
-    if bar is not None:
-        bar.close()
-    return {"steps": tr.step_no, "skipped_total": tr.skipped_total, "last": last, "checkpoint": tr.last_good_ckpt,
-            "out_dir": str(out)}
+
+def _progress_bar(cfg: RLConfig, initial: int):
+    """A tqdm bar on rank 0 when ``progress`` is on, else None."""
+    if not (cfg.progress and dist.is_main()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, initial=initial, desc="rl", unit="step")
+
+
+def _checkpoint_or_stop(tr: Trainer) -> None:
+    """After a step: stop with the last good state after ``max_bad_steps`` skipped steps in a row,
+    else checkpoint every ``checkpoint_every`` steps and at the end."""
+    cfg = tr.cfg
+    if tr.bad_in_row >= cfg.max_bad_steps:
+        path = tr.save_checkpoint()  # skipped steps changed nothing: this is the last good state
+        raise UserError(
+            f"rl: {tr.bad_in_row} steps in a row had a non-finite loss or gradient (step {tr.step_no}); "
+            f"stopped. Last good state saved to {path}; lower rl.learning_rate or check the rewards."
+        )
+    if tr.step_no % cfg.checkpoint_every == 0 or tr.step_no == cfg.steps:
+        tr.save_checkpoint()
 
 
 def load_and_train(model_cfg, tasks: list[Task], cfg: RLConfig, out_dir: str | Path, *, seed: int = 0,
