@@ -270,38 +270,9 @@ def run_python(code: str, limits: Limits = Limits(), stdin: str = "", harness: H
     vr = vw = -1
     with _Slot() as uid:
         try:
-            Path(work, "prog.py").write_text(code, encoding="utf-8")
-            Path(work, "stdin.txt").write_text(stdin or "", encoding="utf-8")
-            if harness is not None:
-                Path(work, "tests.json").write_text(json.dumps({"tests": harness.tests, "trusted": harness.trusted,
-                                                                 "entry": harness.entry}), encoding="utf-8")
+            _write_inputs(work, code, stdin, harness)
             vr, vw = os.pipe()
-            cfg = {
-                "work": work,
-                "mode": mode,
-                "uid": uid,
-                "ppid": os.getpid(),
-                "vfd": vw,
-                "alarm_s": int(limits.wall_s) + 3,
-                "harness": harness is not None,
-                "network": limits.network,
-                "tmpfs_mb": limits.tmpfs_mb,
-                "binds": _binds() if mode == "root" else [],
-                "netns": mode == "root" or (mode == "userns" and userns_available()),
-                "limits": asdict(limits),
-                "env": _env(work),
-            }
-            proc = subprocess.Popen(
-                [_python(), "-I", "-S", _BOOT, json.dumps(cfg)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=work,
-                env=_env(work),
-                start_new_session=True,  # its own process group, killed as a whole at the end
-                close_fds=True,
-                pass_fds=(vw,),
-            )
+            proc = _start_boot(_boot_config(work, mode, uid, vw, limits, harness), work, vw)
             os.close(vw)
             vw = -1
             out, err, over, timed_out = _collect(proc, limits)
@@ -323,23 +294,58 @@ def run_python(code: str, limits: Limits = Limits(), stdin: str = "", harness: H
             shutil.rmtree(work, ignore_errors=True)
     stdout = out.decode("utf-8", "replace")
     stderr = err.decode("utf-8", "replace")
-    if timed_out:
-        status = "timeout"
-    elif over:
-        status = "output_limit"
-    else:
-        status = _classify(rc, stderr, limits)
+    status = "timeout" if timed_out else "output_limit" if over else _classify(rc, stderr, limits)
     passed = None
     if harness is not None:
         passed = verdict.get("passed") is True and not (timed_out or over)
     return RunResult(status, rc, stdout, stderr, time.monotonic() - t0, enforced=capabilities_for(mode), passed=passed)
 
 
+def _write_inputs(work: str, code: str, stdin: str, harness: Harness | None) -> None:
+    Path(work, "prog.py").write_text(code, encoding="utf-8")
+    Path(work, "stdin.txt").write_text(stdin or "", encoding="utf-8")
+    if harness is not None:
+        Path(work, "tests.json").write_text(json.dumps({"tests": harness.tests, "trusted": harness.trusted,
+                                                         "entry": harness.entry}), encoding="utf-8")
+
+
+def _boot_config(work: str, mode: str, uid: int, vw: int, limits: Limits, harness: Harness | None) -> dict:
+    """What the bootstrap reads from its argv (see :mod:`mlx_ssp.verify.sandbox_boot`)."""
+    return {
+        "work": work,
+        "mode": mode,
+        "uid": uid,
+        "ppid": os.getpid(),
+        "vfd": vw,
+        "alarm_s": int(limits.wall_s) + 3,
+        "harness": harness is not None,
+        "network": limits.network,
+        "tmpfs_mb": limits.tmpfs_mb,
+        "binds": _binds() if mode == "root" else [],
+        "netns": mode == "root" or (mode == "userns" and userns_available()),
+        "limits": asdict(limits),
+        "env": _env(work),
+    }
+
+
+def _start_boot(cfg: dict, work: str, vw: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [_python(), "-I", "-S", _BOOT, json.dumps(cfg)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=work,
+        env=_env(work),
+        start_new_session=True,  # its own process group, killed as a whole at the end
+        close_fds=True,
+        pass_fds=(vw,),
+    )
+
+
 def _collect(proc: subprocess.Popen, limits: Limits) -> tuple[bytes, bytes, bool, bool]:
     """Read stdout/stderr until EOF, the wall limit or the output cap (then kill the group)."""
     cap = limits.output_kb << 10
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-    total = 0
     deadline = time.monotonic() + limits.wall_s
     sel = selectors.DefaultSelector()
     for f in bufs:
@@ -347,30 +353,7 @@ def _collect(proc: subprocess.Popen, limits: Limits) -> tuple[bytes, bytes, bool
         sel.register(f, selectors.EVENT_READ)
     over = timed_out = False
     try:
-        open_pipes = 2
-        while open_pipes:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                break
-            for key, _ in sel.select(timeout=min(left, 0.5)):
-                try:
-                    chunk = os.read(key.fd, 65536)
-                except BlockingIOError:
-                    continue
-                if not chunk:
-                    sel.unregister(key.fileobj)
-                    open_pipes -= 1
-                    continue
-                buf = bufs[key.fileobj]
-                room = cap - total
-                buf += chunk[:max(0, room)]
-                total += len(chunk)
-                if total > cap:
-                    over = True
-                    break
-            if over:
-                break
+        over, timed_out = _pump(sel, bufs, cap, deadline)
         if not timed_out and not over:
             # pipes closed; the bootstrap may still be exiting
             try:
@@ -384,6 +367,38 @@ def _collect(proc: subprocess.Popen, limits: Limits) -> tuple[bytes, bytes, bool
         for f in bufs:
             f.close()
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), over, timed_out
+
+
+def _pump(sel: selectors.BaseSelector, bufs: dict, cap: int, deadline: float) -> tuple[bool, bool]:
+    """Read both pipes into ``bufs`` (at most ``cap`` bytes in all) until both close; returns
+    (over the cap, past the deadline)."""
+    total = 0
+    over = timed_out = False
+    open_pipes = 2
+    while open_pipes:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        for key, _ in sel.select(timeout=min(left, 0.5)):
+            try:
+                chunk = os.read(key.fd, 65536)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                sel.unregister(key.fileobj)
+                open_pipes -= 1
+                continue
+            buf = bufs[key.fileobj]
+            room = cap - total
+            buf += chunk[:max(0, room)]
+            total += len(chunk)
+            if total > cap:
+                over = True
+                break
+        if over:
+            break
+    return over, timed_out
 
 
 @lru_cache(maxsize=1)

@@ -376,8 +376,6 @@ def answer(req, handles, other):
 def run_tests(spec, chan_fds, env):
     """Build the tests' namespace (trusted prompt code, then proxies for the program's names) and run
     the test code in it; returns normally only if the test code did."""
-    import builtins
-
     os.environ.clear()
     os.environ.update(env)
     sys.argv = ["tests.py"]  # sys.path has no work dir: nothing the program writes is importable here
@@ -385,17 +383,21 @@ def run_tests(spec, chan_fds, env):
     class RemoteError(RuntimeError):
         pass
 
-    def refuse(x):
-        if isinstance(x, Remote):
-            return {"h": [object.__getattribute__(x, "_h"), ""]}
-        raise TypeError("cannot pass a %s to the solution's process: only plain data" % type(x).__name__)
-
     def handle(v):
         if type(v) is not list or len(v) != 2 or type(v[0]) is not int:
             raise ValueError("malformed data")
         return Remote(v[0], str(v[1]))
 
     chan = Channel(chan_fds[0], chan_fds[1], revive(handle))
+    Remote = remote_class(rpc_client(chan, RemoteError))
+    ns = tests_namespace(spec, chan, RemoteError)
+    exec(compile(spec["tests"], "tests.py", "exec"), ns)
+
+
+def rpc_client(chan, RemoteError):
+    """One request to the program's process; its reply as data, or its exception raised here (a
+    builtin exception type by name, anything else as RemoteError)."""
+    import builtins
 
     def rpc(*req):
         chan.send(list(req))
@@ -415,6 +417,17 @@ def run_tests(spec, chan_fds, env):
         else:
             err = RemoteError("%s: %s" % (r[1], r[2]))
         raise err
+    return rpc
+
+
+def remote_class(rpc):
+    """The proxy of an object in the program's process: it can be called, iterated or asked for
+    attributes, never compared or truth-tested."""
+
+    def refuse(x):
+        if isinstance(x, Remote):
+            return {"h": [object.__getattribute__(x, "_h"), ""]}
+        raise TypeError("cannot pass a %s to the solution's process: only plain data" % type(x).__name__)
 
     def not_data(self, *a):
         raise TypeError("the solution gave a non-data object (%s): it can be called, iterated or asked "
@@ -456,6 +469,13 @@ def run_tests(spec, chan_fds, env):
         __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = __len__ = not_data
         __hash__ = object.__hash__
 
+    return Remote
+
+
+def tests_namespace(spec, chan, RemoteError):
+    """The trusted prompt code (run while the program's top level runs), then the program's names."""
+    import builtins
+
     ns = {"__name__": "__main__", "__builtins__": builtins}
     if spec["trusted"]:  # while the program's top level runs
         exec(compile(spec["trusted"], "prompt_code.py", "exec"), ns)
@@ -468,7 +488,7 @@ def run_tests(spec, chan_fds, env):
         # and the builtins have none (a solution's own `abs` or `poly` must not change the tests)
         if name == entry or (name not in ns and not hasattr(builtins, name)):
             ns[name] = value
-    exec(compile(spec["tests"], "tests.py", "exec"), ns)
+    return ns
 
 
 def harness(cfg, prog, work, tests_fd, report_fd):
@@ -488,24 +508,42 @@ def harness(cfg, prog, work, tests_fd, report_fd):
     res_r, res_w = os.pipe()
 
     def tests():
-        spec = json.loads(read_all(tests_fd))
-        os.close(tests_fd)
-        if cfg["limits"]["site_packages"]:
-            import site
-            site.main()
-        try:
-            run_tests(spec, (resp_r, req_w), dict(cfg["env"], HOME=work, TMPDIR=work))
-        except SystemExit as e:
-            if e.code not in (0, None):
-                raise
-        sys.stdout.flush()
-        sys.stderr.flush()
-        write_all(res_w, nonce)
+        run_tests_process(cfg, work, tests_fd, (resp_r, req_w), res_w, nonce)
 
     tests_pid = spawn(tests, close=(res_r, report_fd))
     for fd in (req_w, resp_r, res_w, tests_fd):
         os.close(fd)
-    ended = []  # (pid, status) of the two, in the order they ended
+    ended = wait_for_tests(tests_pid, prog_pid)
+    got = read_all(res_r)
+    if not any(pid == prog_pid for pid, _ in ended):
+        try:
+            os.kill(prog_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        reap({prog_pid})
+    return verdict(ended, tests_pid, prog_pid, got == nonce)
+
+
+def run_tests_process(cfg, work, tests_fd, chan_fds, res_w, nonce):
+    """The tests' process: read the test code, run it, and only if it returned write the nonce."""
+    spec = json.loads(read_all(tests_fd))
+    os.close(tests_fd)
+    if cfg["limits"]["site_packages"]:
+        import site
+        site.main()
+    try:
+        run_tests(spec, chan_fds, dict(cfg["env"], HOME=work, TMPDIR=work))
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    sys.stdout.flush()
+    sys.stderr.flush()
+    write_all(res_w, nonce)
+
+
+def wait_for_tests(tests_pid, prog_pid):
+    """Reap until the tests' process ended; (pid, status) of the two, in the order they ended."""
+    ended = []
     while not any(pid == tests_pid for pid, _ in ended):
         try:
             pid, st = os.waitpid(-1, 0)
@@ -516,15 +554,13 @@ def harness(cfg, prog, work, tests_fd, report_fd):
             continue
         if pid in (tests_pid, prog_pid):
             ended.append((pid, st))
-    got = read_all(res_r)
-    if not any(pid == prog_pid for pid, _ in ended):
-        try:
-            os.kill(prog_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        reap({prog_pid})
+    return ended
+
+
+def verdict(ended, tests_pid, prog_pid, nonce_ok):
+    """(passed, status): a pass needs the tests' clean exit and the nonce."""
     tests_status = dict(ended)[tests_pid]
-    if os.WIFEXITED(tests_status) and os.WEXITSTATUS(tests_status) == 0 and got == nonce:
+    if os.WIFEXITED(tests_status) and os.WEXITSTATUS(tests_status) == 0 and nonce_ok:
         return True, 0
     # why it failed: the program's own end when it ended first (a crash, a limit), else the tests'
     if ended[0][0] == prog_pid and ended[0][1] != 0:
@@ -532,70 +568,84 @@ def harness(cfg, prog, work, tests_fd, report_fd):
     return False, tests_status or 1 << 8
 
 
-def main():
-    cfg = json.loads(sys.argv[1])
-    die_with_parent(cfg["ppid"])
-    signal.alarm(cfg["alarm_s"])  # a backstop for the caller's wall limit: SIGALRM ends the sandbox
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    host_work, mode, vfd = cfg["work"], cfg["mode"], cfg["vfd"]
-    with open(os.path.join(host_work, "prog.py"), "rb") as f:
+def read_inputs(cfg):
+    """The program's source, and the test code's descriptor (harness mode; its file unlinked)."""
+    with open(os.path.join(cfg["work"], "prog.py"), "rb") as f:
         prog = f.read()
     tests_fd = -1
     if cfg["harness"]:
-        tests_path = os.path.join(host_work, "tests.json")
+        tests_path = os.path.join(cfg["work"], "tests.json")
         tests_fd = os.open(tests_path, os.O_RDONLY)
         os.unlink(tests_path)
-    uid = cfg["uid"]
-    work = host_work
-    if mode == "root":
-        with open(os.path.join(host_work, "stdin.txt"), "rb") as f:
-            stdin_data = f.read()
-        check(libc.unshare(NEWPID | (0 if cfg["network"] else NEWNET)) == 0, "unshare")
-        rfd, wfd = os.pipe()
-        pid = os.fork()  # the child is PID 1 (init) of the new PID namespace
-        if pid:
-            os.close(wfd)
-            if tests_fd >= 0:
-                os.close(tests_fd)
-            status, _ = reap({pid})
-            report = read_all(rfd)
-            write_all(vfd, report)
-            try:
-                die_like(json.loads(report)["status"])
-            except ValueError:
-                die_like(status[pid])
-        os.close(rfd)
-        os.close(vfd)
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        import select
-        poll = select.poll()
-        poll.register(wfd, select.POLLOUT)
-        if any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0)):
-            os._exit(125)  # the bootstrap died before the prctl
-        check(libc.unshare(NEWNS) == 0, "unshare")
-        build_view(host_work, cfg)
-        work = INSIDE
-        for name, data in (("prog.py", prog), ("stdin.txt", stdin_data)):
-            with open(os.path.join(work, name), "wb") as f:
-                f.write(data)
-            os.chown(os.path.join(work, name), uid, uid)
-        report_fd = wfd
-    else:
-        if mode == "userns" and cfg["netns"] and not cfg["network"]:
-            check(libc.unshare(NEWUSER | NEWNET) == 0, "unshare")
-        report_fd = vfd
-    lim = cfg["limits"]
+    return prog, tests_fd
 
-    def setlim(res, v):
-        try:
-            resource.setrlimit(res, (v, v))
-        except (ValueError, OSError):
-            pass
 
+def isolate_root(cfg, prog, tests_fd):
+    """Root: new PID + network namespaces; the bootstrap stays outside as the reporter, and the forked
+    init (PID 1) enters its mount namespace and filesystem view. Returns init's (work, report_fd)."""
+    host_work, vfd = cfg["work"], cfg["vfd"]
+    with open(os.path.join(host_work, "stdin.txt"), "rb") as f:
+        stdin_data = f.read()
+    check(libc.unshare(NEWPID | (0 if cfg["network"] else NEWNET)) == 0, "unshare")
+    rfd, wfd = os.pipe()
+    pid = os.fork()  # the child is PID 1 (init) of the new PID namespace
+    if pid:
+        report_init(pid, rfd, wfd, vfd, tests_fd)
+    os.close(rfd)
+    os.close(vfd)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    import select
+    poll = select.poll()
+    poll.register(wfd, select.POLLOUT)
+    if any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0)):
+        os._exit(125)  # the bootstrap died before the prctl
+    check(libc.unshare(NEWNS) == 0, "unshare")
+    build_view(host_work, cfg)
+    work = INSIDE
+    for name, data in (("prog.py", prog), ("stdin.txt", stdin_data)):
+        with open(os.path.join(work, name), "wb") as f:
+            f.write(data)
+        os.chown(os.path.join(work, name), cfg["uid"], cfg["uid"])
+    return work, wfd
+
+
+def report_init(pid, rfd, wfd, vfd, tests_fd):
+    """The bootstrap outside the namespaces: wait for init, pass on its verdict, end as it did."""
+    os.close(wfd)
+    if tests_fd >= 0:
+        os.close(tests_fd)
+    status, _ = reap({pid})
+    report = read_all(rfd)
+    write_all(vfd, report)
+    try:
+        die_like(json.loads(report)["status"])
+    except ValueError:
+        die_like(status[pid])
+
+
+def isolate_unprivileged(cfg):
+    """No root: the bootstrap is init itself (a user + network namespace for no network where the
+    kernel allows). Returns (work, report_fd)."""
+    if cfg["mode"] == "userns" and cfg["netns"] and not cfg["network"]:
+        check(libc.unshare(NEWUSER | NEWNET) == 0, "unshare")
+    return cfg["work"], cfg["vfd"]
+
+
+def setlim(res, v):
+    try:
+        resource.setrlimit(res, (v, v))
+    except (ValueError, OSError):
+        pass
+
+
+def set_rlimits(lim):
     resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1))
     setlim(resource.RLIMIT_AS, lim["memory_mb"] << 20)
     setlim(resource.RLIMIT_FSIZE, lim["fsize_mb"] << 20)
     setlim(resource.RLIMIT_NOFILE, lim["nofile"])
+
+
+def drop_privileges(mode, uid):
     if mode == "root":
         os.setgroups([])
         os.setgid(uid)
@@ -605,23 +655,24 @@ def main():
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # setuid cleared it
     prctl(PR_SET_NO_NEW_PRIVS, 1)
     prctl(PR_SET_DUMPABLE, 0)  # the program (same uid) cannot ptrace init or the tests
-    setlim(resource.RLIMIT_NPROC, lim["nproc"])
-    os.chdir(work)
-    # init has Python's SIGINT handler, so the program (same uid) could interrupt it: ignore it there
-    # (the non-root program runs in this process when there are no tests: it keeps the handler)
-    if mode == "root" or cfg["harness"]:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if cfg["harness"]:
-        passed, status = harness(cfg, prog, work, tests_fd, report_fd)
-        write_all(report_fd, json.dumps({"status": status, "passed": passed}).encode())
-        os._exit(0) if mode == "root" else die_like(status)
-    if mode == "root":
-        # init ignores signals it has no handler for (SIGXCPU would not kill it): run the program as
-        # PID 2 and stay as its reaper
-        prog_pid = spawn(lambda: run_program(prog, cfg, work), close=(report_fd,))
-        status, _ = reap({prog_pid})
-        write_all(report_fd, json.dumps({"status": status[prog_pid]}).encode())
-        os._exit(0)
+
+
+def run_harness_mode(cfg, prog, work, tests_fd, report_fd):
+    passed, status = harness(cfg, prog, work, tests_fd, report_fd)
+    write_all(report_fd, json.dumps({"status": status, "passed": passed}).encode())
+    os._exit(0) if cfg["mode"] == "root" else die_like(status)
+
+
+def run_as_pid2(prog, cfg, work, report_fd):
+    # init ignores signals it has no handler for (SIGXCPU would not kill it): run the program as
+    # PID 2 and stay as its reaper
+    prog_pid = spawn(lambda: run_program(prog, cfg, work), close=(report_fd,))
+    status, _ = reap({prog_pid})
+    write_all(report_fd, json.dumps({"status": status[prog_pid]}).encode())
+    os._exit(0)
+
+
+def run_in_process(prog, cfg, work, report_fd):
     os.close(report_fd)  # elsewhere the program runs in this process: nothing of the verdict channel
     try:
         run_program(prog, cfg, work)
@@ -633,6 +684,31 @@ def main():
         sys.stderr.flush()
         sys.exit(1)
 
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    die_with_parent(cfg["ppid"])
+    signal.alarm(cfg["alarm_s"])  # a backstop for the caller's wall limit: SIGALRM ends the sandbox
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    mode = cfg["mode"]
+    prog, tests_fd = read_inputs(cfg)
+    if mode == "root":
+        work, report_fd = isolate_root(cfg, prog, tests_fd)
+    else:
+        work, report_fd = isolate_unprivileged(cfg)
+    set_rlimits(cfg["limits"])
+    drop_privileges(mode, cfg["uid"])
+    setlim(resource.RLIMIT_NPROC, cfg["limits"]["nproc"])
+    os.chdir(work)
+    # init has Python's SIGINT handler, so the program (same uid) could interrupt it: ignore it there
+    # (the non-root program runs in this process when there are no tests: it keeps the handler)
+    if mode == "root" or cfg["harness"]:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if cfg["harness"]:
+        run_harness_mode(cfg, prog, work, tests_fd, report_fd)
+    if mode == "root":
+        run_as_pid2(prog, cfg, work, report_fd)
+    run_in_process(prog, cfg, work, report_fd)
 
 if __name__ == "__main__":
     main()
