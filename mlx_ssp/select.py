@@ -344,12 +344,10 @@ def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, 
     if all(r["reward"] is None for r in records):
         raise UserError(f"{rollouts}: no record has a reward (generated without verification?)")
     records, repeated = dedupe_records(records, rollouts)
-    system = None
-    meta = rollouts.with_name(f"{rollouts.stem}.meta.json")
-    if meta.is_file():
-        from mlx_ssp.rollout.resume import read_meta
+    from mlx_ssp.rollout.resume import read_meta, sidecar
 
-        system = read_meta(meta).get("system")  # a corrupt meta file is one line, not a traceback
+    meta = read_meta(sidecar(rollouts, "meta"))  # a corrupt meta file is one line, not a traceback
+    system = meta.get("system") if meta else None
     data, report = select(records, cfg, system=system)
     report["input"] = str(rollouts)
     report["repeated_records_dropped"] = repeated

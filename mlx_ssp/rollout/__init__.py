@@ -54,24 +54,15 @@ mlx-lm's BatchGenerator; :mod:`mlx_ssp.sampling` holds the sampler interface), :
 from mlx_ssp.cli_options import apply_flags, load_stage_config, sampling_flags, sampling_options
 from mlx_ssp.rollout.command import cli
 from mlx_ssp.rollout.config import RolloutConfig, SamplingConfig
-from mlx_ssp.rollout.engine import generate, generate_rollouts, iter_rollouts, model_context_length, run_request
+from mlx_ssp.rollout.engine import generate, generate_rollouts, iter_rollouts, model_context_length
 from mlx_ssp.rollout.request import RolloutRequest, stage_settings
-from mlx_ssp.rollout.resume import (
-    check_provenance,
-    drop_stale,
-    lock_path,
-    read_meta,
-    run_fingerprint,
-    sidecar,
-    task_fingerprint,
-)
+from mlx_ssp.rollout.resume import read_meta, run_fingerprint, sidecar, task_fingerprint
 from mlx_ssp.rollout.stage import run_rollouts
 from mlx_ssp.rollout.summary import format_table, group_by_task, stage_summary, summarize
 
 __all__ = [
-    "RolloutConfig", "RolloutRequest", "SamplingConfig", "apply_flags", "check_provenance", "cli", "drop_stale",
-    "format_table", "generate", "generate_rollouts", "group_by_task", "iter_rollouts", "load_stage_config",
-    "lock_path", "model_context_length", "read_meta", "run_fingerprint", "run_request", "run_rollouts",
-    "sampling_flags", "sampling_options", "sidecar", "stage_settings", "stage_summary", "summarize",
-    "task_fingerprint",
+    "RolloutConfig", "RolloutRequest", "SamplingConfig", "apply_flags", "cli", "format_table", "generate",
+    "generate_rollouts", "group_by_task", "iter_rollouts", "load_stage_config", "model_context_length", "read_meta",
+    "run_fingerprint", "run_rollouts", "sampling_flags", "sampling_options", "sidecar", "stage_settings",
+    "stage_summary", "summarize", "task_fingerprint",
 ]

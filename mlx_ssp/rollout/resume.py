@@ -112,9 +112,11 @@ def run_meta(model_path: str, cfg: RolloutConfig, seed: int) -> dict:
     }
 
 
-def load_resumable(out: Path, meta: dict, fingerprints: dict[str, str], overwrite: bool) -> tuple[list[dict], dict]:
+def load_resumable(out: Path, meta: dict, run_fp: str, fingerprints: dict[str, str],
+                   overwrite: bool) -> tuple[list[dict], dict]:
     """The records of ``out`` a resume keeps (rank 0, under the lock), and what was dropped:
-    ``{"stale_records", "stale_tasks", "repeated_records"}``. Other settings are refused; stale and
+    ``{"stale_records", "stale_tasks", "repeated_records"}``. ``run_fp``: :func:`run_fingerprint` of
+    ``meta``. Other settings are refused; stale and
     repeated records are removed from the file by one atomic rewrite."""
     from mlx_ssp.io import read_jsonl, repair_jsonl_tail, write_jsonl_atomic
 
@@ -135,7 +137,7 @@ def load_resumable(out: Path, meta: dict, fingerprints: dict[str, str], overwrit
             )
     repair_jsonl_tail(out)
     existing = read_jsonl(out, what="rollouts")
-    check_provenance(existing, out, run_fingerprint(meta), meta_known=old is not None)
+    check_provenance(existing, out, run_fp, meta_known=old is not None)
     keep, stale, repeated = drop_stale(existing, fingerprints)
     if stale or repeated:
         write_jsonl_atomic(out, keep)

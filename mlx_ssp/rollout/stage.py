@@ -67,10 +67,11 @@ def _run_locked(mcfg, request: RolloutRequest, out: Path, meta: dict, *, overwri
     main = dist.is_main()
     meta_path = sidecar(out, "meta")
     fingerprints = {t.id: task_fingerprint(t, request.system) for t in request.tasks}
+    run_fp = run_fingerprint(meta)
     existing: list[dict] = []
     dropped = dict(NOTHING_DROPPED, stale_tasks=[])
     if main:
-        existing, dropped = load_resumable(out, meta, fingerprints, overwrite)
+        existing, dropped = load_resumable(out, meta, run_fp, fingerprints, overwrite)
     missing = dist.broadcast_object(_missing(existing, request), what="rollout: samples to do")
     todo = sum(len(v) for v in missing.values())
     stats: dict = {}
@@ -83,8 +84,7 @@ def _run_locked(mcfg, request: RolloutRequest, out: Path, meta: dict, *, overwri
             write_json_atomic(meta_path, meta)
         if existing:
             log.info("resuming %s: %d samples done, %d to go", out, len(existing), todo)
-        stamps = {"fingerprints": fingerprints, "run_fingerprint": run_fingerprint(meta)}
-        existing.extend(_append_missing(model, tokenizer, request, missing, out, stats, stamps))
+        existing.extend(_append_missing(model, tokenizer, request, missing, out, stats, fingerprints, run_fp))
     ids = {t.id for t in request.tasks}
     summary = stage_summary([r for r in existing if r["task_id"] in ids], request.k, model=meta["model"],
                             seed=request.seed, sampling=request.sampling.model_dump(), output=str(out),
@@ -95,7 +95,7 @@ def _run_locked(mcfg, request: RolloutRequest, out: Path, meta: dict, *, overwri
 
 
 def _append_missing(model, tokenizer, request: RolloutRequest, missing: dict[str, list[int]], out: Path,
-                    stats: dict, stamps: dict) -> list[dict]:
+                    stats: dict, fingerprints: dict[str, str], run_fp: str) -> list[dict]:
     """Generate the missing samples, stamp each record with what a later resume checks it against,
     and append each round to ``out`` (rank 0); returns the new records."""
     from mlx_ssp import distributed as dist
@@ -103,7 +103,6 @@ def _append_missing(model, tokenizer, request: RolloutRequest, missing: dict[str
     from mlx_ssp.rollout.engine import iter_sharded
 
     new: list[dict] = []
-    fingerprints, run_fp = stamps["fingerprints"], stamps["run_fingerprint"]
     # several ranks: rounds of 8 batches per rank, each round appended whole by rank 0
     round_size = 8 * request.batch_size * dist.size()
     with (JsonlAppender(out, background=True) if dist.is_main() else contextlib.nullcontext()) as app:
