@@ -190,8 +190,7 @@ def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_sh
     # lexically absolute: a trailing '..' has no name to build the temporary sibling from
     target = Path(os.path.abspath(out_dir))
     shard_bytes = sio.parse_size(out_shard_size)
-    plan = [sio.PlannedTensor(p.name, p.out if not p.copy else job.sources[job.reference].tensors[p.name].dtype,
-                              p.shape) for p in job.plans]
+    plan = [sio.PlannedTensor(p.name, p.out, p.shape) for p in job.plans]  # a copy's out: the reference's dtype
     t0 = time.perf_counter()
     with atomic_dir(target, overwrite=overwrite or overwrite_any) as tmp:
         writer = sio.ShardedWriter(tmp, plan, shard_bytes, metadata={MARK_KEY: MARK_VALUE})

@@ -32,7 +32,7 @@ CONFIG_NAME = "mergekit_config.yml"
 @dataclass(frozen=True)
 class Protected:
     """One input path the output must keep clear of; ``is_dir`` decides whether lying inside it
-    counts (a file cannot hold OUT_DIR)."""
+    counts (a file cannot hold OUT_DIR; the working directory may)."""
 
     path: Path
     what: str  # e.g. "input model demo", "the merge config"
@@ -59,12 +59,13 @@ def _relation(out: Path, item: Path, item_is_dir: bool) -> str | None:
 def check_clear_of_inputs(out_dir: Path, protected: Iterable[Protected]) -> None:
     """Rules 1 and 2: a UserError naming OUT_DIR and the input (or cwd) it collides with."""
     outs = _forms(out_dir)
-    items = list(protected) + [Protected(Path.cwd(), "the working directory")]
+    # OUT_DIR may lie inside the working directory, never be or hold it
+    items = list(protected) + [Protected(Path.cwd(), "the working directory", is_dir=False)]
     for item in items:
         for form in sorted(_forms(item.path)):
             for out in sorted(outs):
                 rel = _relation(out, form, item.is_dir)
-                if rel is None or (item.what == "the working directory" and rel == "lies inside"):
+                if rel is None:
                     continue
                 shown = f" ({form})" if str(form) != str(item.path) else ""
                 raise UserError(f"OUT_DIR {out_dir} {rel} {item.what} {item.path}{shown}; a merge replaces "

@@ -30,9 +30,6 @@ class Source:
     adapter_path: Optional[Path] = None
     given: Optional[Path] = None  # the model directory as written (before symlinks are resolved)
 
-    def has(self, name: str) -> bool:
-        return name in self.tensors
-
     def load(self, name: str) -> mx.array:
         x = sio.read_tensor(self.tensors[name])
         if self.adapter is not None and name.endswith(".weight"):
