@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 from typing import Any, Optional
 
 from pydantic import Field, ValidationError, model_validator
@@ -116,7 +117,12 @@ def install_from_config(data: dict, source: str) -> None:
 def get_policy() -> SandboxPolicy:
     if _policy is not None:
         return _policy
-    env = os.environ.get(ENV, "").strip()
+    return _env_policy(os.environ.get(ENV, "").strip())
+
+
+@lru_cache(maxsize=8)
+def _env_policy(env: str) -> SandboxPolicy:
+    """$MLX_SSP_SANDBOX as a policy, parsed once per value (every code sample asks for it)."""
     if not env:
         return SandboxPolicy()
     try:

@@ -92,8 +92,7 @@ def assemble(completion: str, task: "Task") -> str:
 
 def limits_for(task: "Task") -> Limits:
     """The task's limits within the operator's policy (ValueError for a refused request)."""
-    over = task.metadata.get("sandbox")
-    return task_limits(over) if over else task_limits({})
+    return task_limits(task.metadata.get("sandbox"))
 
 
 def _check(task: "Task") -> None:

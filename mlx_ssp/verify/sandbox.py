@@ -203,8 +203,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, owned by another user
+        pass
     return True
 
 
@@ -335,7 +335,7 @@ def _start_boot(cfg: dict, work: str, vw: int) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=work,
-        env=_env(work),
+        env=cfg["env"],
         start_new_session=True,  # its own process group, killed as a whole at the end
         close_fds=True,
         pass_fds=(vw,),
