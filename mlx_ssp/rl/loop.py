@@ -193,9 +193,11 @@ def reduce_totals(parts: list[dict]) -> dict:
     return functools.reduce(merge_totals, parts, {})
 
 
-def _to_floats(totals: dict[str, mx.array]) -> dict[str, float]:
+def _stacked(totals: dict[str, mx.array]) -> tuple[list[str], mx.array]:
+    """(names, one float32 vector of the values): evaluated with the micro-batch, then read back with
+    a single ``tolist()`` instead of a second evaluation."""
     keys = list(totals)
-    return dict(zip(keys, mx.stack([totals[k].astype(mx.float32) for k in keys]).tolist())) if keys else {}
+    return keys, mx.stack([totals[k].astype(mx.float32) for k in keys])
 
 
 def _snapshot(model: nn.Module, opt) -> tuple:
@@ -424,12 +426,13 @@ class Trainer:
             (loss, (totals, logp)), grads = loss_and_grad(self.model, mb)
             if inner == 0:  # sampler vs trainer log-probs of the same tokens: should be ~1e-5
                 totals = {**totals, **behaviour_totals(logp, mb["behaviour"], mb["mask"])}
-            mx.eval(loss, grads, totals, logp)
+            keys, vec = _stacked(totals)
+            mx.eval(loss, grads, vec, logp)
             if inner == 0 and recompute:
                 old_parts.append(logp)
             loss_sum += float(loss.item())
             grads_sum = grads if grads_sum is None else tree_map(lambda a, b: a + b, grads_sum, grads)
-            parts.append(_to_floats(totals))
+            parts.append(dict(zip(keys, vec.tolist())))
         return grads_sum, loss_sum
 
     def _all_reduce(self, grads_sum, loss_sum: float):

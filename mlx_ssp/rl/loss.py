@@ -80,9 +80,6 @@ class Aggregation(NamedTuple):
     reduce: Callable[..., mx.array]  # fn(per_token [B, T], mask [B, T] float, max_tokens) -> scalar
     units: Callable[[mx.array], mx.array]  # fn(mask [B, T]) -> scalar
 
-    def __call__(self, per_token: mx.array, mask: mx.array, max_tokens: int | None = None) -> mx.array:
-        return self.reduce(per_token, mask, max_tokens)
-
 
 #: name -> Aggregation(reduce, units)
 AGGREGATIONS: dict[str, Aggregation] = {
@@ -102,7 +99,7 @@ def aggregate(per_token: mx.array, mask: mx.array, mode: str, max_tokens: int | 
         fn = AGGREGATIONS[mode]
     except KeyError:
         raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}") from None
-    return fn(per_token, mask.astype(mx.float32), max_tokens)
+    return fn.reduce(per_token, mask.astype(mx.float32), max_tokens)
 
 
 def k3_kl(logp: mx.array, ref_logp: mx.array) -> mx.array:
@@ -147,13 +144,13 @@ def _max(a: float, b: float) -> float:
 
 def merge_totals(a: dict, b: dict) -> dict:
     """Totals of the union of two sets of tokens: ``sum/`` and ``n/`` keys add, ``max/`` keys take the
-    max; a key on one side only is kept as it is. Works on floats and on MLX scalars."""
+    max; a key on one side only is kept as it is. Python floats (the micro-batches' values read back)."""
     out = dict(a)
     for k, v in b.items():
         if k not in out:
             out[k] = v
         elif k.startswith("max/"):
-            out[k] = _max(out[k], v) if isinstance(v, (int, float)) else mx.maximum(out[k], v)
+            out[k] = _max(out[k], v)
         else:
             out[k] = out[k] + v
     return out
