@@ -52,7 +52,8 @@ def plain_file_mode(path: Path) -> int:
     return 0o666 & ~current_umask()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host has ``pid`` (another user's counts as alive)."""
     if pid <= 0:
         return True  # not a pid we can check: keep its files
     try:
@@ -80,7 +81,7 @@ def clean_stale_temps(path: Path) -> list[Path]:
     removed = []
     for e in entries:
         m = pat.match(e.name)
-        if m is None or _pid_alive(int(m.group(2))):
+        if m is None or pid_alive(int(m.group(2))):
             continue
         if m.group(1) == "old" and not path.exists():
             continue  # killed between the two renames: this is the only copy of the previous output

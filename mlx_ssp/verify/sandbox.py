@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from mlx_ssp.io import pid_alive
 from mlx_ssp.sandbox_policy import Limits
 
 IS_LINUX = sys.platform.startswith("linux")
@@ -198,16 +199,6 @@ def _classify(rc: int | None, stderr: str, limits: Limits) -> str:
     return "error"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by another user
-        pass
-    return True
-
-
 def clean_stale(base: str) -> int:
     """Remove work dirs in ``base`` left by dead processes (a SIGKILLed verify or rollout): the
     name holds the owner's pid; only dirs owned by this user whose owner is gone. Returns the count."""
@@ -224,7 +215,7 @@ def clean_stale(base: str) -> int:
             st = e.stat(follow_symlinks=False)
         except OSError:
             continue
-        if pid.isdigit() and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not _alive(int(pid)):
+        if pid.isdigit() and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not pid_alive(int(pid)):
             shutil.rmtree(e.path, ignore_errors=True)
             n += 1
     return n
