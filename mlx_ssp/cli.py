@@ -1,7 +1,7 @@
 """The ``mlx_ssp`` command: a click group with one subcommand per stage.
 
 Subcommands are imported lazily (``mlx_ssp --help`` must not pay for mlx, datasets or torch).
-Each stage module exposes a click command named ``cli``; a stage that is not built in this
+Each lives in its own module of :mod:`mlx_ssp.commands` as a click command named ``cli``; a stage that is not built in this
 version exits non-zero with one line saying so. A :class:`UserError` anywhere becomes one line on
 stderr and exit status 2, never a traceback; so does a full disk or quota (``ENOSPC``/``EDQUOT``,
 from any stage: every output is written atomically or resumably, so a rerun after freeing space
@@ -20,18 +20,18 @@ from mlx_ssp.errors import UserError
 
 #: name -> (import path of the click command, one-line help shown in ``mlx_ssp --help``)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "doctor": ("mlx_ssp.doctor:cli", "Check the platform, backends, BLAS and matmul speed."),
-    "models": ("mlx_ssp.models_cli:cli", "Resolve model specs (local dir, hub id, 'demo') to directories."),
-    "tasks": ("mlx_ssp.tasks.cli:cli", "Export task files from GSM8K, reasoning-gym, HumanEval, BFCL, JSONL, HF."),
-    "verify": ("mlx_ssp.verify.cli:cli", "Score completions with the tasks' verifiers (re-score old rollouts)."),
-    "rollout": ("mlx_ssp.rollout:cli", "Sample K completions per task with behaviour log-probs and rewards."),
-    "select": ("mlx_ssp.select:cli", "Pick diverse correct solutions from rollouts as SFT data."),
-    "eval": ("mlx_ssp.eval:cli", "pass@1 / pass@k per domain with the unbiased estimator."),
-    "sft": ("mlx_ssp.sft:cli", "Train one LoRA specialist per domain, keep the best Pass@K checkpoint, fuse."),
-    "merge": ("mlx_ssp.merge.cli:cli", "Merge models from a mergekit YAML (linear, task arithmetic, TIES, DARE)."),
-    "rl": ("mlx_ssp.rl.cli:cli", "MGPO-weighted GRPO with verifiable rewards."),
-    "run": ("mlx_ssp.pipeline:cli", "Run the whole SSP loop from one config, resumably."),
-    "report": ("mlx_ssp.report:cli", "Markdown summary and plots of a run directory."),
+    "doctor": ("mlx_ssp.commands.doctor:cli", "Check the platform, backends, BLAS and matmul speed."),
+    "models": ("mlx_ssp.commands.models:cli", "Resolve model specs (local dir, hub id, 'demo') to directories."),
+    "tasks": ("mlx_ssp.commands.tasks:cli", "Export task files from GSM8K, reasoning-gym, HumanEval, BFCL, JSONL, HF."),
+    "verify": ("mlx_ssp.commands.verify:cli", "Score completions with the tasks' verifiers (re-score old rollouts)."),
+    "rollout": ("mlx_ssp.commands.rollout:cli", "Sample K completions per task with behaviour log-probs and rewards."),
+    "select": ("mlx_ssp.commands.select:cli", "Pick diverse correct solutions from rollouts as SFT data."),
+    "eval": ("mlx_ssp.commands.eval:cli", "pass@1 / pass@k per domain with the unbiased estimator."),
+    "sft": ("mlx_ssp.commands.sft:cli", "Train one LoRA specialist per domain, keep the best Pass@K checkpoint, fuse."),
+    "merge": ("mlx_ssp.commands.merge:cli", "Merge models from a mergekit YAML (linear, task arithmetic, TIES, DARE)."),
+    "rl": ("mlx_ssp.commands.rl:cli", "MGPO-weighted GRPO with verifiable rewards."),
+    "run": ("mlx_ssp.commands.run:cli", "Run the whole SSP loop from one config, resumably."),
+    "report": ("mlx_ssp.commands.report:cli", "Markdown summary and plots of a run directory."),
 }
 
 
@@ -117,29 +117,6 @@ def main() -> None:
     Typical loop: `mlx_ssp run configs/quickstart.yaml`; or each stage on its own. Every stage
     that takes a config file reads its own section of a run YAML and accepts `--set key=value`.
     """
-
-
-# -- shared options for stage commands ---------------------------------------------------------
-
-def set_option(f):
-    """``--set key=value`` (repeatable; dotted keys; beats the YAML file)."""
-    return click.option(
-        "--set",
-        "overrides",
-        multiple=True,
-        metavar="KEY=VALUE",
-        help="Override a config value, e.g. --set rollout.k=8 (repeatable; beats the YAML file).",
-    )(f)
-
-
-def config_option(f):
-    return click.option(
-        "--config",
-        "config_path",
-        type=click.Path(dir_okay=False),
-        default=None,
-        help="Run YAML file; this command reads its own section(s). Flags beat the file.",
-    )(f)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,7 +6,6 @@ import platform
 import sys
 import time
 
-import click
 
 
 def blas_in_use() -> str:
@@ -101,20 +100,3 @@ def report() -> tuple[list[tuple[str, str]], list[str]]:
     except Exception:
         pass
     return rows, advice
-
-
-@click.command("doctor")
-def cli() -> None:
-    """Print the platform, mlx and mlx-lm versions, the available backends (Metal, CUDA, CPU),
-    the BLAS in use and a measured float32 matmul GFLOP/s, with what to do when something is
-    missing."""
-    rows, advice = report()
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        click.echo(f"{k:<{width}}  {v}")
-    if advice:
-        click.echo("\nto fix:")
-        for a in advice:
-            click.echo(f"  - {a}")
-    else:
-        click.echo("\nall good")

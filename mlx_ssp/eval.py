@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import click
 from pydantic import Field, model_validator
 
 from mlx_ssp.config import StrictModel
@@ -105,39 +104,3 @@ def run_eval(model_spec, tasks_path, cfg: EvalConfig, out: str | Path, *, progre
     if dist.is_main():  # the ranks sampled their shares; rank 0 writes (issue 10)
         write_json_atomic(out, result)
     return result
-
-
-from mlx_ssp.cli import config_option, set_option  # noqa: E402
-from mlx_ssp.cli_options import load_stage_config, sampling_flags, sampling_options  # noqa: E402
-from mlx_ssp.rollout import format_table  # noqa: E402
-
-
-@click.command("eval")
-@click.option("--model", "model", default=None, help="Model: a directory, a Hugging Face id, or 'demo'.")
-@click.option("--tasks", "tasks_path", default=None, help="Task JSONL file.")
-@click.option("--k", "k", type=int, default=None, help="k of pass@k. Default 8.")
-@click.option("--n", "n", type=int, default=None, help="Samples per task (>= k; default k).")
-@click.option("--greedy/--no-greedy", default=None, help="Also report greedy pass@1.")
-@sampling_options
-@click.option("--system", default=None, help="System prompt for tasks that have none.")
-@click.option("-o", "--output", default=None, help="EVAL.json to write.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
-@config_option
-@set_option
-def cli(model, tasks_path, k, n, greedy, system, output, no_progress, config_path, overrides, **kw):
-    """pass@1 and pass@k per domain (unbiased estimator), printed and written as JSON."""
-    flags = {"k": k, "n": n, "greedy": greedy, "tasks": tasks_path, "output": output, "system": system, **sampling_flags(kw)}
-    mcfg, cfg, _ = load_stage_config(config_path, overrides, "eval", flags, model)
-    if not cfg.tasks:
-        raise UserError("no task file: pass --tasks FILE (or set eval.tasks)")
-    if not cfg.output:
-        raise UserError("no output: pass -o EVAL.json (or set eval.output)")
-    result = run_eval(mcfg, cfg.tasks, cfg, cfg.output, progress=not no_progress)
-    from mlx_ssp import distributed as dist
-
-    if not dist.is_main():  # rank 0 reports for all ranks
-        return
-    click.echo(format_table(result, extra=("greedy_pass@1",) if cfg.greedy else ()))
-    if result["skipped"]:
-        click.echo(f"warning: skipped {len(result['skipped'])} task(s) whose prompt does not fit the context", err=True)
-    click.echo(f"-> {cfg.output}")

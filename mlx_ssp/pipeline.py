@@ -31,15 +31,15 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import click
 import yaml
 
-from mlx_ssp.cli import set_option
 from mlx_ssp.config import load_section
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import JsonlAppender, write_json_atomic, write_text_atomic
@@ -220,7 +220,7 @@ def stage_sft(run: Run) -> dict:
             "extraction, or use an easier task setting"
         )
     if missing:
-        click.echo(f"sft: skipping {', '.join(missing)}: selection found no correct solution", err=True)
+        print(f"sft: skipping {', '.join(missing)}: selection found no correct solution", file=sys.stderr)
         cfg = cfg.model_copy(update={"domains": {d: s for d, s in cfg.domains.items() if d not in missing}})
     summary = run_sft(cfg, run.section("model"), run_dir=run.run_dir, run_data=run.data, seed=run.seed)
     return {"summary": summary}
@@ -515,7 +515,7 @@ def run_pipeline(
     from_stage: Optional[str] = None,
     only: Optional[str] = None,
     progress: bool = True,
-    echo: Callable[[str], None] = click.echo,
+    echo: Callable[[str], None] = partial(print, flush=True),  # flushed: progress bars write between lines
 ) -> dict:
     for name, stage in (("--from", from_stage), ("--only", only)):
         if stage is not None and stage not in STAGES:
@@ -561,25 +561,3 @@ def act_on_stage(run: Run, stage: str, action: str, why: str, fp: str, log: Json
     done = execute_stage(run, stage, fp, log)
     echo(f"[{stage}] done in {done['seconds']:.1f}s")
     return done["metrics"]
-
-
-@click.command("run")
-@click.argument("config_path", metavar="CONFIG.yaml", type=click.Path(dir_okay=False))
-@set_option
-@click.option("--from", "from_stage", type=click.Choice(STAGES), default=None,
-              help="Rerun this stage and every stage after it (earlier stages must be complete).")
-@click.option("--only", type=click.Choice(STAGES), default=None,
-              help="Run only this stage (earlier stages must be complete).")
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
-def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str], only: Optional[str],
-        no_progress: bool) -> None:
-    """Run the whole SSP loop from CONFIG.yaml: tasks -> rollout -> select -> sft -> merge -> rl -> eval,
-    into the run directory (config key run_dir; --set run_dir=PATH moves it).
-
-    Rerunning skips complete stages, resumes an interrupted one, and reruns a stage whose config
-    changed together with every stage after it (saying so). The final table compares the base model,
-    each specialist, the merged model and the RL model on held-out tasks.
-    """
-    if from_stage and only:
-        raise UserError("give --from or --only, not both")
-    run_pipeline(config_path, overrides, from_stage=from_stage, only=only, progress=not no_progress)

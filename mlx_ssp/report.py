@@ -15,8 +15,6 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-import click
-
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import atomic_path, write_text_atomic
 
@@ -305,13 +303,3 @@ def build_report(run_dir: str | Path) -> Path:
     path = out / "report.md"
     write_text_atomic(path, "\n".join(md) + "\n")
     return path
-
-
-@click.command("report")
-@click.argument("run_dir", metavar="RUN_DIR", type=click.Path(file_okay=False))
-def cli(run_dir: str) -> None:
-    """Write RUN_DIR/report/report.md with PNG plots: pass@k by stage and domain, the specialists'
-    probe curves with the chosen checkpoint marked, RL reward / pass rate / MGPO weight / clip
-    fraction per step, and the spectrum (distinct correct solutions per prompt)."""
-    path = build_report(run_dir)
-    click.echo(str(path))

@@ -42,7 +42,6 @@ from itertools import combinations
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
-import click
 import numpy as np
 from pydantic import Field
 
@@ -379,37 +378,3 @@ def format_report(report: dict) -> str:
     w = [max(len(head[i]), *(len(r[i]) for r in rows)) if rows else len(head[i]) for i in range(len(head))]
     fmt = lambda cells: "  ".join(c.ljust(x) if i == 0 else c.rjust(x) for i, (c, x) in enumerate(zip(cells, w)))  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * x for x in w]), *(fmt(r) for r in rows)])
-
-
-from mlx_ssp.cli import config_option, set_option  # noqa: E402
-
-
-@click.command("select")
-@click.argument("rollouts", required=False)
-@click.option("--policy", type=click.Choice(list(POLICIES)), default=None, help="Selection policy (default diverse).")
-@click.option("--per-prompt", "per_prompt", type=int, default=None, help="M: most solutions per prompt (diverse). Default 4.")
-@click.option("--distance", type=click.Choice(list(DISTANCES)), default=None, help="Diversity distance (default ngram).")
-@click.option("--near-duplicate", type=float, default=None, help="Distance at or below which two solutions are duplicates.")
-@click.option("-o", "--output", default=None, help="OUT_DIR for <domain>/train.jsonl, valid.jsonl and spectrum.json.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing OUT_DIR.")
-@config_option
-@set_option
-def cli(rollouts, policy, per_prompt, distance, near_duplicate, output, overwrite, config_path, overrides):
-    """Pick diverse correct solutions from ROLLOUTS.jsonl as mlx-lm chat SFT data, per domain."""
-    from mlx_ssp.stage_config import load_stage
-
-    flags = {"policy": policy, "per_prompt": per_prompt, "distance": distance, "near_duplicate": near_duplicate,
-             "input": rollouts, "output": output}
-    cfg = load_stage(config_path, overrides, "select", flags=flags, with_model=False).cfg
-    if not cfg.input:
-        raise UserError("no rollouts file: pass ROLLOUTS.jsonl (or set select.input)")
-    if not cfg.output:
-        raise UserError("no output directory: pass -o OUT_DIR (or set select.output)")
-    report = run_select(cfg.input, cfg, cfg.output, overwrite=overwrite)
-    click.echo(format_report(report))
-    if report["repeated_records_dropped"]:
-        click.echo(f"warning: {report['repeated_records_dropped']} repeated (task, sample) record(s) in {cfg.input} were counted once", err=True)
-    empty = [d for d, row in report["domains"].items() if not row["n_train"]]
-    if empty:
-        click.echo(f"warning: no correct solution selected for domain(s) {', '.join(empty)}: no training data written for them", err=True)
-    click.echo(f"-> {cfg.output}")

@@ -9,6 +9,9 @@ What it does, in order:
    first collective, as before) and the top-level ``sandbox:`` policy;
 3. the stage's section and the ``model:`` section validated.
 
+Flags reach the data through :func:`apply_flags` (the commands in :mod:`mlx_ssp.commands` name
+them; this module holds no CLI code).
+
 The rules, one each:
 - seed: the section's own ``seed`` when it has one and it is set, else the file's top-level
   ``seed`` (an integer), else 0 (:func:`section_seed`);
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import click
+import sys
 
 from mlx_ssp.errors import UserError
 
@@ -79,13 +82,28 @@ def note_old_default(st: StageConfig, old: Path, new: Path, how: str) -> None:
     """One stderr line when the pre-issue-16 default location holds an earlier run that this run
     (defaulted to ``new``) would not resume; ``how`` says what to set to resume it."""
     if not st.run_dir_set and old.exists() and not new.exists():
-        click.echo(f"note: {old} holds an earlier run (the old default); this run writes {new}; "
-                   f"to resume the earlier one, {how}", err=True)
+        print(f"note: {old} holds an earlier run (the old default); this run writes {new}; "
+              f"to resume the earlier one, {how}", file=sys.stderr)
+
+
+def apply_flags(data: dict, section: str, flags: dict[str, Any]) -> dict:
+    """Put non-None CLI flags into ``data[section]`` (dotted keys), so that flags beat the file."""
+    sec = data.setdefault(section, {}) or {}
+    if not isinstance(sec, dict):
+        raise UserError(f"config section '{section}' must be a mapping")
+    data[section] = sec
+    for key, value in flags.items():
+        if value is None or value == ():
+            continue
+        node = sec
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = list(value) if isinstance(value, tuple) else value
+    return data
 
 
 def _apply_model_and_flags(data: dict, section: Optional[str], flags: Optional[dict], model: Optional[str]) -> dict:
-    from mlx_ssp.cli_options import apply_flags
-
     if model is not None:
         data["model"] = model
     if flags is not None and section is not None:
@@ -123,4 +141,4 @@ def load_stage(
     )
 
 
-__all__ = ["StageConfig", "default_run_dir", "load_stage", "note_old_default", "section_seed", "top_seed", "with_seed"]
+__all__ = ["StageConfig", "apply_flags", "default_run_dir", "load_stage", "note_old_default", "section_seed", "top_seed", "with_seed"]

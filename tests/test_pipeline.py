@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mlx_ssp import pipeline
+from mlx_ssp.commands import run as run_command
 from mlx_ssp.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,7 +241,7 @@ def test_stage_list_is_the_registry(tmp_path):
     """One registry: the stage order, the --from/--only choices and each fingerprint's sections come
     from STAGE_REGISTRY and SECTIONS; every stage says what it reports."""
     assert pipeline.STAGES == tuple(pipeline.STAGE_REGISTRY)
-    choices = {p.name: tuple(p.type.choices) for p in pipeline.cli.params if p.name in ("from_stage", "only")}
+    choices = {p.name: tuple(p.type.choices) for p in run_command.cli.params if p.name in ("from_stage", "only")}
     assert choices == {"from_stage": pipeline.STAGES, "only": pipeline.STAGES}
     for st in pipeline.STAGE_REGISTRY.values():
         assert st.reports and callable(st.run) and all(s in pipeline.SECTIONS for s in st.sections)

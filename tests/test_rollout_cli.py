@@ -123,11 +123,12 @@ def test_bad_input_is_one_line_before_generation(tmp_path, tiny_qwen3, setup, ar
 
 def test_cli_flags_live_in_the_cli_layer():
     """apply_flags puts non-empty flags under dotted keys of a section (flags beat the file); the
-    rollout package re-exports the CLI helpers for older imports."""
-    from mlx_ssp import cli_options, rollout
+    flag helpers live in the CLI layer (mlx_ssp.commands.options), not in the rollout engine."""
+    from mlx_ssp import rollout, stage_config
+    from mlx_ssp.commands import options
 
-    data = cli_options.apply_flags({"rollout": {"k": 2}}, "rollout", {"k": None, "sampling.stop": ("a", "b"), "seed": 3, "x": ()})
+    data = stage_config.apply_flags({"rollout": {"k": 2}}, "rollout", {"k": None, "sampling.stop": ("a", "b"), "seed": 3, "x": ()})
     assert data == {"rollout": {"k": 2, "sampling": {"stop": ["a", "b"]}, "seed": 3}}
-    assert cli_options.sampling_flags({"top_p": 0.5, "stop": ()})["sampling.stop"] is None
-    for name in ("apply_flags", "sampling_options", "sampling_flags", "load_stage_config"):
-        assert getattr(rollout, name) is getattr(cli_options, name)
+    assert options.sampling_flags({"top_p": 0.5, "stop": ()})["sampling.stop"] is None
+    for name in ("apply_flags", "sampling_options", "sampling_flags", "load_stage_config", "cli"):
+        assert not hasattr(rollout, name), name

@@ -99,15 +99,17 @@ def test_every_stage_loader_installs_the_run_files_sandbox_section(tmp_path):
     ``mlx_ssp run`` resumes past the rollout stage (the policy must not depend on which stage ran)."""
     from mlx_ssp import sandbox_policy
     from mlx_ssp.pipeline import load_run
-    from mlx_ssp.rl.cli import load_config as rl_config
-    from mlx_ssp.rollout import load_stage_config
-    from mlx_ssp.sft import _load_config as sft_config
+    from mlx_ssp.commands.sft import load_config as sft_config
+    from mlx_ssp.rl.stage import load_config as rl_config
+    from mlx_ssp.stage_config import load_stage
+    from mlx_ssp.tasks.export import load_tasks_section
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model: demo\ntasks: {domains: {d: {source: 'jsonl:x.jsonl'}}}\nsandbox: {wall_s: 33}\n")
     loaders = {
-        "rollout": lambda: load_stage_config(str(cfg), (), "rollout", {}, None),
-        "eval": lambda: load_stage_config(str(cfg), (), "eval", {}, None),
+        "rollout": lambda: load_stage(str(cfg), (), "rollout", flags={}).seeded(),
+        "eval": lambda: load_stage(str(cfg), (), "eval", flags={}).seeded(),
+        "tasks export": lambda: load_tasks_section(str(cfg), ()),
         "rl": lambda: rl_config(str(cfg), ()),
         "sft": lambda: sft_config(str(cfg), (), False),
         "run": lambda: load_run(str(cfg)),

@@ -12,7 +12,8 @@ that reads mergekit YAML configs. See ``docs/merge.md``.
 - :mod:`mlx_ssp.merge.safetensors_io`: lazy header-based reads, shards written as tensors arrive.
 - :mod:`mlx_ssp.merge.outdir`: OUT_DIR safety (never an input; only a previous output replaced).
 - :mod:`mlx_ssp.merge.engine`: merge and write tensor by tensor; ``run_merge`` and ``merge_models``.
-- :mod:`mlx_ssp.merge.cli`: ``mlx_ssp merge CONFIG.yml OUT_DIR``.
+
+The command ``mlx_ssp merge CONFIG.yml OUT_DIR`` is :mod:`mlx_ssp.commands.merge`.
 """
 
 from __future__ import annotations

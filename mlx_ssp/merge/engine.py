@@ -261,10 +261,13 @@ def stage_to_config(models: list[Path], base: Optional[Path], stage: MergeStageC
 
 def merge_models(models: list[Path], base: Optional[Path], stage_cfg: MergeStageConfig, out_dir: Path, *,
                  overwrite: bool = False, seed: Optional[int] = None, progress: bool = True) -> dict:
-    """The pipeline's merge: fused specialists (+ the run's base) -> one model directory."""
+    """The pipeline's merge: fused specialists (+ the run's base) -> one model directory; the
+    section's own seed, else ``seed`` (the run's), else 0."""
+    from mlx_ssp.stage_config import section_seed
+
     cfg = stage_to_config([Path(m) for m in models], Path(stage_cfg.base_model) if stage_cfg.base_model else base,
                           stage_cfg)
     return run_merge(cfg, Path(out_dir), overwrite=overwrite, out_shard_size=stage_cfg.out_shard_size,
                      copy_tokenizer=stage_cfg.copy_tokenizer,
-                     seed=stage_cfg.seed if stage_cfg.seed is not None else (seed or 0),
+                     seed=section_seed(stage_cfg, seed or 0),
                      vocab_mismatch=stage_cfg.vocab_mismatch, progress=progress, workers=stage_cfg.workers)

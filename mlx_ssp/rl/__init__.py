@@ -3,7 +3,8 @@
 Pure functions (importable without a model): :mod:`mlx_ssp.rl.mgpo` (group accuracy, D_ME, MGPO
 weight, advantages), :mod:`mlx_ssp.rl.loss` (clipped objective, aggregation registry, k3 KL,
 statistics), :mod:`mlx_ssp.rl.logprobs` (the chunked selective log-softmax op). The training loop
-is :mod:`mlx_ssp.rl.loop`; the command ``mlx_ssp rl`` is :mod:`mlx_ssp.rl.cli`.
+is :mod:`mlx_ssp.rl.loop`; the stage on its own is :mod:`mlx_ssp.rl.stage`; the command ``mlx_ssp rl`` is
+:mod:`mlx_ssp.commands.rl`.
 """
 
 from mlx_ssp.rl.logprobs import (

@@ -47,12 +47,10 @@ Parts (one job each): :mod:`.config` (the ``rollout:`` section), :mod:`.request`
 :class:`RolloutRequest` passed from the stages to the engine), :mod:`.engine` (the loop around
 mlx-lm's BatchGenerator; :mod:`mlx_ssp.sampling` holds the sampler interface), :mod:`.stops`,
 :mod:`.records`, :mod:`.scoring` (verification beside generation), :mod:`.summary` (pass@k),
-:mod:`.resume` (fingerprints, meta, lock, stale records), :mod:`.stage` (the resumable file stage),
-:mod:`.command` (``mlx_ssp rollout``).
+:mod:`.resume` (fingerprints, meta, lock, stale records), :mod:`.stage` (the resumable file stage);
+the command ``mlx_ssp rollout`` is :mod:`mlx_ssp.commands.rollout`.
 """
 
-from mlx_ssp.cli_options import apply_flags, load_stage_config, sampling_flags, sampling_options
-from mlx_ssp.rollout.command import cli
 from mlx_ssp.rollout.config import RolloutConfig, SamplingConfig
 from mlx_ssp.rollout.engine import generate, generate_rollouts, iter_rollouts, model_context_length
 from mlx_ssp.rollout.request import RolloutRequest, stage_settings
@@ -61,8 +59,8 @@ from mlx_ssp.rollout.stage import run_rollouts
 from mlx_ssp.rollout.summary import format_table, group_by_task, stage_summary, summarize
 
 __all__ = [
-    "RolloutConfig", "RolloutRequest", "SamplingConfig", "apply_flags", "cli", "format_table", "generate",
-    "generate_rollouts", "group_by_task", "iter_rollouts", "load_stage_config", "model_context_length", "read_meta",
-    "run_fingerprint", "run_rollouts", "sampling_flags", "sampling_options", "sidecar", "stage_settings",
+    "RolloutConfig", "RolloutRequest", "SamplingConfig", "format_table", "generate",
+    "generate_rollouts", "group_by_task", "iter_rollouts", "model_context_length", "read_meta",
+    "run_fingerprint", "run_rollouts", "sidecar", "stage_settings",
     "stage_summary", "summarize", "task_fingerprint",
 ]

@@ -48,7 +48,9 @@ class RolloutRequest:
 def stage_settings(cfg) -> dict[str, Any]:
     """The request fields a stage section (``rollout:``, ``eval:``) sets: sampling, seed (None -> 0),
     batch size, context, system prompt, and verify workers where the section has them."""
-    out = {"sampling": cfg.sampling, "seed": cfg.seed if cfg.seed is not None else 0, "batch_size": cfg.batch_size,
+    from mlx_ssp.stage_config import section_seed  # the seed rule, with no run file's seed to fall back on
+
+    out = {"sampling": cfg.sampling, "seed": section_seed(cfg, 0), "batch_size": cfg.batch_size,
            "max_context": cfg.max_context, "system": cfg.system}
     if hasattr(cfg, "verify_workers"):
         out["verify_workers"] = cfg.verify_workers

@@ -56,7 +56,6 @@ from mlx_ssp.finetune.fuse import fuse_and_save, restore_base
 from mlx_ssp.finetune.lora import LoRAConfig, check_lora_targets
 from mlx_ssp.finetune.seed import step_seed
 from mlx_ssp.sft.batches import make_iterate_batches
-from mlx_ssp.sft.cli import _load_config, cli
 from mlx_ssp.sft.config import OPTIMIZERS, SELECT_RULES, DomainSpec, ProbeConfig, ScheduleConfig, SFTConfig
 from mlx_ssp.sft.data import DomainPlan, load_sft_file, plan_domains
 from mlx_ssp.sft.probe import ProbeFn, default_probe, probe_seed, read_curve, select_checkpoint, write_curve
@@ -64,8 +63,7 @@ from mlx_ssp.sft.stage import adapter_config, build_optimizer, fingerprint, run_
 
 __all__ = [
     "OPTIMIZERS", "SELECT_RULES", "DomainPlan", "DomainSpec", "LoRAConfig", "ProbeConfig", "ProbeFn", "SFTConfig",
-    "ScheduleConfig", "adapter_config", "build_optimizer", "check_lora_targets", "cli", "default_probe",
+    "ScheduleConfig", "adapter_config", "build_optimizer", "check_lora_targets", "default_probe",
     "fingerprint", "fuse_and_save", "load_sft_file", "make_iterate_batches", "plan_domains", "probe_seed",
     "read_curve", "restore_base", "run_sft", "select_checkpoint", "step_seed", "train_specialist", "write_curve",
-    "_load_config",
 ]

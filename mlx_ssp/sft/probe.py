@@ -54,7 +54,10 @@ def select_checkpoint(rows: list[dict], rule: str) -> int:
 
 
 def probe_seed(cfg: SFTConfig, seed: int) -> int:
-    return cfg.probe.seed if cfg.probe.seed is not None else seed
+    """The seed rule one level down: ``sft.probe.seed``, else the sft stage's seed."""
+    from mlx_ssp.stage_config import section_seed
+
+    return section_seed(cfg.probe, seed)
 
 
 def read_curve(ddir: Path) -> list[dict]:

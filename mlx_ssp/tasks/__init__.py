@@ -193,7 +193,7 @@ def export_source(
     source: str,
     *,
     size: int | None = None,
-    seed: int = 1234,
+    seed: int | None = None,
     split: str = "train",
     params: dict | None = None,
     domain: str | None = None,
@@ -201,8 +201,9 @@ def export_source(
 ) -> list[Task]:
     """Tasks from one source shorthand (``gsm8k:PATH``, ``reasoning_gym:NAME``, ``humaneval``,
     ``bfcl:CAT``, ``jsonl:PATH``, ``hf:ID``): ``size`` tasks of ``split`` (default: every row of a
-    file source; the source's default_size for procedural ones). ``domain_options`` are DomainConfig keys (instruction,
-    system, verifier, answer_extraction, sandbox)."""
+    file source; the source's default_size for procedural ones). ``seed`` None: ``tasks.seed``'s default
+    (:class:`TasksConfig`). ``domain_options`` are DomainConfig keys (instruction, system, verifier,
+    answer_extraction, sandbox)."""
     from mlx_ssp.config import validate
     from mlx_ssp.tasks.sources import parse_source
 
@@ -223,7 +224,8 @@ def export_source(
     opts = {k: v for k, v in domain_options.items() if v is not None}
     cfg = validate(
         TasksConfig,
-        {"seed": seed, "domains": {name: {"source": source, "params": params or {}, "sizes": sizes, **opts}}},
+        {**({} if seed is None else {"seed": seed}),
+         "domains": {name: {"source": source, "params": params or {}, "sizes": sizes, **opts}}},
         source="tasks export",
         prefix="tasks",
     )

@@ -1,20 +1,17 @@
-"""``mlx_ssp rl CONFIG.yaml [--set rl.key=value ...]``: MGPO-GRPO on the run file's model.
+"""The rl stage on its own (``mlx_ssp rl``): the run file's ``rl:`` section through the one stage
+loader, its training tasks, then :func:`mlx_ssp.rl.loop.load_and_train`.
 
 Reads the ``model:`` section (the policy to train; usually the merged model), the ``rl:`` section
 and, when ``rl.tasks`` is not set, the ``tasks:`` section's ``train`` split. Writes to
 ``rl.output`` (default ``<run_dir>/rl``): metrics.jsonl, checkpoints/step_N/, and the latest
 adapters.safetensors + adapter_config.json (fuse with ``mlx_lm fuse --adapter-path``). Rerunning
-the same command resumes from the last checkpoint; ``--restart`` starts afresh.
+resumes from the last checkpoint; ``restart`` starts afresh.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import click
-
-from mlx_ssp.cli import set_option
 from mlx_ssp.errors import UserError
 
 
@@ -55,26 +52,3 @@ def run(config_path, overrides=(), *, restart: bool = False) -> dict:
 
     summary, *_ = load_and_train(mcfg, tasks, cfg, out, seed=seed, resume=not restart)
     return summary
-
-
-@click.command("rl")
-@click.argument("config_path", type=click.Path(dir_okay=False), required=False)
-@click.option("--restart", is_flag=True, help="Ignore existing checkpoints and start afresh.")
-@set_option
-def cli(config_path, restart, overrides):
-    """MGPO-weighted GRPO with verifiable rewards on the run file's model.
-
-    CONFIG_PATH is a run YAML with model:, rl: and tasks: (or rl.tasks) sections; --set rl.steps=10
-    etc. override it. Rerunning resumes from the last checkpoint."""
-    if config_path is None and not overrides:
-        raise UserError("give a run YAML (mlx_ssp rl CONFIG.yaml) or --set keys")
-    summary = run(config_path, overrides, restart=restart)
-    from mlx_ssp import distributed as dist
-
-    if not dist.is_main():  # rank 0 reports for all ranks
-        return
-    last = summary.get("last") or {}
-    click.echo(json.dumps({
-        "steps": summary["steps"], "skipped": summary["skipped_total"], "checkpoint": summary["checkpoint"],
-        "reward_mean": last.get("reward_mean"), "out_dir": summary["out_dir"],
-    }))

@@ -1,30 +1,31 @@
-"""CLI plumbing shared by the stage commands: flags into a config section, the sampling flags of
-rollout and eval, and :func:`load_stage_config` (rollout/eval form of :func:`mlx_ssp.stage_config.load_stage`)."""
+"""Flags shared by the stage commands: ``--set``, ``--config`` and the sampling flags of rollout and
+eval (:func:`sampling_flags` names their keys in the stage's section, for
+:func:`mlx_ssp.stage_config.apply_flags`)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import click
 
-from mlx_ssp.errors import UserError
+
+def set_option(f):
+    """``--set key=value`` (repeatable; dotted keys; beats the YAML file)."""
+    return click.option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Override a config value, e.g. --set rollout.k=8 (repeatable; beats the YAML file).",
+    )(f)
 
 
-def apply_flags(data: dict, section: str, flags: dict[str, Any]) -> dict:
-    """Put non-None CLI flags into ``data[section]`` (dotted keys), so that flags beat the file."""
-    sec = data.setdefault(section, {}) or {}
-    if not isinstance(sec, dict):
-        raise UserError(f"config section '{section}' must be a mapping")
-    data[section] = sec
-    for key, value in flags.items():
-        if value is None or value == ():
-            continue
-        node = sec
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = list(value) if isinstance(value, tuple) else value
-    return data
+def config_option(f):
+    return click.option(
+        "--config",
+        "config_path",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="Run YAML file; this command reads its own section(s). Flags beat the file.",
+    )(f)
 
 
 def sampling_options(f):
@@ -47,7 +48,7 @@ def sampling_options(f):
 
 
 def sampling_flags(kw: dict) -> dict:
-    """The dotted stage keys of the :func:`sampling_options` flags (for :func:`apply_flags`)."""
+    """The dotted stage keys of the :func:`sampling_options` flags (for :func:`mlx_ssp.stage_config.apply_flags`)."""
     return {
         "sampling.temperature": kw.get("temperature"),
         "sampling.top_p": kw.get("top_p"),
@@ -59,11 +60,3 @@ def sampling_flags(kw: dict) -> dict:
         "seed": kw.get("seed"),
         "max_context": kw.get("max_context"),
     }
-
-
-def load_stage_config(config_path, overrides, section: str, flags: dict, model: Optional[str]):
-    """(ModelConfig, stage config with the seed rule applied, raw data): :func:`mlx_ssp.stage_config.load_stage`."""
-    from mlx_ssp.stage_config import load_stage
-
-    st = load_stage(config_path, overrides, section, flags=flags, model=model)
-    return st.model, st.seeded(), st.data

@@ -1,4 +1,9 @@
-"""``mlx_ssp merge CONFIG.yml OUT_DIR``: merge models described by a mergekit YAML file."""
+"""``mlx_ssp merge CONFIG.yml OUT_DIR``: merge models described by a mergekit YAML file.
+
+A mergekit YAML is not a run file, so it is not read through :func:`mlx_ssp.stage_config.load_stage`:
+it has no run directory (OUT_DIR is an argument), no sandbox and no top-level seed; ``--seed``
+(default 0) is the DARE seed. Inside ``mlx_ssp run`` the ``merge:`` section's own ``seed`` wins,
+else the run's seed (:func:`mlx_ssp.merge.engine.merge_models`)."""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import json
 
 import click
 
-from mlx_ssp.cli import set_option
+from mlx_ssp.commands.options import set_option
 
 
 @click.command("merge")

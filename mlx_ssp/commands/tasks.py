@@ -1,13 +1,13 @@
-"""``mlx_ssp tasks``: export task files from sources, list sources, show a task file."""
+"""``mlx_ssp tasks``: export task files from sources (:func:`mlx_ssp.tasks.export_source`,
+:func:`mlx_ssp.tasks.export.export_yaml`), list sources, show a task file."""
 
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import click
 
-from mlx_ssp.cli import set_option
+from mlx_ssp.commands.options import set_option
 from mlx_ssp.errors import UserError
 
 
@@ -30,10 +30,6 @@ def _kv(items: tuple[str, ...]) -> dict:
     return out
 
 
-def _is_yaml(source: str) -> bool:
-    return source.endswith((".yaml", ".yml")) and Path(source).is_file()
-
-
 @cli.command("export")
 @click.argument("source")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Task JSONL to write.")
@@ -51,31 +47,13 @@ def export(source, output, size, seed, split, params, instruction, system, verif
     """Write a task file from SOURCE: a YAML file (a run file with a `tasks:` section, or the section
     itself) or a shorthand: gsm8k:PATH, reasoning_gym:DATASET, humaneval[:PATH], bfcl:CATEGORY,
     jsonl:PATH, hf:DATASET."""
-    from mlx_ssp.tasks import SPLITS, build_split, export_source, write_tasks
+    from mlx_ssp.tasks import export_source, write_tasks
+    from mlx_ssp.tasks.export import export_yaml, is_yaml
 
-    if _is_yaml(source):
-        from mlx_ssp.config import load_file, read_yaml, validate
-        from mlx_ssp.tasks import TasksConfig
-
+    if is_yaml(source):
         if params or instruction is not None or system is not None or verifier or answer_extraction or domain:
             raise UserError("with a YAML source, set domain options in the file or with --set tasks.domains.NAME.KEY=VALUE")
-        raw = read_yaml(source)
-        if "tasks" in raw:
-            data = load_file(source, overrides)
-            section = data.get("tasks")
-        else:
-            from mlx_ssp.config import apply_overrides
-
-            section = apply_overrides({"tasks": raw}, overrides)["tasks"]
-        cfg = validate(TasksConfig, section, source=source, prefix="tasks")
-        if seed is not None:
-            cfg.seed = seed
-        if size is not None:
-            for d in cfg.domains.values():
-                for s in (SPLITS if split in (None, "all") else (split,)):
-                    setattr(d.sizes, s, size)
-        splits = SPLITS if split in (None, "all") else (split,)
-        tasks = [t for s in splits for t in build_split(cfg, s)]
+        tasks = export_yaml(source, tuple(overrides), seed=seed, size=size, split=split)
     else:
         if overrides:
             raise UserError("--set applies to YAML sources; use --param for a shorthand's source parameters")
@@ -83,7 +61,7 @@ def export(source, output, size, seed, split, params, instruction, system, verif
         sp = split or "train"
         if sp == "all":
             raise UserError("--split all needs a YAML source with sizes for each split")
-        tasks = export_source(source, size=size, seed=1234 if seed is None else seed, split=sp, params=_kv(params), domain=domain, **kw)
+        tasks = export_source(source, size=size, seed=seed, split=sp, params=_kv(params), domain=domain, **kw)
     write_tasks(output, tasks)
     counts = Counter((t.domain, t.metadata.get("split", "?")) for t in tasks)
     for (d, s), n in sorted(counts.items()):

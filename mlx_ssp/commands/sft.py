@@ -1,4 +1,5 @@
-"""``mlx_ssp sft CONFIG.yaml [--set sft.key=value ...] [--domain D] [--overwrite]``."""
+"""``mlx_ssp sft CONFIG.yaml [--set sft.key=value ...] [--domain D] [--overwrite]``: one LoRA
+specialist per domain (:func:`mlx_ssp.sft.stage.run_sft`), then one line per domain."""
 
 from __future__ import annotations
 
@@ -6,15 +7,14 @@ from pathlib import Path
 
 import click
 
-from mlx_ssp import distributed as dist
-from mlx_ssp.cli import set_option
-from mlx_ssp.sft.config import SFTConfig
-from mlx_ssp.sft.stage import run_sft
-from mlx_ssp.stage_config import StageConfig, load_stage, note_old_default
+from mlx_ssp.commands.options import set_option
 
 
-def _load_config(config_path: str, overrides, overwrite: bool) -> StageConfig:
+def load_config(config_path: str, overrides, overwrite: bool):
     """The run file's sft section (``--overwrite`` sets ``sft.overwrite``) through the one stage loader."""
+    from mlx_ssp.sft.config import SFTConfig
+    from mlx_ssp.stage_config import load_stage
+
     return load_stage(config_path, overrides, "sft", flags={"overwrite": True} if overwrite else None,
                       cls=SFTConfig)
 
@@ -27,7 +27,11 @@ def _load_config(config_path: str, overrides, overwrite: bool) -> StageConfig:
 def cli(config_path: str, overrides: tuple[str, ...], domains: tuple[str, ...], overwrite: bool) -> None:
     """Train one LoRA specialist per domain (sft: section), keep the checkpoint with the best
     probe Pass@K, fuse it into OUT/specialists/<domain>/. Re-running resumes."""
-    st = _load_config(config_path, overrides, overwrite)
+    from mlx_ssp import distributed as dist
+    from mlx_ssp.sft.stage import run_sft
+    from mlx_ssp.stage_config import note_old_default
+
+    st = load_config(config_path, overrides, overwrite)
     if not st.cfg.out_dir:
         note_old_default(st, Path("run") / "sft", st.run_dir / "sft", "pass --set run_dir=run")
     summary = run_sft(

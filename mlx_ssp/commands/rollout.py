@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import click
 
-from mlx_ssp.cli import config_option, set_option
-from mlx_ssp.cli_options import load_stage_config, sampling_flags, sampling_options
+from mlx_ssp.commands.options import config_option, sampling_flags, sampling_options, set_option
 from mlx_ssp.errors import UserError
-from mlx_ssp.rollout.stage import run_rollouts
-from mlx_ssp.rollout.summary import format_table
 
 
 @click.command("rollout")
@@ -27,15 +24,19 @@ def cli(model, tasks_path, k, system, output, overwrite, no_progress, config_pat
 
     Writes ROLLOUTS.jsonl (one record per completion; rerunning resumes it) and
     ROLLOUTS.summary.json (pass@1 / pass@K per domain)."""
+    from mlx_ssp import distributed as dist
+    from mlx_ssp.rollout.stage import run_rollouts
+    from mlx_ssp.rollout.summary import format_table
+    from mlx_ssp.stage_config import load_stage
+
     flags = {"k": k, "tasks": tasks_path, "output": output, "system": system, **sampling_flags(kw)}
-    mcfg, cfg, _ = load_stage_config(config_path, overrides, "rollout", flags, model)
+    st = load_stage(config_path, overrides, "rollout", flags=flags, model=model)
+    cfg = st.seeded()
     if not cfg.tasks:
         raise UserError("no task file: pass --tasks FILE (or set rollout.tasks)")
     if not cfg.output:
         raise UserError("no output: pass -o ROLLOUTS.jsonl (or set rollout.output)")
-    summary = run_rollouts(mcfg, cfg.tasks, cfg, cfg.output, overwrite=overwrite, progress=not no_progress)
-    from mlx_ssp import distributed as dist
-
+    summary = run_rollouts(st.model, cfg.tasks, cfg, cfg.output, overwrite=overwrite, progress=not no_progress)
     if not dist.is_main():  # rank 0 reports for all ranks
         return
     click.echo(format_table(summary))

@@ -1,0 +1,43 @@
+"""``mlx_ssp eval``: pass@1 / pass@k per domain of a model on a task file, printed and written as JSON."""
+
+from __future__ import annotations
+
+import click
+
+from mlx_ssp.commands.options import config_option, sampling_flags, sampling_options, set_option
+from mlx_ssp.errors import UserError
+
+
+@click.command("eval")
+@click.option("--model", "model", default=None, help="Model: a directory, a Hugging Face id, or 'demo'.")
+@click.option("--tasks", "tasks_path", default=None, help="Task JSONL file.")
+@click.option("--k", "k", type=int, default=None, help="k of pass@k. Default 8.")
+@click.option("--n", "n", type=int, default=None, help="Samples per task (>= k; default k).")
+@click.option("--greedy/--no-greedy", default=None, help="Also report greedy pass@1.")
+@sampling_options
+@click.option("--system", default=None, help="System prompt for tasks that have none.")
+@click.option("-o", "--output", default=None, help="EVAL.json to write.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@config_option
+@set_option
+def cli(model, tasks_path, k, n, greedy, system, output, no_progress, config_path, overrides, **kw):
+    """pass@1 and pass@k per domain (unbiased estimator), printed and written as JSON."""
+    from mlx_ssp import distributed as dist
+    from mlx_ssp.eval import run_eval
+    from mlx_ssp.rollout.summary import format_table
+    from mlx_ssp.stage_config import load_stage
+
+    flags = {"k": k, "n": n, "greedy": greedy, "tasks": tasks_path, "output": output, "system": system, **sampling_flags(kw)}
+    st = load_stage(config_path, overrides, "eval", flags=flags, model=model)
+    cfg = st.seeded()
+    if not cfg.tasks:
+        raise UserError("no task file: pass --tasks FILE (or set eval.tasks)")
+    if not cfg.output:
+        raise UserError("no output: pass -o EVAL.json (or set eval.output)")
+    result = run_eval(st.model, cfg.tasks, cfg, cfg.output, progress=not no_progress)
+    if not dist.is_main():  # rank 0 reports for all ranks
+        return
+    click.echo(format_table(result, extra=("greedy_pass@1",) if cfg.greedy else ()))
+    if result["skipped"]:
+        click.echo(f"warning: skipped {len(result['skipped'])} task(s) whose prompt does not fit the context", err=True)
+    click.echo(f"-> {cfg.output}")

@@ -1,0 +1,36 @@
+"""``mlx_ssp run CONFIG.yaml [--from STAGE | --only STAGE]``: the whole loop
+(:func:`mlx_ssp.pipeline.run_pipeline`); the stage choices come from :data:`mlx_ssp.pipeline.STAGES`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import click
+
+from mlx_ssp.commands.options import set_option
+from mlx_ssp.errors import UserError
+from mlx_ssp.pipeline import STAGES
+
+
+@click.command("run")
+@click.argument("config_path", metavar="CONFIG.yaml", type=click.Path(dir_okay=False))
+@set_option
+@click.option("--from", "from_stage", type=click.Choice(STAGES), default=None,
+              help="Rerun this stage and every stage after it (earlier stages must be complete).")
+@click.option("--only", type=click.Choice(STAGES), default=None,
+              help="Run only this stage (earlier stages must be complete).")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str], only: Optional[str],
+        no_progress: bool) -> None:
+    """Run the whole SSP loop from CONFIG.yaml: tasks -> rollout -> select -> sft -> merge -> rl -> eval,
+    into the run directory (config key run_dir; --set run_dir=PATH moves it).
+
+    Rerunning skips complete stages, resumes an interrupted one, and reruns a stage whose config
+    changed together with every stage after it (saying so). The final table compares the base model,
+    each specialist, the merged model and the RL model on held-out tasks.
+    """
+    from mlx_ssp.pipeline import run_pipeline
+
+    if from_stage and only:
+        raise UserError("give --from or --only, not both")
+    run_pipeline(config_path, overrides, from_stage=from_stage, only=only, progress=not no_progress)
