@@ -1,0 +1,187 @@
+"""BFCL's multi-turn checker semantics, by re-execution (our implementation).
+
+:func:`score_episode` runs the model's calls in a fresh :class:`~mlx_ssp.agents.backends.Environment`
+and the ground-truth calls in a fresh twin, turn by turn, and judges each turn:
+
+- ground truth not empty: the model made at least one call in the turn; STATE: every public attribute
+  of every instance equals the twin's after the turn; RESPONSE: the twin's result texts of this turn
+  are an unordered sub-multiset of the model's result texts of all turns so far (a result the model
+  already got in an earlier turn counts, as in BFCL);
+- ground truth empty (irrelevance): the turn passes iff the model's calls in it changed no state;
+- a turn in ``step_limit_hit`` fails ("step limit"): BFCL force-quits such an entry.
+
+Reward = 1 iff every turn passes (BFCL's accuracy); ``partial`` = the fraction of turns passed.
+
+Deviations from BFCL's ``multi_turn_checker``:
+- BFCL stops at the first failing turn; we keep executing so every turn has a verdict (the partial
+  score). The episode reward is the same.
+- Irrelevance: BFCL's separate irrelevance checker fails a turn with empty ground truth if the model
+  made any call at all; we fail it only if a call changed state (issue 17: a read-only look before
+  answering "I cannot do that" is not penalised).
+- The state check compares the union of both sides' public attributes (BFCL iterates the ground
+  truth's), and compares uncut result texts (the model saw them cut at ``max_result_chars``).
+- Calls are restricted to the functions offered in each turn (``allowed_per_turn``; default: every
+  method of the involved classes, which is what BFCL's eval run allows); the twin may call anything.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Collection, Sequence
+
+from mlx_ssp.agents.backends import CallLimits, Environment, backend
+from mlx_ssp.agents.calls import Call, CallSyntaxError, parse_ground_truth
+from mlx_ssp.errors import UserError
+
+
+@dataclass(frozen=True)
+class TurnVerdict:
+    turn: int
+    passed: bool
+    state_ok: bool
+    response_ok: bool
+    irrelevance: bool
+    reason: str
+
+    def to_json(self) -> dict:
+        return {
+            "turn": self.turn,
+            "passed": self.passed,
+            "state_ok": self.state_ok,
+            "response_ok": self.response_ok,
+            "irrelevance": self.irrelevance,
+            "reason": self.reason,
+        }
+
+
+@dataclass(frozen=True)
+class EpisodeVerdict:
+    turns: tuple[TurnVerdict, ...]
+
+    @property
+    def reward(self) -> float:
+        return 1.0 if self.turns and all(t.passed for t in self.turns) else 0.0
+
+    @property
+    def partial(self) -> float:
+        return sum(t.passed for t in self.turns) / len(self.turns) if self.turns else 0.0
+
+    @property
+    def reason(self) -> str:
+        return next((f"turn {t.turn}: {t.reason}" for t in self.turns if not t.passed), "")
+
+    def to_json(self) -> dict:
+        return {
+            "reward": self.reward,
+            "partial": self.partial,
+            "reason": self.reason,
+            "turns": [t.to_json() for t in self.turns],
+        }
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    initial_config: dict
+    involved_classes: list[str]
+    ground_truth: list[list[str]]
+    long_context: bool = False
+
+    @classmethod
+    def from_task_metadata(cls, md: dict) -> "EpisodeSpec":
+        """From ``Task.metadata["episode"]`` (keys: initial_config, involved_classes, ground_truth,
+        long_context)."""
+        if not isinstance(md, dict):
+            raise UserError("task metadata 'episode' must be an object")
+        missing = [k for k in ("initial_config", "involved_classes", "ground_truth") if k not in md]
+        if missing:
+            raise UserError(f"task metadata 'episode' lacks {', '.join(missing)}")
+        ic, classes, gt = md["initial_config"], md["involved_classes"], md["ground_truth"]
+        if not isinstance(ic, dict):
+            raise UserError("episode initial_config must be an object")
+        if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+            raise UserError("episode involved_classes must be a list of class names")
+        for c in classes:
+            backend(c)  # UserError on an unknown class
+        if not isinstance(gt, list) or not all(
+            isinstance(t, list) and all(isinstance(s, str) for s in t) for t in gt
+        ):
+            raise UserError("episode ground_truth must be a list (per turn) of lists of call strings")
+        return cls(ic, list(classes), [list(t) for t in gt], bool(md.get("long_context", False)))
+
+
+def _parse_gt(spec: EpisodeSpec) -> list[list[Call]]:
+    try:
+        return [[parse_ground_truth(s) for s in turn] for turn in spec.ground_truth]
+    except CallSyntaxError as e:
+        raise UserError(f"ground truth call does not parse: {e}") from None
+
+
+def _missing(expected: list[str], got: list[str]) -> list[str]:
+    """The expected texts not in ``got`` as a multiset (each got text matches at most once)."""
+    pool = Counter(got)
+    out = []
+    for e in expected:
+        if pool[e] > 0:
+            pool[e] -= 1
+        else:
+            out.append(e)
+    return out
+
+
+def _short(s: str, n: int = 80) -> str:
+    return s if len(s) <= n else s[:n] + "..."
+
+
+def score_episode(
+    spec: EpisodeSpec,
+    turns: list[list[list[Call]]],
+    *,
+    step_limit_hit: Collection[int] = (),
+    limits: CallLimits = CallLimits(),
+    allowed_per_turn: Sequence[Collection[str]] | None = None,
+) -> EpisodeVerdict:
+    """Re-execute the model's calls (``turns[t]``: one list of calls per assistant message of turn t)
+    and the ground truth, and judge every turn (module docstring). Missing turns count as turns
+    without calls; more turns than the ground truth has is an error."""
+    n = len(spec.ground_truth)
+    if len(turns) > n:
+        raise UserError(f"the episode has {len(turns)} turns, the task {n}")
+    gt = _parse_gt(spec)
+    model = Environment(spec.initial_config, spec.involved_classes, long_context=spec.long_context, limits=limits)
+    twin = Environment(spec.initial_config, spec.involved_classes, long_context=spec.long_context, limits=limits)
+    everything = twin.method_names()
+    limit_hit = set(step_limit_hit)
+    so_far: list[str] = []  # the model's result texts of all turns so far
+    verdicts = []
+    for t in range(n):
+        steps = turns[t] if t < len(turns) else []
+        allowed = everything if allowed_per_turn is None else allowed_per_turn[t]
+        irrelevance = not gt[t]
+        before = model.state() if irrelevance else None
+        n_calls = 0
+        for step in steps:
+            so_far.extend(model.execute_full(list(step), allowed))
+            n_calls += len(step)
+        expected = twin.execute_full(gt[t], everything)
+        if irrelevance:
+            diff = model.state_difference(before)
+            state_ok, response_ok = not diff, True
+            reason = f"irrelevance: the model's calls changed state ({diff})" if diff else ""
+        else:
+            diff = model.state_difference(twin)
+            missing = _missing(expected, so_far)
+            state_ok, response_ok = not diff, not missing
+            if n_calls == 0:
+                reason = "no call in a turn that needs one"
+            elif diff:
+                reason = f"state: {diff} from the ground truth's"
+            elif missing:
+                reason = f"response: {len(missing)} ground-truth result(s) missing, e.g. {_short(missing[0])!r}"
+            else:
+                reason = ""
+        if t in limit_hit:
+            reason = "step limit" + (f"; {reason}" if reason else "")
+        passed = not reason
+        verdicts.append(TurnVerdict(t, passed, state_ok, response_ok, irrelevance, reason))
+    return EpisodeVerdict(tuple(verdicts))
