@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from math import gcd
 from pathlib import Path
 from typing import Optional
-
-import click
 
 from mlx_ssp import distributed as dist
 from mlx_ssp.errors import UserError
@@ -25,6 +24,7 @@ from mlx_ssp.sft.batches import make_iterate_batches
 from mlx_ssp.sft.config import SFTConfig
 from mlx_ssp.sft.data import DomainPlan, plan_domains
 from mlx_ssp.sft.probe import ProbeFn, default_probe, probe_seed, read_curve, write_curve  # noqa: F401
+from mlx_ssp.stage_config import default_run_dir, section_seed
 
 
 def build_optimizer(cfg: SFTConfig):
@@ -134,10 +134,10 @@ class _DomainRun:
         write_json_atomic(ckpt / "probe.json", rec)
         chosen = write_curve(self.ddir, self.plan.name, self.cfg.select)
         step = ckpts.step_of(ckpt.name)
-        click.echo(
+        print(
             f"[sft {self.plan.name}] step {step}: pass@1 {rec['pass@1']:.3f}  pass@{rec['k']} {rec['pass@k']:.3f}"
             f"  (best so far: step {chosen['step'] if chosen else '-'}; probe {dt:.1f}s)",
-            err=True,
+            file=sys.stderr,
         )
 
     def load_adapter(self, ckpt: Path) -> None:
@@ -163,7 +163,7 @@ class _DomainRun:
         self.optimizer = build_optimizer(cfg)
         if start and start < cfg.iters:
             ckpts.load_optimizer_state(self.optimizer, self.model, done[-1], hint="pass --overwrite")
-            click.echo(f"[sft {self.plan.name}] resuming from step {start}", err=True)
+            print(f"[sft {self.plan.name}] resuming from step {start}", file=sys.stderr)
         # drop loss reports newer than the resume point (they are re-done)
         mpath = self.ddir / "metrics.jsonl"
         if dist.is_main():
@@ -244,7 +244,7 @@ def train_specialist(
         if not dist.is_main():
             return result
         write_json_atomic(ddir / "result.json", result)
-        click.echo(f"[sft {plan.name}] chose step {chosen['step']} by {cfg.select}; specialist at {spec_dir}", err=True)
+        print(f"[sft {plan.name}] chose step {chosen['step']} by {cfg.select}; specialist at {spec_dir}", file=sys.stderr)
         return result
     finally:
         restore_base(model)
@@ -267,7 +267,7 @@ def _open_domain_dir(cfg: SFTConfig, plan: DomainPlan, model_path: Path, ddir: P
     if result_path.is_file() and spec_dir.is_dir():
         done = json.loads(result_path.read_text())
         if done.get("rule") == cfg.select:
-            click.echo(f"[sft {plan.name}] already done (step {done['chosen_step']}), skipping", err=True)
+            print(f"[sft {plan.name}] already done (step {done['chosen_step']}), skipping", file=sys.stderr)
             return done
     if dist.is_main():
         ddir.mkdir(parents=True, exist_ok=True)
@@ -298,7 +298,7 @@ def run_sft(
     cfg: SFTConfig,
     model_cfg,
     *,
-    run_dir: str | Path = "run",
+    run_dir: str | Path | None = None,
     run_data: dict | None = None,
     seed: int = 0,
     source: str = "",
@@ -315,9 +315,9 @@ def run_sft(
         raise UserError(f"{source or 'sft'}: sft.domains is empty; list the domains to train (e.g. domains: [math])")
     if cfg.batch_size % dist.size():
         raise UserError(f"sft.batch_size={cfg.batch_size} must be divisible by the number of ranks ({dist.size()})")
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir({}, None)  # the one rule
     out_dir = Path(cfg.out_dir) if cfg.out_dir else run_dir / "sft"
-    seed = cfg.seed if cfg.seed is not None else seed
+    seed = section_seed(cfg, seed)
     if only:
         unknown = [d for d in only if d not in cfg.domains]
         if unknown:
