@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from mlx_ssp.commands.options import config_option, sampling_flags, sampling_options, set_option
-from mlx_ssp.errors import UserError
+from mlx_ssp.commands.options import config_option, load_task_stage, sampling_flags, sampling_options, set_option
 
 
 @click.command("eval")
@@ -25,16 +24,10 @@ def cli(model, tasks_path, k, n, greedy, system, output, no_progress, config_pat
     from mlx_ssp import distributed as dist
     from mlx_ssp.eval import run_eval
     from mlx_ssp.rollout.summary import format_table
-    from mlx_ssp.stage_config import load_stage
 
     flags = {"k": k, "n": n, "greedy": greedy, "tasks": tasks_path, "output": output, "system": system, **sampling_flags(kw)}
-    st = load_stage(config_path, overrides, "eval", flags=flags, model=model)
-    cfg = st.seeded()
-    if not cfg.tasks:
-        raise UserError("no task file: pass --tasks FILE (or set eval.tasks)")
-    if not cfg.output:
-        raise UserError("no output: pass -o EVAL.json (or set eval.output)")
-    result = run_eval(st.model, cfg.tasks, cfg, cfg.output, progress=not no_progress)
+    mcfg, cfg = load_task_stage(config_path, overrides, "eval", flags, model, "EVAL.json")
+    result = run_eval(mcfg, cfg.tasks, cfg, cfg.output, progress=not no_progress)
     if not dist.is_main():  # rank 0 reports for all ranks
         return
     click.echo(format_table(result, extra=("greedy_pass@1",) if cfg.greedy else ()))

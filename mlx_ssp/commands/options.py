@@ -1,6 +1,6 @@
 """Flags shared by the stage commands: ``--set``, ``--config`` and the sampling flags of rollout and
 eval (:func:`sampling_flags` names their keys in the stage's section, for
-:func:`mlx_ssp.stage_config.apply_flags`)."""
+:func:`mlx_ssp.stage_config.apply_flags`); :func:`load_task_stage`, the load both of those share."""
 
 from __future__ import annotations
 
@@ -60,3 +60,19 @@ def sampling_flags(kw: dict) -> dict:
         "seed": kw.get("seed"),
         "max_context": kw.get("max_context"),
     }
+
+
+def load_task_stage(config_path, overrides, section: str, flags: dict, model, output_what: str):
+    """(ModelConfig, section with the seed rule applied) for a command that reads a task file and
+    writes ``output_what`` (rollout, eval), through :func:`mlx_ssp.stage_config.load_stage`; both
+    paths must be set, by flag or file."""
+    from mlx_ssp.errors import UserError
+    from mlx_ssp.stage_config import load_stage
+
+    st = load_stage(config_path, overrides, section, flags=flags, model=model)
+    cfg = st.seeded()
+    if not cfg.tasks:
+        raise UserError(f"no task file: pass --tasks FILE (or set {section}.tasks)")
+    if not cfg.output:
+        raise UserError(f"no output: pass -o {output_what} (or set {section}.output)")
+    return st.model, cfg

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from mlx_ssp.commands.options import config_option, sampling_flags, sampling_options, set_option
-from mlx_ssp.errors import UserError
+from mlx_ssp.commands.options import config_option, load_task_stage, sampling_flags, sampling_options, set_option
 
 
 @click.command("rollout")
@@ -27,16 +26,10 @@ def cli(model, tasks_path, k, system, output, overwrite, no_progress, config_pat
     from mlx_ssp import distributed as dist
     from mlx_ssp.rollout.stage import run_rollouts
     from mlx_ssp.rollout.summary import format_table
-    from mlx_ssp.stage_config import load_stage
 
     flags = {"k": k, "tasks": tasks_path, "output": output, "system": system, **sampling_flags(kw)}
-    st = load_stage(config_path, overrides, "rollout", flags=flags, model=model)
-    cfg = st.seeded()
-    if not cfg.tasks:
-        raise UserError("no task file: pass --tasks FILE (or set rollout.tasks)")
-    if not cfg.output:
-        raise UserError("no output: pass -o ROLLOUTS.jsonl (or set rollout.output)")
-    summary = run_rollouts(st.model, cfg.tasks, cfg, cfg.output, overwrite=overwrite, progress=not no_progress)
+    mcfg, cfg = load_task_stage(config_path, overrides, "rollout", flags, model, "ROLLOUTS.jsonl")
+    summary = run_rollouts(mcfg, cfg.tasks, cfg, cfg.output, overwrite=overwrite, progress=not no_progress)
     if not dist.is_main():  # rank 0 reports for all ranks
         return
     click.echo(format_table(summary))
