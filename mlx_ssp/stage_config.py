@@ -1,5 +1,6 @@
-"""One loader for a stage's config: every stage command (rollout, eval, select, sft, rl) and
-``mlx_ssp run`` (:func:`mlx_ssp.pipeline.load_run`) read their run file through :func:`load_stage`.
+"""One loader for a stage's config: every stage command (rollout, eval, select, sft, rl, and
+``tasks export`` of a run file) and ``mlx_ssp run`` (:func:`mlx_ssp.pipeline.load_run`) read their run
+file through :func:`load_stage`. (``mlx_ssp merge`` reads a mergekit YAML, not a run file.)
 
 What it does, in order:
 1. the run file (none: ``--set`` keys and flags only), ``--set`` applied, top-level keys checked;
