@@ -13,17 +13,24 @@ to a ceiling set below them.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Optional, get_type_hints
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, create_model, model_validator
 
 from mlx_ssp.config import StrictModel
 
 
+def _switch(default: bool, *, policy: bool) -> Any:
+    """An on/off limit; ``policy``: the operator's default for whether a task may turn it on."""
+    return field(default=default, metadata={"policy_default": policy})
+
+
 @dataclass(frozen=True)
 class Limits:
+    """The one list of limit fields: :class:`SandboxPolicy` and :class:`TaskSandbox` are built from it."""
+
     wall_s: float = 10.0  # wall-clock seconds, enforced by the parent (and a backstop alarm)
     cpu_s: int = 5  # CPU seconds per process (RLIMIT_CPU; SIGXCPU then SIGKILL)
     memory_mb: int = 1024  # address space per process (RLIMIT_AS)
@@ -32,13 +39,15 @@ class Limits:
     nofile: int = 128  # open file descriptors
     output_kb: int = 256  # captured stdout+stderr; more and the program is killed
     tmpfs_mb: int = 64  # size of the work dir, the only writable place (Linux root only)
-    network: bool = False  # allow network access
-    site_packages: bool = False  # make installed packages (numpy...) importable; ~30 ms more per run
+    network: bool = _switch(False, policy=False)  # allow network access
+    # make installed packages (numpy...) importable; ~30 ms more per run; read-only, the policy allows it
+    site_packages: bool = _switch(False, policy=True)
 
 
 DEFAULT_LIMITS = Limits()
-SWITCHES = ("network", "site_packages")
+SWITCHES = tuple(f.name for f in fields(Limits) if "policy_default" in f.metadata)
 NUMERIC = tuple(f.name for f in fields(Limits) if f.name not in SWITCHES)
+_TYPES = get_type_hints(Limits)
 
 
 def _known_keys(v: Any, what: str) -> Any:
@@ -50,45 +59,44 @@ def _known_keys(v: Any, what: str) -> Any:
     return v
 
 
-class SandboxPolicy(StrictModel):
-    """The operator's ceilings on a task's ``metadata.sandbox``; ``network`` / ``site_packages``:
-    whether a task may turn them on."""
-
-    wall_s: float = Field(DEFAULT_LIMITS.wall_s, gt=0)
-    cpu_s: int = Field(DEFAULT_LIMITS.cpu_s, gt=0)
-    memory_mb: int = Field(DEFAULT_LIMITS.memory_mb, gt=0)
-    nproc: int = Field(DEFAULT_LIMITS.nproc, gt=0)
-    fsize_mb: int = Field(DEFAULT_LIMITS.fsize_mb, gt=0)
-    nofile: int = Field(DEFAULT_LIMITS.nofile, gt=0)
-    output_kb: int = Field(DEFAULT_LIMITS.output_kb, gt=0)
-    tmpfs_mb: int = Field(DEFAULT_LIMITS.tmpfs_mb, gt=0)
-    network: bool = False
-    site_packages: bool = True  # read-only access to installed packages
-
+class _PolicyKeys(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _keys(cls, v: Any) -> Any:
         return _known_keys(v, "sandbox policy")
 
 
-class TaskSandbox(StrictModel):
-    """A task's ``metadata.sandbox``: every key optional."""
-
-    wall_s: Optional[float] = Field(None, gt=0, strict=True)
-    cpu_s: Optional[int] = Field(None, gt=0, strict=True)
-    memory_mb: Optional[int] = Field(None, gt=0, strict=True)
-    nproc: Optional[int] = Field(None, gt=0, strict=True)
-    fsize_mb: Optional[int] = Field(None, gt=0, strict=True)
-    nofile: Optional[int] = Field(None, gt=0, strict=True)
-    output_kb: Optional[int] = Field(None, gt=0, strict=True)
-    tmpfs_mb: Optional[int] = Field(None, gt=0, strict=True)
-    network: Optional[bool] = Field(None, strict=True)
-    site_packages: Optional[bool] = Field(None, strict=True)
-
+class _TaskKeys(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _keys(cls, v: Any) -> Any:
         return _known_keys(v, "metadata.sandbox")
+
+
+def _policy_field(f) -> tuple:
+    """A ceiling (above 0, default: today's limit), or for a switch whether a task may turn it on."""
+    if f.name in SWITCHES:
+        return (bool, f.metadata["policy_default"])
+    return (_TYPES[f.name], Field(f.default, gt=0))
+
+
+def _task_field(f) -> tuple:
+    """A task's own request: every key optional, no coercion (a task file is input)."""
+    if f.name in SWITCHES:
+        return (Optional[bool], Field(None, strict=True))
+    return (Optional[_TYPES[f.name]], Field(None, gt=0, strict=True))
+
+
+SandboxPolicy = create_model(
+    "SandboxPolicy", __base__=_PolicyKeys, __module__=__name__,
+    __doc__="""The operator's ceilings on a task's ``metadata.sandbox``; ``network`` / ``site_packages``:
+    whether a task may turn them on.""",
+    **{f.name: _policy_field(f) for f in fields(Limits)},
+)
+TaskSandbox = create_model(
+    "TaskSandbox", __base__=_TaskKeys, __module__=__name__, __doc__="A task's ``metadata.sandbox``: every key optional.",
+    **{f.name: _task_field(f) for f in fields(Limits)},
+)
 
 
 ENV = "MLX_SSP_SANDBOX"  # "KEY=VALUE,KEY=VALUE": the policy for every command that runs no other

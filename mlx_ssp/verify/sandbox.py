@@ -52,6 +52,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 from mlx_ssp.io import pid_alive
 from mlx_ssp.sandbox_policy import Limits
@@ -140,12 +141,28 @@ def _env(work: str) -> dict[str, str]:
     }
 
 
+@dataclass(frozen=True)
+class SandboxMode:
+    """One way to run the bootstrap; ``sandbox_boot.MODES`` holds what the bootstrap does for it.
+    Adding a mode is one entry here and one there."""
+
+    applies: Callable[[], bool]  # whether this machine runs in this mode (the first entry that applies wins)
+    isolated: bool  # uid drop, PID namespace, tmpfs work dir and filesystem view (needs root)
+    netns: Callable[[], bool]  # whether a network namespace is made ("no network" enforced)
+    binds: Callable[[], list]  # the filesystem view's read-only binds
+
+
+# lambdas look the helpers up when called (defined below; tests may replace them)
+MODES = {
+    "root": SandboxMode(lambda: IS_LINUX and os.geteuid() == 0, isolated=True, netns=lambda: True,
+                        binds=lambda: _binds()),
+    "userns": SandboxMode(lambda: IS_LINUX, isolated=False, netns=lambda: userns_available(), binds=list),
+    "plain": SandboxMode(lambda: True, isolated=False, netns=lambda: False, binds=list),
+}
+
+
 def _mode() -> str:
-    if IS_LINUX and os.geteuid() == 0:
-        return "root"
-    if IS_LINUX:
-        return "userns"
-    return "plain"
+    return next(name for name, m in MODES.items() if m.applies())
 
 
 _slot_lock = threading.Lock()
@@ -312,8 +329,8 @@ def _boot_config(work: str, mode: str, uid: int, vw: int, limits: Limits, harnes
         "harness": harness is not None,
         "network": limits.network,
         "tmpfs_mb": limits.tmpfs_mb,
-        "binds": _binds() if mode == "root" else [],
-        "netns": mode == "root" or (mode == "userns" and userns_available()),
+        "binds": MODES[mode].binds(),
+        "netns": MODES[mode].netns(),
         "limits": asdict(limits),
         "env": _env(work),
     }
@@ -405,15 +422,15 @@ def userns_available() -> bool:
 
 
 def capabilities_for(mode: str) -> dict:
-    root = mode == "root"
+    m = MODES[mode]
     return {
         "mode": mode,
         "rlimits": ["cpu", "nproc", "fsize", "nofile", "core"] + (["as"] if IS_LINUX else []),
-        "network_isolated": root or (mode == "userns" and userns_available()),
-        "uid_drop": root,
-        "pid_namespace": root,
-        "tmpfs_workdir": root,
-        "filesystem_view": root,  # only the work dir writable, no host /tmp, /dev/shm, /run or sockets
+        "network_isolated": m.netns(),
+        "uid_drop": m.isolated,
+        "pid_namespace": m.isolated,
+        "tmpfs_workdir": m.isolated,
+        "filesystem_view": m.isolated,  # only the work dir writable, no host /tmp, /dev/shm, /run or sockets
         "scrubbed_env": True,
         "wall_limit": True,
         "output_cap": True,

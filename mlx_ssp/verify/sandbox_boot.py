@@ -623,12 +623,17 @@ def report_init(pid, rfd, wfd, vfd, tests_fd):
         die_like(status[pid])
 
 
-def isolate_unprivileged(cfg):
-    """No root: the bootstrap is init itself (a user + network namespace for no network where the
-    kernel allows). Returns (work, report_fd)."""
-    if cfg["mode"] == "userns" and cfg["netns"] and not cfg["network"]:
-        check(libc.unshare(NEWUSER | NEWNET) == 0, "unshare")
+def isolate_plain(cfg, prog, tests_fd):
+    """No root: the bootstrap is init itself, in the host's namespaces. Returns (work, report_fd)."""
     return cfg["work"], cfg["vfd"]
+
+
+def isolate_userns(cfg, prog, tests_fd):
+    """No root on Linux: as :func:`isolate_plain`, in a user + network namespace for no network
+    where the kernel allows."""
+    if cfg["netns"] and not cfg["network"]:
+        check(libc.unshare(NEWUSER | NEWNET) == 0, "unshare")
+    return isolate_plain(cfg, prog, tests_fd)
 
 
 def setlim(res, v):
@@ -645,22 +650,28 @@ def set_rlimits(lim):
     setlim(resource.RLIMIT_NOFILE, lim["nofile"])
 
 
+def become(uid):
+    """Root: the sandbox uid/gid, no supplementary groups."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    if os.getuid() != uid or os.geteuid() != uid:
+        fail("could not drop privileges")
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # setuid cleared it
+
+
 def drop_privileges(mode, uid):
-    if mode == "root":
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-        if os.getuid() != uid or os.geteuid() != uid:
-            fail("could not drop privileges")
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # setuid cleared it
+    if mode.become is not None:
+        mode.become(uid)
     prctl(PR_SET_NO_NEW_PRIVS, 1)
     prctl(PR_SET_DUMPABLE, 0)  # the program (same uid) cannot ptrace init or the tests
 
 
-def run_harness_mode(cfg, prog, work, tests_fd, report_fd):
+def run_harness_mode(mode, cfg, prog, work, tests_fd, report_fd):
     passed, status = harness(cfg, prog, work, tests_fd, report_fd)
     write_all(report_fd, json.dumps({"status": status, "passed": passed}).encode())
-    os._exit(0) if cfg["mode"] == "root" else die_like(status)
+    # a reporter outside ends as the verdict says; an init that is the bootstrap ends so itself
+    os._exit(0) if mode.reporter_outside else die_like(status)
 
 
 def run_as_pid2(prog, cfg, work, report_fd):
@@ -685,30 +696,42 @@ def run_in_process(prog, cfg, work, report_fd):
         sys.exit(1)
 
 
+class Mode:
+    """What the bootstrap does for one of ``mlx_ssp.verify.sandbox.MODES`` (same names)."""
+
+    def __init__(self, isolate, become, run, reporter_outside):
+        self.isolate = isolate  # (cfg, prog, tests_fd) -> (work, report_fd)
+        self.become = become  # uid -> None: change credentials (root only), or None
+        self.run = run  # (prog, cfg, work, report_fd): run the program without a harness
+        self.reporter_outside = reporter_outside  # init is PID 1 with the bootstrap outside reporting
+
+
+MODES = {
+    "root": Mode(isolate_root, become, run_as_pid2, reporter_outside=True),
+    "userns": Mode(isolate_userns, None, run_in_process, reporter_outside=False),
+    "plain": Mode(isolate_plain, None, run_in_process, reporter_outside=False),
+}
+
+
 def main():
     cfg = json.loads(sys.argv[1])
     die_with_parent(cfg["ppid"])
     signal.alarm(cfg["alarm_s"])  # a backstop for the caller's wall limit: SIGALRM ends the sandbox
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    mode = cfg["mode"]
+    mode = MODES[cfg["mode"]]
     prog, tests_fd = read_inputs(cfg)
-    if mode == "root":
-        work, report_fd = isolate_root(cfg, prog, tests_fd)
-    else:
-        work, report_fd = isolate_unprivileged(cfg)
+    work, report_fd = mode.isolate(cfg, prog, tests_fd)
     set_rlimits(cfg["limits"])
     drop_privileges(mode, cfg["uid"])
     setlim(resource.RLIMIT_NPROC, cfg["limits"]["nproc"])
     os.chdir(work)
     # init has Python's SIGINT handler, so the program (same uid) could interrupt it: ignore it there
     # (the non-root program runs in this process when there are no tests: it keeps the handler)
-    if mode == "root" or cfg["harness"]:
+    if mode.reporter_outside or cfg["harness"]:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cfg["harness"]:
-        run_harness_mode(cfg, prog, work, tests_fd, report_fd)
-    if mode == "root":
-        run_as_pid2(prog, cfg, work, report_fd)
-    run_in_process(prog, cfg, work, report_fd)
+        run_harness_mode(mode, cfg, prog, work, tests_fd, report_fd)
+    mode.run(prog, cfg, work, report_fd)
 
 if __name__ == "__main__":
     main()
