@@ -125,7 +125,7 @@ def test_rl_two_ranks_equal_one_process(tiny_qwen3, tmp_path, aggregation, optim
     w1 = mx.load(str(tmp_path / "one" / "rl" / "adapters.safetensors"))
     w2 = mx.load(str(tmp_path / "two" / "rl" / "adapters.safetensors"))
     assert set(w1) == set(w2) and len(w1) > 0
-    before = mx.load(str(tmp_path / "one" / "rl" / "checkpoints" / "step_000001" / "adapters.safetensors"))
+    before = mx.load(str(tmp_path / "one" / "rl" / "checkpoints" / "step_0000001" / "adapters.safetensors"))
     moved = 0.0
     for k in w1:
         diff = mx.abs(w1[k] - w2[k])
@@ -138,7 +138,7 @@ def test_rl_two_ranks_equal_one_process(tiny_qwen3, tmp_path, aggregation, optim
             assert float(diff.max().item()) < 2 * 5e-3, k
         moved = max(moved, float(mx.abs(w1[k] - before[k]).max().item()))
     assert moved > 1e-4  # the second step really trained
-    assert sorted(p.name for p in (tmp_path / "two" / "rl" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert sorted(p.name for p in (tmp_path / "two" / "rl" / "checkpoints").iterdir()) == ["step_0000001", "step_0000002"]
 
 
 def test_sft_two_ranks(tiny_qwen3, tmp_path):
@@ -183,6 +183,6 @@ def test_sft_two_ranks(tiny_qwen3, tmp_path):
     assert [r["step"] for r in c1] == [r["step"] for r in c2] == [2, 4]
     for a, b in zip(c1, c2):
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-3)
-    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["0000002", "0000004"]
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
     assert (runs["two"] / "specialists" / "math" / "model.safetensors").is_file()
     assert json.loads((runs["two"] / "summary.json").read_text())["domains"]["math"]["chosen_step"] in (2, 4)

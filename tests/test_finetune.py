@@ -41,12 +41,27 @@ def test_step_seed_is_both_old_rules_in_range():
 
 def test_checkpoint_names_and_listing(tmp_path):
     root = tmp_path / "checkpoints"
-    for name in ("0000010", "step_000002", "0000002x", "step_abc", "0000003"):
+    # one name for both stages; earlier runs' SFT and RL names are still read, mixed names sort by step
+    for name in ("0000010", "step_000002", "0000002x", "step_abc", "0000003", "step_0000007", "step_0000011"):
         (root / name).mkdir(parents=True)
         (root / name / "state.json").write_text("{}")
     (root / "0000099").mkdir()  # no state.json: incomplete
-    assert [ckpts.step_of(p.name) for p in ckpts.list_checkpoints(root)] == [2, 3, 10]
-    assert ckpts.SFT_NAME.format(50) == "0000050" and ckpts.RL_NAME.format(50) == "step_000050"
+    assert [ckpts.step_of(p.name) for p in ckpts.list_checkpoints(root)] == [2, 3, 7, 10, 11]
+    assert ckpts.checkpoint_dir(root, 50) == root / "step_0000050" and ckpts.step_of("step_0000050") == 50
+    assert ckpts.find_checkpoint(root, 10).name == "0000010" and ckpts.find_checkpoint(root, 2).name == "step_000002"
+    with pytest.raises(UserError, match="no complete checkpoint of step 99"):
+        ckpts.find_checkpoint(root, 99)
+
+
+def test_trim_keeps_the_newest_optimizer_state(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name in ("0000001", "step_000002", "step_0000003", "step_0000004"):
+        (root / name).mkdir(parents=True)
+        (root / name / "state.json").write_text("{}")
+        (root / name / ckpts.OPTIMIZER_FILE).write_text("x")
+    ckpts.trim_optimizer_states(root, 3)  # step 3 was just written; step 4 is not older
+    assert [p.name for p in ckpts.list_checkpoints(root) if (p / ckpts.OPTIMIZER_FILE).exists()] == [
+        "step_0000003", "step_0000004"]
 
 
 def test_aggregation_units_are_registry_entries():
@@ -74,7 +89,7 @@ def test_rl_resume_checks_config_and_optimizer(tiny_qwen3, tmp_path):
     with pytest.raises(UserError, match=r"different settings \(rl\.learning_rate\).*--restart"):
         _train(tiny_qwen3, out, steps=2, checkpoint_every=1, learning_rate=1e-3)
     # the optimizer state must have this optimizer's keys
-    opt_file = out / "checkpoints" / "step_000001" / "optimizer.safetensors"
+    opt_file = out / "checkpoints" / "step_0000001" / "optimizer.safetensors"
     state = mx.load(str(opt_file))
     mx.save_safetensors(str(opt_file), {k: v for k, v in state.items() if k != "step"})
     with pytest.raises(UserError, match="optimizer state does not match"):
@@ -83,3 +98,25 @@ def test_rl_resume_checks_config_and_optimizer(tiny_qwen3, tmp_path):
     summary = _train(tiny_qwen3, out, steps=2, checkpoint_every=1)  # more steps: a legal resume
     assert summary["steps"] == 2
     assert json.loads((out / "rl_config.json").read_text())["rl"]["steps"] == 2
+
+
+def _rename_to_old_layout(root):
+    """A run directory as the RL stage wrote it before the one layout: ``step_NNNNNN`` names."""
+    for p in ckpts.list_checkpoints(root):
+        p.rename(root / f"step_{ckpts.step_of(p.name):06d}")
+
+
+def test_rl_checkpoints_one_layout_and_old_runs_resume(tiny_qwen3, tmp_path):
+    out = tmp_path / "run"
+    _train(tiny_qwen3, out, steps=2, checkpoint_every=1)
+    root = out / "checkpoints"
+    assert [p.name for p in ckpts.list_checkpoints(root)] == ["step_0000001", "step_0000002"]
+    # only the newest checkpoint keeps the optimizer state (the rule SFT has)
+    assert [p.name for p in root.iterdir() if (p / ckpts.OPTIMIZER_FILE).exists()] == ["step_0000002"]
+    _rename_to_old_layout(root)
+    summary = _train(tiny_qwen3, out, steps=3, checkpoint_every=1)  # resumes from the old-named step 2
+    assert summary["steps"] == 3
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [p.name for p in ckpts.list_checkpoints(root)] == ["step_000001", "step_000002", "step_0000003"]
+    assert [p.name for p in root.iterdir() if (p / ckpts.OPTIMIZER_FILE).exists()] == ["step_0000003"]

@@ -226,15 +226,23 @@ def test_step_skipped_at_a_later_inner_update_changes_nothing(tiny_qwen3, tmp_pa
     # second inner update
     poison_loss(monkeypatch, lambda n: n in (7, 8))
     states = []
-    loop.train(model, tok, _tasks(), cfg, tmp_path / "run", seed=0, on_step=lambda tr, rec: states.append(_flat_state(tr)))
+    ck = tmp_path / "run" / "checkpoints"
+    saved = {}  # each checkpoint as written: the next one drops its optimizer state
+
+    def on_step(tr, rec):
+        states.append(_flat_state(tr))
+        if tr.step_no > 1:
+            saved[tr.step_no - 1] = {name: mx.load(str(ck / f"step_{tr.step_no - 1:07d}" / name))
+                                     for name in ("adapters.safetensors", "optimizer.safetensors")}
+
+    loop.train(model, tok, _tasks(), cfg, tmp_path / "run", seed=0, on_step=on_step)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in rows] == [False, True, False]
     assert _same(states[1], states[0])
     assert int(states[1]["opt/step"]) == 2  # mu = 2 updates of step 1, none of step 2
     assert not _same(states[2], states[1])  # and the run goes on from there
-    ck = tmp_path / "run" / "checkpoints"
     for name in ("adapters.safetensors", "optimizer.safetensors"):
-        a, b = mx.load(str(ck / "step_000001" / name)), mx.load(str(ck / "step_000002" / name))
+        a, b = saved[1][name], saved[2][name]
         assert _same({k: np.array(v) for k, v in a.items()}, {k: np.array(v) for k, v in b.items()}), name
 
 

@@ -164,14 +164,14 @@ def test_non_finite_steps_are_skipped_then_stop(tiny_qwen3, tmp_path, monkeypatc
         if not rec["skipped"]:
             good = {k: np.array(v) for k, v in tree_flatten(tr.model.trainable_parameters())}
 
-    with pytest.raises(UserError, match="2 steps in a row.*step_000003"):
+    with pytest.raises(UserError, match="2 steps in a row.*step_0000003"):
         train(model, tok, _tasks(), cfg, tmp_path / "run", seed=0, on_step=snap)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in rows] == [False, True, True]
     assert rows[-1]["skipped_total"] == 2
     now = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
     assert all(np.array_equal(now[k], good[k]) for k in good)  # skipped steps changed nothing
-    assert (tmp_path / "run" / "checkpoints" / "step_000003" / "adapters.safetensors").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step_0000003" / "adapters.safetensors").is_file()
 
 
 def test_dynamic_sampling_drops_uninformative_groups(tiny_qwen3, tmp_path):

@@ -176,7 +176,7 @@ def test_train_choose_fuse(tmp_path, base):
     # every checkpoint loads with mlx-lm's own adapter loader; checkpoints differ
     ws = []
     for step in (2, 4, 6, 7):
-        ck = ddir / "checkpoints" / f"{step:07d}"
+        ck = ddir / "checkpoints" / f"step_{step:07d}"
         m2, _ = load(str(path))
         load_adapters(m2, str(ck))
         ws.append(np.concatenate([np.array(v).ravel() for k, v in tree_flatten(m2.parameters()) if k.endswith("lora_b")]))
@@ -186,7 +186,7 @@ def test_train_choose_fuse(tmp_path, base):
     spec = Path(summary["domains"]["math"]["specialist"])
     fused, ftok = load(str(spec))
     lora_model, _ = load(str(path), adapter_path=str(ddir))  # ddir holds the chosen adapter
-    chosen_ck = ddir / "checkpoints" / f"{best:07d}"
+    chosen_ck = ddir / "checkpoints" / f"step_{best:07d}"
     assert (ddir / "adapters.safetensors").read_bytes() == (chosen_ck / "adapters.safetensors").read_bytes()
     x = mx.array([tok.encode("What is 2 + 3?")])
     a, b, c = fused(x), lora_model(x), model(x)
@@ -237,6 +237,21 @@ def test_probe_set_from_tasks_section(tmp_path, base, shared_data):
         plan_domains(cfg, base[0], base[1], {}, tmp_path)
 
 
+class Kill(Exception):
+    pass
+
+
+class KillAt:
+    """A training callback that kills the run at a loss report of ``iteration``."""
+
+    def __init__(self, iteration):
+        self.iteration = iteration
+
+    def on_train_loss_report(self, info):
+        if info["iteration"] == self.iteration:
+            raise Kill()
+
+
 def test_resume_equals_uninterrupted(tmp_path, base):
     """Kill at step 5 (mid-interval) and again during a probe; resume; same adapters as one run.
     Dropout and an LR schedule are on, so RNG and optimizer state must be restored."""
@@ -247,18 +262,10 @@ def test_resume_equals_uninterrupted(tmp_path, base):
 
     cut = make_cfg(tmp_path / "b", data, probe, **kw)
 
-    class Kill(Exception):
-        pass
-
-    class KillAt:
-        def on_train_loss_report(self, info):
-            if info["iteration"] == 5:
-                raise Kill()
-
     with pytest.raises(Kill):
-        _run(cut, base, callbacks=[KillAt()])
+        _run(cut, base, callbacks=[KillAt(5)])
     bdir = tmp_path / "b" / "sft" / "math"
-    assert sorted(p.name for p in (bdir / "checkpoints").iterdir()) == ["0000002", "0000004"]
+    assert sorted(p.name for p in (bdir / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
 
     calls = []
 
@@ -270,14 +277,14 @@ def test_resume_equals_uninterrupted(tmp_path, base):
 
     with pytest.raises(Kill):
         _run(cut, base, probe_fn=dying_probe)
-    assert (bdir / "checkpoints" / "0000006" / "state.json").is_file()
-    assert not (bdir / "checkpoints" / "0000006" / "probe.json").exists()
+    assert (bdir / "checkpoints" / "step_0000006" / "state.json").is_file()
+    assert not (bdir / "checkpoints" / "step_0000006" / "probe.json").exists()
     _run(cut, base)
 
     adir = tmp_path / "a" / "sft" / "math"
     for step in (2, 4, 6, 8):
-        wa = mx.load(str(adir / "checkpoints" / f"{step:07d}" / "adapters.safetensors"))
-        wb = mx.load(str(bdir / "checkpoints" / f"{step:07d}" / "adapters.safetensors"))
+        wa = mx.load(str(adir / "checkpoints" / f"step_{step:07d}" / "adapters.safetensors"))
+        wb = mx.load(str(bdir / "checkpoints" / f"step_{step:07d}" / "adapters.safetensors"))
         assert wa.keys() == wb.keys()
         for k in wa:
             np.testing.assert_allclose(np.array(wa[k]), np.array(wb[k]), rtol=0, atol=1e-6, err_msg=f"step {step} {k}")
@@ -291,7 +298,37 @@ def test_resume_equals_uninterrupted(tmp_path, base):
     mb = [json.loads(x)["train_loss"] for x in open(bdir / "metrics.jsonl")]
     assert len(mb) == 8 and np.allclose(ma, mb, rtol=1e-5)
     # only the newest checkpoint keeps the optimizer state
-    assert [p.name for p in (bdir / "checkpoints").iterdir() if (p / "optimizer.safetensors").exists()] == ["0000008"]
+    assert [p.name for p in (bdir / "checkpoints").iterdir() if (p / "optimizer.safetensors").exists()] == ["step_0000008"]
+
+
+def test_a_run_with_old_checkpoint_names_resumes_and_fuses(tmp_path, base):
+    """A run killed before the one layout (SFT checkpoints named ``NNNNNNN``) resumes from its
+    newest checkpoint and the chosen checkpoint is found whatever its name: the same adapters as
+    one uninterrupted run."""
+    from mlx_ssp.finetune import checkpoints as ckpts
+
+    data, probe = write_data(tmp_path), write_probe(tmp_path)
+    _run(make_cfg(tmp_path / "a", data, probe), base)
+    cut = make_cfg(tmp_path / "b", data, probe)
+
+    with pytest.raises(Kill):
+        _run(cut, base, callbacks=[KillAt(5)])
+    root = tmp_path / "b" / "sft" / "math" / "checkpoints"
+    for p in ckpts.list_checkpoints(root):
+        p.rename(root / f"{ckpts.step_of(p.name):07d}")
+    _run(cut, base)
+    assert [p.name for p in ckpts.list_checkpoints(root)] == ["0000002", "0000004", "step_0000006"]
+    assert [p.name for p in root.iterdir() if (p / "optimizer.safetensors").exists()] == ["step_0000006"]
+    curve = [json.loads(x)["step"] for x in open(root.parent / "probe_curve.jsonl")]
+    assert curve == [2, 4, 6]
+    ra = json.loads((tmp_path / "a" / "sft" / "math" / "result.json").read_text())
+    rb = json.loads((tmp_path / "b" / "sft" / "math" / "result.json").read_text())
+    assert ra["chosen_step"] == rb["chosen_step"] and Path(rb["adapter"]).parent == root
+    wa = mx.load(str(tmp_path / "a" / "sft" / "math" / "adapters.safetensors"))
+    wb = mx.load(str(tmp_path / "b" / "sft" / "math" / "adapters.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        np.testing.assert_allclose(np.array(wa[k]), np.array(wb[k]), rtol=0, atol=1e-6, err_msg=k)
 
 
 def test_domains_in_one_process_are_independent(tmp_path, base):
@@ -425,7 +462,7 @@ def test_real_probe_and_cli(tmp_path, tiny_qwen3):
     assert [r["step"] for r in curve] == [1, 2]
     for r in curve:
         assert 0.0 <= r["pass@1"] <= r["pass@k"] <= 1.0 and r["k"] == 2
-    pr = json.loads((ddir / "checkpoints" / "0000001" / "probe.json").read_text())
+    pr = json.loads((ddir / "checkpoints" / "step_0000001" / "probe.json").read_text())
     assert pr["n_probed"] == 3 and pr["seconds"] > 0
     assert (tmp_path / "run" / "sft" / "specialists" / "math" / "model.safetensors").is_file()
     # a user mistake is one line and exit 2

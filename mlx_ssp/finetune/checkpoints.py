@@ -2,28 +2,36 @@
 
 ``<run>/checkpoints/<name>/`` holds ``adapters.safetensors`` (the trained weights),
 ``adapter_config.json``, ``optimizer.safetensors`` and ``state.json`` (written last in an atomic
-directory, so a directory with ``state.json`` is complete). The directory name encodes the step:
-SFT writes ``0000050`` (:data:`SFT_NAME`), RL ``step_000050`` (:data:`RL_NAME`), the names each
-stage has always written; :func:`step_of` reads both. Resume checks the optimizer-state keys
-against the fresh optimizer and the saved config fingerprint against the current one.
+directory, so a directory with ``state.json`` is complete). Both stages name a checkpoint with
+:func:`checkpoint_dir` (``step_0000050``, :data:`NAME`) and, after writing one, call
+:func:`trim_optimizer_states`: only the newest checkpoint is a resume point, so older ones keep
+their weights but not their optimizer state. :func:`step_of` also reads the names earlier runs
+wrote (SFT ``0000050``, RL ``step_000050``), so those runs still resume, list and fuse.
+Resume checks the optimizer-state keys against the fresh optimizer and the saved config
+fingerprint against the current one.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import atomic_dir, iter_jsonl, write_json_atomic, write_jsonl_atomic
 
 ADAPTER_FILE = "adapters.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
-SFT_NAME = "{:07d}"
-RL_NAME = "step_{:06d}"
+NAME = "step_{:07d}"
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` is written under ``root`` (``<run>/checkpoints``)."""
+    return root / NAME.format(step)
 
 
 def step_of(name: str) -> Optional[int]:
-    """The step a checkpoint directory name encodes (``0000050`` or ``step_000050``), else None."""
+    """The step a checkpoint directory name encodes (``step_0000050``; earlier runs' ``0000050``
+    and ``step_000050``), else None."""
     digits = name[5:] if name.startswith("step_") else name
     return int(digits) if digits.isdigit() else None
 
@@ -34,6 +42,14 @@ def list_checkpoints(root: Path) -> list[Path]:
         return []
     done = [p for p in root.iterdir() if p.is_dir() and step_of(p.name) is not None and (p / "state.json").is_file()]
     return sorted(done, key=lambda p: step_of(p.name))
+
+
+def find_checkpoint(root: Path, step: int) -> Path:
+    """The complete checkpoint of ``step`` under ``root``, whichever name wrote it."""
+    found = [p for p in list_checkpoints(root) if step_of(p.name) == step]
+    if not found:
+        raise UserError(f"{root}: no complete checkpoint of step {step}")
+    return found[-1]
 
 
 def write_checkpoint(path: Path, weights: dict, adapter_cfg: dict, opt_state: dict, state: dict) -> None:
@@ -47,11 +63,11 @@ def write_checkpoint(path: Path, weights: dict, adapter_cfg: dict, opt_state: di
         write_json_atomic(tmp / "state.json", state)
 
 
-def drop_optimizer_states(ckpts: Iterable[Path], keep: Path) -> None:
-    """Only the newest checkpoint is a resume point: drop older optimizer states (the bulk of a
-    checkpoint with Adam)."""
-    for p in ckpts:
-        if p.name != keep.name:
+def trim_optimizer_states(root: Path, step: int) -> None:
+    """After writing the checkpoint of ``step``: drop the optimizer states (the bulk of a checkpoint
+    with Adam) of the older checkpoints, since a resume starts from the newest one only."""
+    for p in list_checkpoints(root):
+        if step_of(p.name) < step:
             (p / OPTIMIZER_FILE).unlink(missing_ok=True)
 
 

@@ -23,7 +23,7 @@ Each step (VibeThinker-1.5B section 3.4; GRPO, DeepSeekMath arXiv:2402.03300 sec
 
 Metrics (one JSON line per step in ``metrics.jsonl``; token statistics are exact whole-batch
 values: sums and counts over micro-batches, inner updates and ranks, divided once), checkpoints
-every ``checkpoint_every`` steps in ``checkpoints/step_NNNNNN`` (adapters or weights, optimizer
+every ``checkpoint_every`` steps in ``checkpoints/step_NNNNNNN`` (adapters or weights, optimizer
 state, RNG and stream state) and a resumable run directory. Deviations: no prefix sharing between the G samples of a prompt
 (the rollout engine's choice); the reference for KL with full fine-tuning is a second copy of
 the model (only LoRA can switch the adapters off).
@@ -482,7 +482,7 @@ class Trainer:
         return dict(tree_flatten(self.model.trainable_parameters()))
 
     def save_checkpoint(self) -> Path:
-        ckpt = self.out_dir / "checkpoints" / ckpts.RL_NAME.format(self.step_no)
+        ckpt = ckpts.checkpoint_dir(self.out_dir / "checkpoints", self.step_no)
         self.last_good_ckpt = str(ckpt)
         if not dist.is_main():  # rank 0 writes; every rank holds the same weights (issue 10)
             return ckpt
@@ -491,6 +491,7 @@ class Trainer:
             "step": self.step_no, "stream": self.stream.state(), "bad_in_row": self.bad_in_row,
             "skipped_total": self.skipped_total, "seed": self.seed, "model": self.model_path,
         })
+        ckpts.trim_optimizer_states(ckpt.parent, self.step_no)
         # the latest adapters beside the run, where `mlx_lm fuse --adapter-path` looks
         for name in (ADAPTER_FILE, "adapter_config.json"):
             shutil.copyfile(ckpt / name, self.out_dir / f".{name}.tmp")

@@ -23,7 +23,7 @@ For each domain d listed in the ``sft:`` section:
    The base model is then restored in memory (the LoRA wrappers hold the untouched base layers) and
    the next domain starts without reloading anything.
 
-Outputs per domain under ``OUT/<d>/``: ``checkpoints/NNNNNNN/`` (adapter, adapter_config.json,
+Outputs per domain under ``OUT/<d>/``: ``checkpoints/step_NNNNNNN/`` (adapter, adapter_config.json,
 state.json, probe.json; the latest also holds the optimizer state), ``metrics.jsonl`` (training loss
 reports), ``probe_curve.jsonl`` (step, loss, val_loss, pass@1, pass@k, chosen) and ``probe_curve.png``,
 ``adapters.safetensors`` + ``adapter_config.json`` (the chosen checkpoint, ready for ``mlx_lm fuse``)

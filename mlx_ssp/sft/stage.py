@@ -111,12 +111,12 @@ class _DomainRun:
         opt_state = dict(tree_flatten(self.optimizer.state))
         val = self.val_loss()
         root = self.ddir / "checkpoints"
-        path = root / ckpts.SFT_NAME.format(step)
+        path = ckpts.checkpoint_dir(root, step)
         if dist.is_main():  # rank 0 writes; val loss and the probe run on every rank (data parallel)
             state = {"step": step, "train_loss": train_loss, "val_loss": val,
                      "learning_rate": float(self.optimizer.learning_rate.item()), "time": time.time()}
             ckpts.write_checkpoint(path, weights, adapter_config(self.cfg, self.model_path), opt_state, state)
-            ckpts.drop_optimizer_states(ckpts.list_checkpoints(root), keep=path)
+            ckpts.trim_optimizer_states(root, step)
         self.probe(path)
         self.model.train()
         mx.random.seed(step_seed(self.seed, step))
@@ -232,7 +232,7 @@ def train_specialist(
         chosen = dist.run_on_main(lambda: write_curve(ddir, plan.name, cfg.select), what="sft: choose the checkpoint")
         if chosen is None:  # pragma: no cover - every run ends with a probed checkpoint
             raise UserError(f"{ddir}: no probed checkpoint to choose from")
-        ckpt = ddir / "checkpoints" / ckpts.SFT_NAME.format(chosen["step"])
+        ckpt = ckpts.find_checkpoint(ddir / "checkpoints", chosen["step"])  # also an earlier run's name
         # rank 0 fuses and saves while the others wait (an error there stops them all)
         with dist.main_first(f"sft {plan.name}: fuse the specialist") as do_it:
             if do_it:
