@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from mlx_ssp.cli import main
 from mlx_ssp.config import load_section
 from mlx_ssp.errors import UserError
-from mlx_ssp.tasks import TasksConfig, build_split, load_tasks, render_prompt
+from mlx_ssp.tasks import TasksConfig, build_split, export_source, load_tasks, render_prompt
 
 ADD = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+"]}
 
@@ -240,7 +240,7 @@ def test_sources_are_registry_entries():
     from mlx_ssp.tasks.sources import SOURCES, default_domain_name
 
     assert all(callable(s.split_items) for s in SOURCES.values())
-    assert [k for k, s in SOURCES.items() if s.catalogue] == ["reasoning_gym", "bfcl"]
+    assert [k for k, s in SOURCES.items() if s.catalogue] == ["reasoning_gym", "bfcl", "bfcl_multi_turn"]
     assert [k for k, s in SOURCES.items() if s.default_size] == ["reasoning_gym"]
     names = {
         "reasoning_gym:basic_arithmetic": "basic_arithmetic", "bfcl:simple": "bfcl_simple",
@@ -248,3 +248,38 @@ def test_sources_are_registry_entries():
         "gsm8k:/x/train.jsonl": "gsm8k", "humaneval": "humaneval", "hf:json": "json",
     }
     assert {s: default_domain_name(s) for s in names} == names
+
+
+def test_bfcl_multi_turn_source_one_domain_per_backend(tmp_path):
+    """`tasks export bfcl_multi_turn:base` writes all 200 entries, a domain per backend; a backend
+    param draws one backend's entries; excluded and held-back functions are not offered at the start."""
+    res = CliRunner().invoke(main, ["tasks", "export", "bfcl_multi_turn:base", "-o", str(tmp_path / "mt.jsonl")])
+    assert res.exit_code == 0, res.output
+    from mlx_ssp.tasks import load_tasks
+
+    ts = load_tasks(tmp_path / "mt.jsonl")
+    assert len(ts) == 200 and len({t.metadata["bfcl_id"] for t in ts}) == 200
+    doms = {t.domain for t in ts}
+    assert {"bfcl_mt_base_file_system", "bfcl_mt_base_trading", "bfcl_mt_base_travel",
+            "bfcl_mt_base_vehicle_control"} <= doms
+    assert all(t.domain == f"bfcl_mt_base_{t.metadata['backend']}" for t in ts)
+    t0 = next(t for t in ts if t.metadata["bfcl_id"] == "multi_turn_base_0")
+    offered = {x["function"]["name"] for x in t0.metadata["tools"]}
+    assert "cp" not in offered and {"mv", "mkdir", "post_tweet"} <= offered  # cp is excluded_function there
+    ep = t0.metadata["episode"]
+    assert len(ep["user_turns"]) == len(ep["ground_truth"]) == 4 and t0.verifier == "bfcl_multi_turn"
+
+    mf = export_source("bfcl_multi_turn:miss_func", params={"backend": "vehicle_control"})
+    assert mf and all(t.domain == "bfcl_mt_miss_func" for t in mf)
+    for t in mf:
+        ep = t.metadata["episode"]
+        for turn, names in ep["held_out"].items():
+            assert not set(names) & set(ep["offered"])
+            assert all(n in ep["user_turns"][int(turn)][0]["content"] for n in names)
+    # disjoint splits, as for every file source
+    cfg = TasksConfig.model_validate({"seed": 3, "domains": {"fs": {"source": "bfcl_multi_turn:base",
+                                      "params": {"backend": "file_system"}, "sizes": {"train": 30, "eval": 10}}}})
+    ids = {s: {t.id for t in build_split(cfg, s)} for s in ("train", "eval")}
+    assert len(ids["train"]) == 30 and len(ids["eval"]) == 10 and not ids["train"] & ids["eval"]
+    with pytest.raises(UserError, match="valid: file_system"):
+        export_source("bfcl_multi_turn:base", params={"backend": "nope"})

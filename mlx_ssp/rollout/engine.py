@@ -204,6 +204,16 @@ def run_request(model, tokenizer, request: RolloutRequest, *, samples: Optional[
     request.check()
     stats = stats if stats is not None else {}
     stats.update(skipped=[], gen_tokens=0, prompt_tokens=0, gen_s=0.0, verify_s=0.0, n_samples=0)
+    from mlx_ssp.agents.episode import is_episode
+
+    episodes = [t for t in request.tasks if is_episode(t)]
+    if episodes:  # multi-turn tasks run as episodes (mlx_ssp.agents.engine); the rest below
+        from mlx_ssp.agents.engine import run_episodes
+
+        yield from run_episodes(model, tokenizer, request.replace(tasks=episodes), samples=samples, stats=stats)
+        if len(episodes) == len(request.tasks):
+            return
+        request = request.replace(tasks=[t for t in request.tasks if not is_episode(t)])
     context = request.max_context or model_context_length(model)
     plan = plan_work(tokenizer, request, samples, context)
     stats["skipped"].extend(plan.skipped)

@@ -161,15 +161,18 @@ def _to_task(domain: str, dcfg: DomainConfig, item, split: str) -> Task:
             last = max(i for i, m in enumerate(prompt) if m.get("role") == "user") if any(
                 m.get("role") == "user" for m in prompt) else len(prompt) - 1
             prompt[last]["content"] = f"{prompt[last]['content']}\n\n{instruction}"
-    if dcfg.system:
+    system = src.system if dcfg.system is None else dcfg.system
+    if system:
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if not any(m.get("role") == "system" for m in msgs):
-            prompt = [{"role": "system", "content": dcfg.system}] + msgs
+            prompt = [{"role": "system", "content": system}] + msgs
     md.update({"split": split, "source": dcfg.source})
     if verifier in ("math", "reasoning_gym"):
         md["answer_extraction"] = dcfg.answer_extraction
     if dcfg.sandbox:
         md["sandbox"] = dict(dcfg.sandbox)
+    if item.domain is not None:
+        domain = f"{domain}_{item.domain}"
     return Task(id=f"{domain}-{item.key}", domain=domain, prompt=prompt, answer=item.answer, verifier=verifier, metadata=md)
 
 

@@ -206,7 +206,7 @@ def _rows(src: Source, arg: str, params: dict) -> list[Item]:
         items = src.load(arg, params)  # type: ignore[misc]
         seen, uniq = set(), []
         for it in items:  # a problem that appears twice in the file could land in two splits
-            k = json.dumps(it.prompt, sort_keys=True)
+            k = it.dedup_key()
             if k not in seen:
                 seen.add(k)
                 uniq.append(it)

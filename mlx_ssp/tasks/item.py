@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from mlx_ssp.errors import UserError
 
@@ -20,6 +21,14 @@ class Item:
     prompt: Any  # str or chat messages
     answer: Any
     metadata: dict[str, Any]
+    #: the item's own sub-domain: its task's domain is ``<domain>_<this>`` (BFCL multi-turn: the backend)
+    domain: Optional[str] = None
+    #: what makes two rows the same problem (deduplication); None: the prompt. An episode is its
+    #: every turn and its initial state, not its first message.
+    identity: Any = None
+
+    def dedup_key(self) -> str:
+        return json.dumps(self.prompt if self.identity is None else self.identity, sort_keys=True)
 
 
 def read_rows(path: str) -> list[dict]:

@@ -12,6 +12,9 @@ its defaults (verifier, answer-format instruction, export size):
 - ``bfcl:CATEGORY``: BFCL v4 single-turn categories from the ``bfcl-eval`` package (``simple``,
   ``multiple``, ``parallel``, ``parallel_multiple``, ``live_simple``...) with their possible answers
   -> ``toolcall``.
+- ``bfcl_multi_turn:CATEGORY``: BFCL v4's multi-turn entries (``base``, ``miss_func``, ``miss_param``,
+  ``long_context``) as episodes on its executable backends, one domain per backend
+  (:mod:`mlx_ssp.tasks.multi_turn`) -> ``bfcl_multi_turn``.
 - ``jsonl:PATH``: any JSONL with a field mapping in ``params`` (``prompt_field``, ``answer_field``,
   ``id_field``, ``answer_after``, ``metadata_fields``), or rows that are already task records.
 - ``hf:DATASET``: ``datasets.load_dataset(DATASET, name, split=..., data_files=...)`` with the same
@@ -49,6 +52,9 @@ from mlx_ssp.tasks.file_sources import (  # noqa: F401  (bfcl_schema, gsm8k_answ
     load_jsonl,
 )
 from mlx_ssp.tasks.item import ORDER, Item  # noqa: F401  (re-exported)
+from mlx_ssp.tasks.multi_turn import SYSTEM_PROMPT as MULTI_TURN_SYSTEM
+from mlx_ssp.tasks.multi_turn import catalogue as multi_turn_catalogue
+from mlx_ssp.tasks.multi_turn import load_multi_turn
 from mlx_ssp.tasks.procedural import problem_key, rg_catalogue, rg_items, split_seed  # noqa: F401
 
 ANSWER_INSTRUCTION = "Give your final answer on the last line in the form:\nAnswer: <your answer>"
@@ -74,6 +80,7 @@ class Source:
     help: str = ""
     domain_name: Callable[[str], str] = lambda arg: ""  # default domain name from ARG ("": the kind)
     catalogue: Optional[Callable[[], str]] = None  # a `tasks list` line naming what ARG may be
+    system: Optional[str] = None  # the domain's system prompt when it sets none
 
 
 def parse_source(spec: str) -> tuple[Source, str]:
@@ -96,6 +103,9 @@ SOURCES: dict[str, Source] = {
         Source("bfcl", "toolcall", TOOL_INSTRUCTION, file_items, load_bfcl,
                help="CATEGORY (simple, multiple, parallel...)", domain_name=lambda arg: f"bfcl_{arg}",
                catalogue=bfcl_catalogue),
+        Source("bfcl_multi_turn", "bfcl_multi_turn", "", file_items, load_multi_turn,
+               help="CATEGORY (base, miss_func, miss_param, long_context)", domain_name=lambda arg: f"bfcl_mt_{arg}",
+               catalogue=multi_turn_catalogue, system=MULTI_TURN_SYSTEM),
         Source("jsonl", None, "", file_items, load_jsonl, help="PATH (with params: prompt_field, answer_field...)",
                domain_name=file_stem),
         Source("hf", None, "", file_items, load_hf, help="DATASET (hub id, local builder like json, or saved dir)",

@@ -3,7 +3,7 @@
 A verifier never raises on model output: malformed output is reward 0 with a reason. A bad
 task (unknown verifier, missing answer) is caught by :func:`check_task` before generation.
 Verifier modules register themselves with :func:`register`; importing this package imports
-them all (``math``, ``reasoning_gym``, ``code``, ``toolcall``; a verifier whose optional third-party
+them all (``math``, ``reasoning_gym``, ``code``, ``toolcall``, ``bfcl_multi_turn``; a verifier whose optional third-party
 package is missing is listed in ``UNAVAILABLE`` with the reason). :func:`verify_many` scores a batch,
 running verifiers marked ``parallel`` (the code sandbox) on worker threads. See docs/tasks.md.
 
@@ -39,6 +39,8 @@ class VerifyResult:
     reward: float  # in [0, 1]
     reason: str  # short machine-countable tag, e.g. "correct", "wrong_answer", "no_answer"
     detail: str = ""  # free text for humans (extracted answer, error message)
+    #: verifier-specific fields a record gains beside reward/reason/detail (an episode's per-turn verdicts)
+    extra: dict | None = None
 
     @property
     def correct(self) -> bool:
@@ -253,6 +255,7 @@ _MODULES = {
     "reasoning_gym": ("mlx_ssp.verify.rgym", "reasoning-gym"),
     "code": ("mlx_ssp.verify.code", None),
     "toolcall": ("mlx_ssp.verify.toolcall", None),
+    "bfcl_multi_turn": ("mlx_ssp.verify.multi_turn", None),
 }
 for _name, (_m, _pip) in _MODULES.items():
     try:

@@ -1,0 +1,192 @@
+"""Episodes end to end on a tiny model: the engine (batched = one at a time, fresh state per sample,
+KV-cache reuse), the records, verification of finished episodes, the rollout stage's resume, and
+the chat-template deltas. A scripted policy (the ground truth's calls as the "parsed" calls) makes
+the tool path run on a random model; the tokens are still the model's own samples."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from mlx_ssp.agents.calls import parse_ground_truth
+from mlx_ssp.agents.episode import Deltas, Episode
+from mlx_ssp.cli import main
+from mlx_ssp.rollout.config import SamplingConfig
+from mlx_ssp.rollout.request import RolloutRequest
+from mlx_ssp.tasks import export_source, write_tasks
+from mlx_ssp.verify import verify
+
+IDS = ("multi_turn_base_0", "multi_turn_base_1", "multi_turn_base_180")  # file system x2, irrelevance turn
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    """Three base entries; no tool schemas in the prompt (they would be ~10k tokens of BPE for a tiny model)."""
+    ts = [t for t in export_source("bfcl_multi_turn:base") if t.metadata["bfcl_id"] in IDS]
+    for t in ts:
+        t.metadata["tools"] = []
+    assert len(ts) == 3
+    return ts
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """The first message of each turn "calls" that turn's ground truth; the next one ends the turn."""
+    def parse_calls(self, text):
+        gt = self.task.metadata["episode"]["ground_truth"][self.turn]
+        return [parse_ground_truth(c) for c in gt] if self.steps == 0 else []
+
+    monkeypatch.setattr(Episode, "parse_calls", parse_calls)
+
+
+def _run(model_tok, tasks, *, batch_size, k=2, reuse_cache=True, seed=5, stats=None):
+    from mlx_ssp.agents.engine import run_episodes
+
+    model, tok = model_tok
+    req = RolloutRequest(tasks=tasks, k=k, sampling=SamplingConfig(temperature=1.0, max_tokens=6), seed=seed,
+                         batch_size=batch_size, progress=False)
+    recs = [r for g in run_episodes(model, tok, req, stats=stats, reuse_cache=reuse_cache) for r in g]
+    return sorted(recs, key=lambda r: (r["task_id"], r["sample"]))
+
+
+@pytest.fixture(scope="module")
+def model_tok(tiny_qwen3):
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_qwen3))
+
+
+def test_scripted_ground_truth_scores_one_and_batched_equals_one_at_a_time(model_tok, tasks, scripted):
+    st_b, st_1 = {}, {}
+    batched = _run(model_tok, tasks, batch_size=6, stats=st_b)
+    single = _run(model_tok, tasks, batch_size=1, stats=st_1)
+    assert len(batched) == 6
+    # K samples of one task each ran in a fresh world: a shared one would fail the second sample's
+    # mkdir/mv (already done) and its response check
+    assert [r["reward"] for r in batched] == [1.0] * 6, [r["detail"] for r in batched]
+    assert all(all(t["passed"] for t in r["turns"]) for r in batched)
+    for a, b in zip(batched, single):
+        assert a["token_ids"] == b["token_ids"] and a["messages"] == b["messages"]
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+    assert st_b["gen_tokens"] == st_1["gen_tokens"] == sum(r["num_tokens"] for r in batched)
+    # two samples of one task differ (their own noise streams)
+    assert batched[0]["token_ids"] != batched[1]["token_ids"]
+
+
+def test_episode_record_layout(model_tok, tasks, scripted):
+    tok = model_tok[1]
+    (rec,) = [r for r in _run(model_tok, tasks[:1], batch_size=2, k=1)]
+    ids, mask, lps = rec["token_ids"], rec["model_mask"], rec["logprobs"]
+    assert len(ids) == len(mask) == len(lps) and rec["num_tokens"] == sum(mask)
+    assert all(lp == 0.0 for lp, m in zip(lps, mask) if not m) and all(lp < 0 for lp, m in zip(lps, mask) if m)
+    # the user turns and the tool results are in the conversation's ids, outside the model's mask
+    text_not_model = tok.decode([t for t, m in zip(ids, mask) if not m])
+    ep = tasks[0].metadata["episode"]
+    for turn in ep["user_turns"][1:]:
+        assert turn[0]["content"] in text_not_model
+    tool_msgs = [m for m in rec["messages"] if m["role"] == "tool"]
+    assert tool_msgs and all(m["content"] in text_not_model for m in tool_msgs)
+    assert [m["role"] for m in rec["messages"]].count("user") == len(ep["user_turns"])
+    assert rec["finish_reason"] == "done" and rec["kind"] == "episode"
+
+
+def test_cache_reuse_cuts_prefill(model_tok, tasks, scripted):
+    with_cache, without = {}, {}
+    a = _run(model_tok, tasks[:2], batch_size=4, stats=with_cache)
+    b = _run(model_tok, tasks[:2], batch_size=4, stats=without, reuse_cache=False)
+    assert [r["reward"] for r in a] == [r["reward"] for r in b] == [1.0] * 4
+    # without reuse every message re-prefills the whole conversation
+    assert without["prompt_tokens"] > 2 * with_cache["prompt_tokens"]
+    # with reuse each conversation token is prefilled once (the last sampled token of a message is fed again)
+    assert with_cache["prompt_tokens"] == sum(len(r["prompt_token_ids"]) + len(r["token_ids"]) - r["num_tokens"]
+                                              + r["num_messages"] - 1 for r in a)
+
+
+def test_verify_replays_episode_lines(tasks):
+    """An episode line in OpenAI format: the ground truth as tool_calls scores 1; tool messages are
+    ignored (re-run); a dropped call fails; model text with a <tool_call> block is parsed."""
+    t = tasks[0]
+    ep = t.metadata["episode"]
+    msgs = []
+    for turn, calls in zip(ep["user_turns"], ep["ground_truth"]):
+        msgs += turn
+        from mlx_ssp.agents.backends import Environment
+
+        env = Environment(ep["initial_config"], ep["involved_classes"])
+        bound = [env.bind(parse_ground_truth(c)) for c in calls]
+        msgs.append({"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in bound]})
+        msgs.append({"role": "tool", "content": "lies: every call failed"})
+        msgs.append({"role": "assistant", "content": "Done."})
+    res = verify(msgs, t)
+    assert res.reward == 1.0 and res.extra["partial"] == 1.0, res.detail
+    assert verify(json.dumps(msgs), t).reward == 1.0
+    dropped = [dict(m, tool_calls=[c for c in m["tool_calls"] if c["function"]["name"] != "mkdir"])
+               if m.get("tool_calls") else m for m in msgs]
+    bad = verify(dropped, t)
+    assert bad.reward == 0.0 and bad.extra["partial"] < 1 and bad.extra["turns"][0]["reason"].startswith("state")
+    as_text = [dict(m) for m in msgs]
+    first = next(i for i, m in enumerate(as_text) if m.get("tool_calls"))
+    calls = as_text[first].pop("tool_calls")
+    as_text[first]["content"] = "".join(
+        f'<tool_call>{{"name": "{c["function"]["name"]}", "arguments": {c["function"]["arguments"]}}}</tool_call>' for c in calls)
+    assert verify(as_text, t).reward == 1.0
+    assert verify([{"role": "assistant", "content": "hi"}], t).reason == "malformed_episode"
+
+
+def test_partial_reward_is_selectable(tasks):
+    t = tasks[0].model_copy(deep=True)
+    t.metadata["episode"]["reward"] = "partial"
+    msgs = [m for turn in t.metadata["episode"]["user_turns"] for m in turn]  # no calls at all
+    res = verify(msgs, t)
+    assert res.reward == res.extra["partial"] == 0.0
+    t.metadata["episode"]["reward"] = "best"
+    from mlx_ssp.tasks import check_tasks
+    from mlx_ssp.errors import UserError
+
+    with pytest.raises(UserError, match="accuracy, partial"):
+        check_tasks([t])
+
+
+def test_rollout_stage_resumes_episodes_to_the_identical_file(tmp_path, tiny_qwen3, tasks):
+    tf = tmp_path / "t.jsonl"
+    write_tasks(tf, tasks[:2])
+    args = ["rollout", "--no-progress", "--model", str(tiny_qwen3), "--tasks", str(tf), "--k", "2",
+            "--max-tokens", "5", "--seed", "2"]
+    full = tmp_path / "full.jsonl"
+    res = CliRunner().invoke(main, [*args, "-o", str(full)])
+    assert res.exit_code == 0, res.output
+    raw = full.read_text().splitlines(keepends=True)
+    assert len(raw) == 4 and all(json.loads(x)["kind"] == "episode" for x in raw)
+    part = tmp_path / "part.jsonl"
+    part.write_text("".join(raw[:1]) + raw[1][:40])  # killed mid-line after one episode
+    (tmp_path / "part.meta.json").write_text((tmp_path / "full.meta.json").read_text())
+    res = CliRunner().invoke(main, [*args, "--batch-size", "1", "-o", str(part)])
+    assert res.exit_code == 0, res.output
+    key = lambda r: (r["task_id"], r["sample"])  # noqa: E731
+    got, ref = (sorted(map(json.loads, p.read_text().splitlines()), key=key) for p in (part, full))
+    assert [key(r) for r in got] == [key(r) for r in ref]
+    for a, b in zip(got, ref):  # the same episodes: tokens, messages, verdicts (timings aside)
+        assert {k: v for k, v in a.items() if k not in ("latency_s", "verify_s", "logprobs")} == \
+            {k: v for k, v in b.items() if k not in ("latency_s", "verify_s", "logprobs")}
+        # log-probs from another batch shape: float32 rounding only
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+
+
+def test_deltas_follow_the_models_own_template():
+    """Qwen3's template: tool results go into one user block of <tool_response>s, then the generation prompt."""
+    from transformers import AutoTokenizer
+
+    d = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizers" / "qwen3"
+    if not d.is_dir():
+        pytest.skip("no Qwen3 tokenizer in ../shared/data")
+    tok = AutoTokenizer.from_pretrained(str(d))
+    text = Deltas(tok).text([{"role": "tool", "name": "ls", "content": "a.txt"},
+                             {"role": "tool", "name": "cd", "content": "ok"}], ended_with="<|im_end|>")
+    assert text.startswith("\n<|im_start|>user\n<tool_response>\na.txt\n</tool_response>")
+    assert text.count("<|im_start|>user") == 1 and text.endswith("<|im_start|>assistant\n")
+    # a message cut by max_tokens gets the template's end of message first
+    assert Deltas(tok).text([{"role": "user", "content": "next"}], ended_with=None).startswith("<|im_end|>\n<|im_start|>user\nnext")
