@@ -14,7 +14,8 @@ correct solutions per problem, not the first win). Per prompt, with the ``divers
 
 Distances (a registry, :data:`DISTANCES`): ``ngram`` = Jaccard distance between the sets of word
 n-grams (default n=3), ``edit`` = word-level Levenshtein distance / the longer length. Both are in
-[0, 1]. ``first`` keeps the first correct sample per prompt (the single-path baseline SSP argues
+[0, 1]. For an episode the compared text is its call sequence (:func:`strategy_text`), so distinct
+strategies are distinct call sequences, not distinct wording (issue 17). ``first`` keeps the first correct sample per prompt (the single-path baseline SSP argues
 against) and ``all`` keeps every correct one.
 
 Output: ``OUT_DIR/<domain>/train.jsonl`` and ``valid.jsonl`` in mlx-lm's chat format
@@ -212,6 +213,29 @@ def _select_all(correct, dist, distinct, cfg) -> list[int]:
 POLICIES = {"diverse": _select_diverse, "first": _select_first, "all": _select_all}
 
 
+def strategy_text(rec: dict) -> str:
+    """What two solutions must differ in to count as two strategies: the completion's text, or for
+    an episode its call sequence: one word per call (a digest of its canonical form, so that the
+    n-gram and edit distances count calls, not the punctuation inside them), a ``|`` between turns;
+    wording, tool results and the model's prose do not count."""
+    if rec.get("kind") != "episode":
+        return rec["completion"]
+    from mlx_ssp.agents.calls import CallSyntaxError, calls_from_message
+
+    lines, turn = [], []
+    for m in rec["messages"]:
+        if m.get("role") == "user" and turn:
+            lines.append(" ".join(turn))
+            turn = []
+        elif m.get("role") == "assistant":
+            try:
+                turn += ["call_" + hashlib.blake2b(c.key().encode(), digest_size=6).hexdigest()
+                         for c in calls_from_message(m)]
+            except CallSyntaxError:
+                turn.append("<unparsed>")
+    return " | ".join(lines + [" ".join(turn)])
+
+
 def select_prompt(recs: list[dict], cfg: SelectConfig) -> tuple[list[dict], dict]:
     """One prompt's selected records and its spectrum row. ``recs`` are all its samples."""
     recs = sorted(recs, key=lambda r: r["sample"])
@@ -220,7 +244,7 @@ def select_prompt(recs: list[dict], cfg: SelectConfig) -> tuple[list[dict], dict
         if r.get("reward") is not None and r["reward"] >= cfg.min_reward - 1e-6
         and not (cfg.drop_truncated and r.get("finish_reason") == "length")
     ]
-    texts = [r["completion"] for r in correct]
+    texts = [strategy_text(r) for r in correct]
     dist = DISTANCES[cfg.distance](cfg.ngram)(texts)
     distinct = dedupe(texts, dist, cfg.near_duplicate)
     chosen = POLICIES[cfg.policy](correct, dist, distinct, cfg)
@@ -238,7 +262,9 @@ def select_prompt(recs: list[dict], cfg: SelectConfig) -> tuple[list[dict], dict
 
 
 def to_chat(rec: dict, system: Optional[str] = None) -> dict:
-    """An mlx-lm chat training example from a rollout record."""
+    """An mlx-lm chat training example from a rollout record (an episode: its whole conversation)."""
+    if rec.get("kind") == "episode":
+        return {"messages": [dict(m) for m in rec["messages"]]}
     prompt = rec["prompt"]
     msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     if system and not any(m.get("role") == "system" for m in msgs):

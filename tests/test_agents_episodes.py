@@ -190,3 +190,64 @@ def test_deltas_follow_the_models_own_template():
     assert text.count("<|im_start|>user") == 1 and text.endswith("<|im_start|>assistant\n")
     # a message cut by max_tokens gets the template's end of message first
     assert Deltas(tok).text([{"role": "user", "content": "next"}], ended_with=None).startswith("<|im_end|>\n<|im_start|>user\nnext")
+
+
+def _gt_messages(task, prose=""):
+    from mlx_ssp.agents.backends import Environment
+
+    ep = task.metadata["episode"]
+    env = Environment(ep["initial_config"], ep["involved_classes"])
+    msgs = []
+    for turn, calls in zip(ep["user_turns"], ep["ground_truth"]):
+        msgs += turn
+        bound = [env.bind(parse_ground_truth(c)) for c in calls]
+        msgs.append({"role": "assistant", "content": prose, "tool_calls": [c.as_openai() for c in bound]})
+        msgs.append({"role": "assistant", "content": f"Done. {prose}"})
+    return msgs
+
+
+def test_verify_command_scores_episode_lines(tmp_path, tasks):
+    t = tasks[0]
+    lines = [{"task": t.model_dump(mode="json"), "messages": _gt_messages(t)},
+             {"task": t.model_dump(mode="json"), "messages": [m for m in _gt_messages(t) if m["role"] != "assistant"]}]
+    inp, out = tmp_path / "ep.jsonl", tmp_path / "scored.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = CliRunner().invoke(main, ["verify", str(inp), "-o", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    good, bad = map(json.loads, out.read_text().splitlines())
+    assert good["reward"] == 1.0 and len(good["turns"]) == 4 and good["partial"] == 1.0
+    assert bad["reward"] == 0.0 and bad["reason"] == "turn_failed" and not any(x["passed"] for x in bad["turns"])
+
+
+def test_select_counts_distinct_call_sequences_not_wording(tasks):
+    from mlx_ssp.select import SelectConfig, select_prompt, to_chat
+
+    t = tasks[0]
+    same_a, same_b = _gt_messages(t, "ok"), _gt_messages(t, "all done, here you go")
+    other = _gt_messages(t)
+    other.insert(len(t.metadata["episode"]["user_turns"][0]), {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "pwd", "arguments": {}}}]})  # a different strategy in turn 0
+    recs = [{"task_id": t.id, "sample": i, "kind": "episode", "reward": 1.0, "finish_reason": "done",
+             "messages": m, "completion": ""} for i, m in enumerate((same_a, same_b, other))]
+    # near_duplicate 0: only identical call sequences are one strategy (one extra call among 10 is a
+    # near-duplicate at the default 0.1 of the trigram distance)
+    chosen, row = select_prompt(recs, SelectConfig(per_prompt=4, near_duplicate=0.0))
+    assert row["n_correct"] == 3 and row["n_distinct_correct"] == 2
+    assert sorted(r["sample"] for r in chosen) == [0, 2]
+    assert to_chat(chosen[0])["messages"] == same_a  # the whole conversation is the example
+
+
+def test_eval_reports_pass_at_k_per_backend(tmp_path, tiny_qwen3, scripted):
+    from mlx_ssp.tasks import export_source as export
+
+    ts = [t for t in export("bfcl_multi_turn:base") if t.metadata["bfcl_id"] in ("multi_turn_base_1", "multi_turn_base_100")]
+    for t in ts:
+        t.metadata["tools"] = []
+    tf, out = tmp_path / "t.jsonl", tmp_path / "eval.json"
+    write_tasks(tf, ts)
+    res = CliRunner().invoke(main, ["eval", "--model", str(tiny_qwen3), "--tasks", str(tf), "--k", "2", "--max-tokens", "4",
+                                    "--no-progress", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    table = json.loads(out.read_text())["domains"]
+    assert set(table) == {"bfcl_mt_base_file_system", "bfcl_mt_base_trading"}
+    assert all(d["pass@1"] == d["pass@2"] == 1.0 for d in table.values())

@@ -20,9 +20,10 @@ from mlx_ssp.errors import UserError
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def cli(in_path: str, output: str, tasks_path: str | None, workers: int | None, sandbox: tuple[str, ...],
         no_progress: bool) -> None:
-    """Score each line of IN.jsonl ({"task": {...} or "task_id": ..., "completion": "..."}) with its
-    task's verifier and write OUT.jsonl: the input plus `reward` and `reason`. Use it to re-score old
-    rollouts after fixing a verifier; prints the mean reward and the counts by reason."""
+    """Score each line of IN.jsonl ({"task": {...} or "task_id": ..., "completion": "..."}, or an
+    episode: {"task": ..., "messages": [OpenAI chat messages]}) with its task's verifier and write
+    OUT.jsonl: the input plus `reward` and `reason` (episodes: also per-turn verdicts). Use it to
+    re-score old rollouts after fixing a verifier; prints the mean reward and the counts by reason."""
     from tqdm import tqdm
 
     from mlx_ssp.io import read_jsonl

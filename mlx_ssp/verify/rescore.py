@@ -1,7 +1,10 @@
 """(Re-)scoring a file of completions (``mlx_ssp verify``): each record's task, from the record itself
 (``task``) or a task file (``task_id``), then its verifier, in chunks through :func:`verify_many`
 (code sandboxes on worker threads), written atomically as the input plus ``reward``, ``reason``,
-``detail``."""
+``detail`` (and what the verifier adds: an episode's ``turns``, ``accuracy``, ``partial``).
+
+A record is a completion (``completion``: text) or an episode (``messages``: the conversation in
+OpenAI chat format, scored by re-executing its calls; :mod:`mlx_ssp.verify.multi_turn`)."""
 
 from __future__ import annotations
 
@@ -24,8 +27,10 @@ def tasks_of(records: list[dict], tasks_path: str | None, in_path: str):
     by_id = {t.id: t for t in load_tasks(tasks_path)} if tasks_path else {}
     out = []
     for i, r in enumerate(records, 1):
-        if "completion" not in r or not isinstance(r["completion"], (str, type(None))):
-            raise UserError(f"{in_path}: record {i} has no 'completion' string")
+        if isinstance(r.get("messages"), list):
+            pass  # an episode
+        elif "completion" not in r or not isinstance(r["completion"], (str, type(None))):
+            raise UserError(f"{in_path}: record {i} has no 'completion' string (nor an episode's 'messages' list)")
         if "task" in r:
             try:
                 out.append(Task.model_validate(r["task"]))
@@ -54,6 +59,13 @@ class Scores:
     total: float = 0.0
 
 
+def subject(record: dict):
+    """What a record's verifier scores: an episode's messages, else the completion text."""
+    if isinstance(record.get("messages"), list):
+        return record["messages"]
+    return record.get("completion") or ""
+
+
 def rescore(records: list[dict], tasks: list, output: str, *, workers: int,
             progress: Optional[Callable[[int], None]] = None) -> Scores:
     """Score ``records`` against ``tasks`` and write them to ``output`` (atomically, streamed)."""
@@ -65,12 +77,12 @@ def rescore(records: list[dict], tasks: list, output: str, *, workers: int,
     def scored():
         for s in range(0, len(records), CHUNK):
             recs, ts = records[s:s + CHUNK], tasks[s:s + CHUNK]
-            items = [(r.get("completion") or "", t) for r, t in zip(recs, ts)]
+            items = [(subject(r), t) for r, t in zip(recs, ts)]
             for r, t, res in zip(recs, ts, verify_many(items, workers=workers, progress=progress)):
                 scores.reasons[res.reason] += 1
                 scores.by_domain[t.domain].append(res.reward)
                 scores.total += res.reward
-                yield {**r, "reward": res.reward, "reason": res.reason, "detail": res.detail}
+                yield {**r, "reward": res.reward, "reason": res.reason, "detail": res.detail, **(res.extra or {})}
 
     write_jsonl_atomic(output, scored())
     return scores
