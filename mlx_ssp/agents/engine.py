@@ -19,11 +19,11 @@ at a time (tests). At most ``batch_size`` episodes are in flight (each holds a c
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from typing import Iterator, Optional
 
 from mlx_ssp.agents.episode import Deltas, Episode
+from mlx_ssp.rollout.decoder import Decoder
 from mlx_ssp.rollout.records import TaskGroups
 from mlx_ssp.rollout.request import RolloutRequest
 
@@ -49,38 +49,20 @@ class EpisodeRun:
 
     def __init__(self, model, tokenizer, request: RolloutRequest, work: list[tuple[int, int]], stats: dict,
                  *, reuse_cache: bool, context: Optional[int]):
-        from mlx_lm.generate import BatchGenerator
-
-        from mlx_ssp import sampling
-
-        s = request.sampling
-        if s.stop:
+        if request.sampling.stop:
             from mlx_ssp.errors import UserError
 
             raise UserError("stop strings are not supported for episode tasks (a message ends at the end-of-message token)")
-        self.model, self.tokenizer, self.request, self.stats = model, tokenizer, request, stats
+        self.tokenizer, self.request, self.stats = tokenizer, request, stats
         self.work, self.next_work = work, 0
         self.reuse_cache, self.context = reuse_cache, context
-        self.lp_temp = s.temperature if s.temperature > 0 else 1.0
         self.deltas = Deltas(tokenizer)
         self.eos = set(tokenizer.eos_token_ids)
-        self.was_training = getattr(model, "training", False)
-        model.eval()
-        self.path = sampling.sampling_path(s.temperature, s.top_p, s.top_k, s.min_p)
-        self.gen = BatchGenerator(
-            sampling.Float32Logits(model), sampler=self.path.generator_sampler, max_tokens=s.max_tokens,
-            stop_tokens=[[t] for t in sorted(self.eos)], completion_batch_size=request.batch_size,
-            prefill_batch_size=min(request.batch_size, 8))
+        self.dec = Decoder(model, tokenizer, request, total=len(work), unit="episode", desc="episodes")
         self.live: dict[int, _Live] = {}
         self.groups = TaskGroups(Counter(ti for ti, _ in work))
         self.ready: list[list[dict]] = []  # task groups completed, not yet handed out
         self.prompts: dict[int, list[int]] = {}
-        self.bar = None
-        if request.progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=len(work), unit="episode", desc="episodes", dynamic_ncols=True)
-        self.t_start = time.perf_counter()
 
     def _budget(self, ep: Episode) -> int:
         max_tokens = self.request.sampling.max_tokens
@@ -91,9 +73,7 @@ class EpisodeRun:
     def _insert(self, ti: int, ep: Episode, prompt: list[int], cache) -> None:
         budget = self._budget(ep)
         stream = message_stream(self.request.seed, ep.task.id, ep.sample, ep.n_messages)
-        kw = {"caches": [cache]} if cache is not None else {}
-        (uid,) = self.gen.insert([prompt], max_tokens=[budget], samplers=self.path.insert_samplers([stream]), **kw)
-        self.path.register(uid, stream)
+        (uid,) = self.dec.insert([prompt], [budget], [stream], caches=None if cache is None else [cache])
         self.live[uid] = _Live(ti, ep)
         self.stats["prompt_tokens"] += len(prompt)
 
@@ -120,10 +100,10 @@ class EpisodeRun:
 
     def step(self) -> None:
         """One generator step; task groups whose every episode is now scored go to ``ready``."""
-        responses = self.gen.next_generated()
+        responses = self.dec.gen.next_generated()
         if not responses:
             return
-        lps = self.path.step_logprobs(responses)
+        lps = self.dec.path.step_logprobs(responses)
         self.stats["gen_tokens"] += len(responses)
         for r, lp in zip(responses, lps):
             lv = self.live[r.uid]
@@ -132,7 +112,7 @@ class EpisodeRun:
             if r.finish_reason is None:
                 continue
             del self.live[r.uid]
-            self.path.release(r.uid)
+            self.dec.path.release(r.uid)
             self._message_done(lv, r.prompt_cache)
         self.top_up()
 
@@ -154,25 +134,20 @@ class EpisodeRun:
     def _finish(self, ti: int, ep: Episode) -> None:
         from mlx_ssp.rollout.scoring import timed_verify
 
-        rec = ep.record(self.lp_temp)
+        rec = ep.record(self.dec.lp_temp)
         if self.request.verify:
             res, dt = timed_verify(ep.messages, ep.task)
             self.stats["verify_s"] += dt
             rec.update(reward=float(res.reward), reason=res.reason, detail=res.detail, verify_s=round(dt, 5))
             rec.update(res.extra or {})
-        if self.bar is not None:
-            self.bar.update(1)
+        if self.dec.bar is not None:
+            self.dec.bar.update(1)
         grp = self.groups.add(ti, rec)
         if grp is not None:
             self.ready.append(grp)
 
     def close(self) -> None:
-        self.gen.close()
-        if self.bar is not None:
-            self.bar.close()
-        if self.was_training:
-            self.model.train()
-        self.stats["gen_s"] = time.perf_counter() - self.t_start
+        self.dec.close(self.stats)
 
 
 def run_episodes(model, tokenizer, request: RolloutRequest, *, samples: Optional[dict[str, list[int]]] = None,

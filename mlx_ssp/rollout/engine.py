@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from mlx_ssp.rollout.decoder import Decoder
 from mlx_ssp.rollout.records import LiveSequence, TaskGroups, build_record, completion_text
 from mlx_ssp.rollout.request import RolloutRequest
 from mlx_ssp.rollout.scoring import Scorer
@@ -78,35 +79,15 @@ class _Generation:
     """One pass of the loop over a plan: the generator, the live sequences and the progress bar."""
 
     def __init__(self, model, tokenizer, request: RolloutRequest, plan: WorkPlan, stats: dict):
-        from mlx_lm.generate import BatchGenerator
-
-        from mlx_ssp import sampling
-
-        s = request.sampling
         self.model, self.tokenizer, self.request, self.plan, self.stats = model, tokenizer, request, plan, stats
-        self.lp_temp = s.temperature if s.temperature > 0 else 1.0
-        self.stops = StopMatcher(s.stop)
-        self.was_training = getattr(model, "training", False)
-        model.eval()
-        self.path = sampling.sampling_path(s.temperature, s.top_p, s.top_k, s.min_p)
-        self.gen = BatchGenerator(
-            sampling.Float32Logits(model),  # bf16/fp16 models: normalise and sample in float32 (mlx_ssp.sampling)
-            sampler=self.path.generator_sampler,
-            max_tokens=s.max_tokens,
-            stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
-            completion_batch_size=request.batch_size,
-            prefill_batch_size=min(request.batch_size, 8),
-        )
-        self.bar = None
-        if request.progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=len(plan.work), unit="sample", desc="rollout", dynamic_ncols=True)
+        self.stops = StopMatcher(request.sampling.stop)
+        self.dec = Decoder(model, tokenizer, request, total=len(plan.work), unit="sample", desc="rollout")
+        self.gen, self.bar, self.lp_temp = self.dec.gen, self.dec.bar, self.dec.lp_temp
         self.live: dict[int, LiveSequence] = {}
         groups = TaskGroups(Counter(ti for ti, _ in plan.work))
         self.scorer = Scorer(request.tasks, groups, stats, verify=request.verify, workers=request.verify_workers)
         self.next_work = 0
-        self.t_start = self.last_bar = time.perf_counter()
+        self.t_start = self.last_bar = self.dec.t_start
 
     @property
     def more_work(self) -> bool:
@@ -124,10 +105,8 @@ class _Generation:
         self.next_work += n
         now = time.perf_counter()
         streams = [sample_stream_seed(req.seed, req.tasks[ti].id, s) for ti, s in chunk]
-        uids = self.gen.insert([plan.prompts[ti] for ti, _ in chunk], max_tokens=[plan.budget[ti] for ti, _ in chunk],
-                               samplers=self.path.insert_samplers(streams))
-        for uid, (ti, s), stream in zip(uids, chunk, streams):
-            self.path.register(uid, stream)
+        uids = self.dec.insert([plan.prompts[ti] for ti, _ in chunk], [plan.budget[ti] for ti, _ in chunk], streams)
+        for uid, (ti, s) in zip(uids, chunk):
             seq = LiveSequence(uid, ti, s, now, plan.budget[ti])
             if self.stops:
                 seq.detok = self.tokenizer.detokenizer
@@ -142,7 +121,7 @@ class _Generation:
                 self.top_up()
                 return None
             raise RuntimeError(f"mlx-lm's BatchGenerator stopped with {len(self.live)} sequence(s) unfinished")
-        lps = self.path.step_logprobs(responses)
+        lps = self.dec.path.step_logprobs(responses)
         self.stats["gen_tokens"] += len(responses)
         finished, to_remove = [], []
         for r, lp in zip(responses, lps):
@@ -176,7 +155,7 @@ class _Generation:
         task = self.request.tasks[seq.task_idx]
         text = completion_text(self.tokenizer, seq, reason, stop_hit)
         rec = build_record(task, seq, self.plan.prompts[seq.task_idx], text, reason, stop_hit, self.lp_temp)
-        self.path.release(seq.uid)
+        self.dec.path.release(seq.uid)
         return self.scorer.score(seq.task_idx, task, rec, text)
 
     def _show_rate(self) -> None:
@@ -186,12 +165,7 @@ class _Generation:
 
     def close(self) -> None:
         self.scorer.close()
-        self.gen.close()
-        if self.bar is not None:
-            self.bar.close()
-        if self.was_training:
-            self.model.train()
-        self.stats["gen_s"] = time.perf_counter() - self.t_start
+        self.dec.close(self.stats)
 
 
 def run_request(model, tokenizer, request: RolloutRequest, *, samples: Optional[dict[str, list[int]]] = None,
