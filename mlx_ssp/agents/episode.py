@@ -92,11 +92,14 @@ class Episode:
     end: Optional[str] = None  # "done" | "step_limit" | "context"
 
     def __post_init__(self) -> None:
-        from mlx_ssp.agents.backends import Environment
+        from mlx_ssp.agents.backends import CallLimits, Environment
 
         ep = self.task.metadata["episode"]
         self.user_turns: list[list[dict]] = ep["user_turns"]
-        self.env = Environment(ep.get("initial_config", {}), ep["involved_classes"], long_context=bool(ep.get("long_context")))
+        # the cap on a result the model sees (long_context's point is long results: its tasks raise it)
+        limits = CallLimits(max_result_chars=int(ep.get("max_result_chars", CallLimits.max_result_chars)))
+        self.env = Environment(ep.get("initial_config", {}), ep["involved_classes"],
+                               long_context=bool(ep.get("long_context")), limits=limits)
         from mlx_ssp.verify.multi_turn import allowed_per_turn
 
         # the same per-turn rule the verifier re-executes with

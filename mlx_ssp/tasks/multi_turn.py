@@ -7,7 +7,9 @@ Each entry of ``bfcl_eval/data/BFCL_v4_multi_turn_{CATEGORY}.json`` (``base``, `
 - ``metadata["episode"]``: what an episode and its checker need: every user turn (``user_turns``),
   ``initial_config``, ``involved_classes``, the ground truth per turn (BFCL call strings, from
   ``possible_answer/``), ``long_context``, the function names offered from the start (``offered``) and
-  those held back until a turn (``held_out``: turn -> names; ``miss_func`` only);
+  those held back until a turn (``held_out``: turn -> names; ``miss_func`` only), and the length a
+  tool result shown to the model is cut at (``max_result_chars``: 8192, ``long_context`` 32768; the
+  checker compares uncut results);
 - ``metadata["tools"]`` / ``["functions"]``: the schemas offered at the start: the involved classes'
   documented functions minus ``excluded_function`` and minus the held-back ones.
 
@@ -37,6 +39,7 @@ from mlx_ssp.errors import UserError
 from mlx_ssp.tasks.item import Item, read_rows
 
 CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
+RESULT_CHARS, LONG_RESULT_CHARS = 8192, 32768
 #: BFCL's text for the turn that brings the held-back functions (prompting handlers).
 HELD_OUT_PROMPT = "I have updated some more functions you can choose from. What about now?"
 #: The default system prompt of multi-turn domains (BFCL's multi-turn behaviour, in our words).
@@ -132,6 +135,8 @@ def entry_item(entry: dict, ground_truth: list[list[str]], category: str, *, wit
             "long_context": category == "long_context",
             "offered": [d["name"] for d in offered],
             "held_out": {str(t): names for t, names in sorted(held.items())},
+            # what a tool result shown to the model is cut at (long_context is about long results)
+            "max_result_chars": LONG_RESULT_CHARS if category == "long_context" else RESULT_CHARS,
         },
         "tools": [_tool(d) for d in offered],
         "functions": offered,
