@@ -251,3 +251,22 @@ def test_eval_reports_pass_at_k_per_backend(tmp_path, tiny_qwen3, scripted):
     table = json.loads(out.read_text())["domains"]
     assert set(table) == {"bfcl_mt_base_file_system", "bfcl_mt_base_trading"}
     assert all(d["pass@1"] == d["pass@2"] == 1.0 for d in table.values())
+
+
+def test_first_prompt_uses_the_templates_tools_or_the_system_prompt(tiny_qwen3):
+    """Qwen3's template renders the offered tools itself; a template without tools (the tiny
+    model's ChatML, like SmolLM2's) gets the schemas and the call format in the system message."""
+    from transformers import AutoTokenizer
+
+    from mlx_ssp.tasks import render_prompt
+
+    (t,) = [t for t in export_source("bfcl_multi_turn:base") if t.metadata["bfcl_id"] == "multi_turn_base_0"]
+    plain = AutoTokenizer.from_pretrained(str(tiny_qwen3))
+    text = plain.decode(render_prompt(plain, t))
+    assert "You can call these functions" in text and '"name": "mkdir"' in text and "<tool_call>" in text
+    d = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizers" / "qwen3"
+    if not d.is_dir():
+        pytest.skip("no Qwen3 tokenizer in ../shared/data")
+    q = AutoTokenizer.from_pretrained(str(d))
+    text = q.decode(render_prompt(q, t))
+    assert "<tools>" in text and '"name": "mkdir"' in text and "You can call these functions" not in text

@@ -130,7 +130,7 @@ def render_prompt(tokenizer, task: Task, system: str | None = None) -> list[int]
     if template:
         kw = {"tools": tools} if tools else {}
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
-        if isinstance(ids, dict):  # transformers may return a BatchEncoding
+        if hasattr(ids, "keys") and "input_ids" in ids:  # transformers may return a BatchEncoding (a UserDict)
             ids = ids["input_ids"]
         return list(ids)
     text = "\n\n".join(m["content"] for m in messages)
