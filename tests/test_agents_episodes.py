@@ -270,3 +270,46 @@ def test_first_prompt_uses_the_templates_tools_or_the_system_prompt(tiny_qwen3):
     q = AutoTokenizer.from_pretrained(str(d))
     text = q.decode(render_prompt(q, t))
     assert "<tools>" in text and '"name": "mkdir"' in text and "You can call these functions" not in text
+
+
+def test_gold_episodes_of_every_base_entry_pass():
+    """The ground truth played through the environment verifies to 1 everywhere (this also caught a
+    backend keeping a call's argument list and a later call mutating the recorded message)."""
+    from mlx_ssp.agents.gold import gold_messages
+
+    ts = export_source("bfcl_multi_turn:base")
+    failed = [t.id for t in ts if verify(gold_messages(t), t).reward != 1.0]
+    assert not failed
+
+
+def test_replay_mask_covers_exactly_the_assistant_tokens(tiny_qwen3):
+    """A 3-turn gold episode with tool results: the mask is 1 on each assistant message's tokens and
+    its end-of-message token, 0 on the system prompt, user turns and tool results."""
+    import mlx_lm
+
+    from mlx_ssp.agents.episode import Deltas, assistant_text, replay
+    from mlx_ssp.agents.gold import gold_messages
+
+    _, tok = mlx_lm.load(str(tiny_qwen3))
+    (t,) = [t for t in export_source("bfcl_multi_turn:base") if len(t.metadata["episode"]["ground_truth"]) == 3
+            and all(t.metadata["episode"]["ground_truth"])][:1]
+    t.metadata["tools"] = []
+    msgs = gold_messages(t)
+    assert sum(m["role"] == "tool" for m in msgs) >= 3
+    prompt, ids, mask = replay(tok, t, msgs)
+    assert prompt == __import__("mlx_ssp.tasks", fromlist=["render_prompt"]).render_prompt(tok, t)
+    end_id, end_text = Deltas(tok).end_of_message()
+    assert end_text == "<|im_end|>"
+    # the masked runs, in order, are exactly the assistant messages (each with its end token)
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    runs += [cur] if cur else []
+    want = [list(tok.encode(assistant_text(m), add_special_tokens=False)) + [end_id] for m in msgs if m["role"] == "assistant"]
+    assert runs == want
+    unmasked = tok.decode([i for i, m in zip(ids, mask) if not m])
+    assert all(m["content"] in unmasked for m in msgs[2:] if m["role"] in ("user", "tool"))

@@ -199,7 +199,9 @@ class Environment:
         if size > self.limits.max_argument_chars:
             raise _CallFailed(f"the arguments of {call.name} are longer than {self.limits.max_argument_chars} characters")
         try:
-            bound = inspect.signature(fn).bind(*call.positional, **call.arguments)
+            # copies: a backend keeps argument objects in its state (TwitterAPI stores the `mentions`
+            # list and a later mention() appends to it), which must not reach back into the call
+            bound = inspect.signature(fn).bind(*copy.deepcopy(call.positional), **copy.deepcopy(call.arguments))
         except TypeError as e:
             raise _CallFailed(f"{call.name}: {e}") from None
         return fn, bound

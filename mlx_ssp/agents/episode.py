@@ -67,6 +67,22 @@ class Deltas:
     def ids(self, messages: list[dict], ended_with: Optional[str]) -> list[int]:
         return list(self.tokenizer.encode(self.text(messages, ended_with), add_special_tokens=False))
 
+    def end_of_message(self) -> tuple[Optional[int], Optional[str]]:
+        """The end-of-sequence token the template closes an assistant message with (id, text); None
+        when it uses none of the tokenizer's EOS tokens (then the delta carries the template's end)."""
+        if not self.template:
+            return None, None
+        base = [{"role": "user", "content": "."}, {"role": "assistant", "content": _PLACEHOLDER}]
+        full = self.tokenizer.apply_chat_template(base, tokenize=False)
+        rest = full[full.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
+        eos = getattr(self.tokenizer, "eos_token_ids", None)
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        for tid in sorted([eos] if isinstance(eos, int) else eos):
+            text = self.tokenizer.decode([tid])
+            if text and rest.startswith(text):
+                return tid, text
+        return None, None
+
 
 def _as_user(m: dict) -> dict:
     if m.get("role") != "tool":
@@ -198,3 +214,55 @@ class Episode:
 
 def messages_json(messages: list[dict]) -> str:
     return json.dumps(messages, ensure_ascii=False)
+
+
+def assistant_text(message: dict) -> str:
+    """The text of an assistant message as the model writes it: its content, or, for a message that
+    carries only ``tool_calls`` (an imported trace), the calls in the ``<tool_call>`` format."""
+    content = message.get("content") or ""
+    if content.strip() or not message.get("tool_calls"):
+        return content
+    blocks = []
+    for tc in message["tool_calls"]:
+        fn = tc.get("function", tc)
+        args = fn.get("arguments", {})
+        args = json.loads(args) if isinstance(args, str) else args
+        blocks.append("<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False) + "\n</tool_call>")
+    return "\n".join(blocks)
+
+
+def replay(tokenizer, task: Task, messages: list[dict], system: Optional[str] = None) -> tuple[list[int], list[int], list[int]]:
+    """Token ids of a finished conversation as an episode would have produced them: ``(prompt ids, ids
+    after the prompt, model mask)``. The prompt is the task's rendered first turn (its messages must
+    open ``messages``); each assistant message is its text's tokens and the template's end-of-message
+    token (mask 1); what follows it is the template's delta (mask 0). Used for episodes that were not
+    sampled token by token here: gold episodes, imported traces, selected conversations."""
+    from mlx_ssp.errors import UserError
+    from mlx_ssp.tasks import render_prompt
+
+    head = [dict(m) for m in task.messages()]
+    if system is not None and not any(m.get("role") == "system" for m in head):
+        head = [{"role": "system", "content": system}] + head
+    if [(m.get("role"), m.get("content")) for m in messages[: len(head)]] != [(m["role"], m["content"]) for m in head]:
+        raise UserError(f"task '{task.id}': the conversation does not open with the task's prompt")
+    prompt = render_prompt(tokenizer, task, system=system)
+    deltas = Deltas(tokenizer)
+    end_id, end_text = deltas.end_of_message()
+    ids: list[int] = []
+    mask: list[int] = []
+    pending: Optional[list[dict]] = None  # messages since the last assistant message (None: none yet)
+    for m in messages[len(head):]:
+        if m.get("role") != "assistant":
+            if pending is None:
+                raise UserError(f"task '{task.id}': a {m.get('role')} message before the first assistant message")
+            pending.append(m)
+            continue
+        if pending is not None:
+            d = deltas.ids(pending, end_text)
+            ids += d
+            mask += [0] * len(d)
+        t = list(tokenizer.encode(assistant_text(m), add_special_tokens=False)) + ([end_id] if end_id is not None else [])
+        ids += t
+        mask += [1] * len(t)
+        pending = []
+    return prompt, ids, mask
