@@ -154,10 +154,22 @@ def test_eval_table_and_gain():
 
 @pytest.mark.slow
 @pytest.mark.demo
-def test_smoke_end_to_end_and_resume(tmp_path):
+def test_smoke_end_to_end_and_resume(tmp_path, monkeypatch):
     """configs/smoke.yaml on the demo model, every real stage; then kill-and-resume gives the same table."""
     from mlx_ssp.report import build_report
+    from mlx_ssp.rl.loop import Trainer
 
+    # the first RL checkpoint as a kill right after it would leave it (step 2's drops its optimizer state)
+    at_kill = tmp_path / "rl_checkpoint_1"
+    save = Trainer.save_checkpoint
+
+    def save_and_keep_first(tr):
+        path = save(tr)
+        if tr.step_no == 1:
+            shutil.copytree(path, at_kill)
+        return path
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", save_and_keep_first)
     run_dir = tmp_path / "smoke"
     out: list[str] = []
     pipeline.run_pipeline(ROOT / "configs" / "smoke.yaml", (f"run_dir={run_dir}",), progress=False, echo=out.append)
@@ -182,6 +194,8 @@ def test_smoke_end_to_end_and_resume(tmp_path):
     ckpts = sorted((rl / "checkpoints").iterdir())
     assert len(ckpts) == 2
     shutil.rmtree(ckpts[-1])
+    shutil.rmtree(ckpts[0])
+    shutil.copytree(at_kill, ckpts[0])
     shutil.rmtree(rl / "model")
     rows = (rl / "metrics.jsonl").read_text().splitlines()
     (rl / "metrics.jsonl").write_text(rows[0] + "\n" + rows[1][:20])  # a torn second row
