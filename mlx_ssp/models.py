@@ -120,3 +120,10 @@ def load_model(spec: str | ModelConfig, *, lazy: bool = False):
     if cfg.dtype is not None:
         model.set_dtype(getattr(mx, cfg.dtype))
     return model, tokenizer, path
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer of a model spec (mlx-lm's wrapper, as :func:`load_model` returns it), without its weights."""
+    from mlx_lm.utils import load_tokenizer as _load
+
+    return _load(resolve_model(spec))

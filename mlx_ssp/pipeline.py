@@ -178,11 +178,17 @@ def stage_rollout(run: Run) -> dict:
 
 
 def stage_select(run: Run) -> dict:
-    from mlx_ssp.select import run_select
+    from mlx_ssp.select import gold_records, run_select
 
-    report = run_select(
-        run.stage_dir("rollout") / "rollouts.jsonl", run.section("select"), run.stage_dir("select"), overwrite=True
-    )
+    cfg = run.section("select")
+    gold = None
+    if cfg.gold:  # episodes: the ground truth played through the environment, in the student's tokens
+        from mlx_ssp.models import load_tokenizer
+        from mlx_ssp.tasks import load_tasks
+
+        gold = gold_records(load_tasks(run.tasks_path("train")), load_tokenizer(run.section("model").path))
+    report = run_select(run.stage_dir("rollout") / "rollouts.jsonl", cfg, run.stage_dir("select"), overwrite=True,
+                        gold=gold)
     return {"spectrum": report}
 
 

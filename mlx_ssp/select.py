@@ -62,6 +62,9 @@ class SelectConfig(StrictModel):
     drop_truncated: bool = True  # drop completions cut by max_tokens
     valid_fraction: float = Field(0.1, ge=0.0, lt=1.0)  # prompts held out for valid.jsonl
     seed: int = 0  # of the valid split
+    #: episode tasks: also offer each task's gold episode (its ground truth played through the
+    #: environment, ``source: gold``) as a candidate; needs the task file and the student's tokenizer
+    gold: bool = False
     input: Optional[str] = None  # rollouts JSONL (the positional argument beats it)
     output: Optional[str] = None  # OUT_DIR (-o beats it)
 
@@ -262,9 +265,14 @@ def select_prompt(recs: list[dict], cfg: SelectConfig) -> tuple[list[dict], dict
 
 
 def to_chat(rec: dict, system: Optional[str] = None) -> dict:
-    """An mlx-lm chat training example from a rollout record (an episode: its whole conversation)."""
+    """An mlx-lm chat training example from a rollout record. An episode is its whole conversation
+    as token ids with the mask of the model's tokens (the multi-turn SFT format, docs/sft.md), the
+    messages beside them for people, and where it came from (``sampled`` or ``gold``)."""
     if rec.get("kind") == "episode":
-        return {"messages": [dict(m) for m in rec["messages"]]}
+        prompt = list(rec["prompt_token_ids"])
+        return {"token_ids": prompt + list(rec["token_ids"]), "mask": [0] * len(prompt) + list(rec["model_mask"]),
+                "messages": [dict(m) for m in rec["messages"]], "source": rec.get("source", "sampled"),
+                "task_id": rec["task_id"]}
     prompt = rec["prompt"]
     msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     if system and not any(m.get("role") == "system" for m in msgs):
@@ -348,13 +356,24 @@ def dedupe_records(records: list[dict], source: str | Path) -> tuple[list[dict],
     return keep, len(records) - len(keep)
 
 
+def gold_records(tasks: list, tokenizer, system: Optional[str] = None) -> list[dict]:
+    """The gold episode of every episode task, as a candidate record after the sampled ones (sample
+    index -1: the farthest-point walk starts from it, the canonical strategy)."""
+    from mlx_ssp.agents.episode import is_episode
+    from mlx_ssp.agents.gold import gold_record
+
+    return [{**gold_record(t, tokenizer, system), "sample": -1} for t in tasks if is_episode(t)]
+
+
 def safe_dirname(domain: str) -> str:
     name = re.sub(r"[^\w.\-]+", "_", domain).strip("._")
     return name or "domain"
 
 
-def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, overwrite: bool = False) -> dict:
-    """Read rollouts, select, write OUT_DIR/<domain>/{train,valid}.jsonl + spectrum.json atomically."""
+def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, overwrite: bool = False,
+               gold: Optional[list[dict]] = None) -> dict:
+    """Read rollouts, select, write OUT_DIR/<domain>/{train,valid}.jsonl + spectrum.json atomically.
+    ``gold``: gold episode records (:func:`gold_records`) offered beside the sampled ones."""
     from mlx_ssp.io import atomic_dir, read_jsonl, write_json_atomic, write_jsonl_atomic
 
     rollouts = Path(rollouts)
@@ -369,6 +388,9 @@ def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, 
     if all(r["reward"] is None for r in records):
         raise UserError(f"{rollouts}: no record has a reward (generated without verification?)")
     records, repeated = dedupe_records(records, rollouts)
+    if cfg.gold and gold is None:
+        raise UserError("select.gold needs the task file and the model's tokenizer (--tasks and --model)")
+    records += gold or []
     from mlx_ssp.rollout.resume import read_meta, sidecar
 
     meta = read_meta(sidecar(rollouts, "meta"))  # a corrupt meta file is one line, not a traceback

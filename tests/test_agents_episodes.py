@@ -228,13 +228,16 @@ def test_select_counts_distinct_call_sequences_not_wording(tasks):
     other.insert(len(t.metadata["episode"]["user_turns"][0]), {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "pwd", "arguments": {}}}]})  # a different strategy in turn 0
     recs = [{"task_id": t.id, "sample": i, "kind": "episode", "reward": 1.0, "finish_reason": "done",
-             "messages": m, "completion": ""} for i, m in enumerate((same_a, same_b, other))]
+             "messages": m, "completion": "", "prompt_token_ids": [1, 2], "token_ids": [3, 4], "model_mask": [1, 0]}
+            for i, m in enumerate((same_a, same_b, other))]
     # near_duplicate 0: only identical call sequences are one strategy (one extra call among 10 is a
     # near-duplicate at the default 0.1 of the trigram distance)
     chosen, row = select_prompt(recs, SelectConfig(per_prompt=4, near_duplicate=0.0))
     assert row["n_correct"] == 3 and row["n_distinct_correct"] == 2
     assert sorted(r["sample"] for r in chosen) == [0, 2]
-    assert to_chat(chosen[0])["messages"] == same_a  # the whole conversation is the example
+    ex = to_chat(chosen[0])  # the whole conversation is the example, the model's tokens masked in
+    assert ex["messages"] == same_a and ex["token_ids"] == [1, 2, 3, 4] and ex["mask"] == [0, 0, 1, 0]
+    assert ex["source"] == "sampled"
 
 
 def test_eval_reports_pass_at_k_per_backend(tmp_path, tiny_qwen3, scripted):
@@ -313,3 +316,22 @@ def test_replay_mask_covers_exactly_the_assistant_tokens(tiny_qwen3):
     assert runs == want
     unmasked = tok.decode([i for i, m in zip(ids, mask) if not m])
     assert all(m["content"] in unmasked for m in msgs[2:] if m["role"] in ("user", "tool"))
+
+
+def test_select_with_gold_writes_masked_conversations(tmp_path, tiny_qwen3, tasks):
+    """`select --gold`: a task whose sampled episodes all failed still gets its gold episode as SFT data,
+    in the multi-turn format (whole conversation ids, the model's mask, the source)."""
+    tf, ro, out = tmp_path / "t.jsonl", tmp_path / "r.jsonl", tmp_path / "sel"
+    write_tasks(tf, tasks[:2])
+    failed = [{"task_id": t.id, "domain": t.domain, "sample": s, "kind": "episode", "prompt": t.prompt,
+               "completion": "", "reward": 0.0, "finish_reason": "done", "messages": t.messages()}
+              for t in tasks[:2] for s in range(2)]
+    ro.write_text("".join(json.dumps(r) + "\n" for r in failed))
+    res = CliRunner().invoke(main, ["select", str(ro), "-o", str(out), "--gold", "--tasks", str(tf), "--model", str(tiny_qwen3)])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for f in sorted(out.glob("*/*.jsonl")) for x in f.read_text().splitlines()]
+    assert rows and all(r["source"] == "gold" for r in rows)
+    for r in rows:
+        assert len(r["token_ids"]) == len(r["mask"]) and 0 < sum(r["mask"]) < len(r["mask"])
+    res = CliRunner().invoke(main, ["select", str(ro), "-o", str(tmp_path / "s2"), "--gold"])
+    assert res.exit_code == 2 and "--tasks" in res.output

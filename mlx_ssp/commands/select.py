@@ -17,21 +17,34 @@ from mlx_ssp.select import DISTANCES, POLICIES
 @click.option("--near-duplicate", type=float, default=None, help="Distance at or below which two solutions are duplicates.")
 @click.option("-o", "--output", default=None, help="OUT_DIR for <domain>/train.jsonl, valid.jsonl and spectrum.json.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT_DIR.")
+@click.option("--gold/--no-gold", default=None, help="Episode tasks: also offer each task's gold episode (needs --tasks, --model).")
+@click.option("--tasks", "tasks_path", default=None, type=click.Path(dir_okay=False), help="Task file (for --gold).")
+@click.option("--model", default=None, help="Model whose tokenizer the gold episodes are written in (for --gold).")
 @config_option
 @set_option
-def cli(rollouts, policy, per_prompt, distance, near_duplicate, output, overwrite, config_path, overrides):
+def cli(rollouts, policy, per_prompt, distance, near_duplicate, output, overwrite, gold, tasks_path, model,
+        config_path, overrides):
     """Pick diverse correct solutions from ROLLOUTS.jsonl as mlx-lm chat SFT data, per domain."""
     from mlx_ssp.select import format_report, run_select
     from mlx_ssp.stage_config import load_stage
 
     flags = {"policy": policy, "per_prompt": per_prompt, "distance": distance, "near_duplicate": near_duplicate,
-             "input": rollouts, "output": output}
+             "input": rollouts, "output": output, "gold": gold}
     cfg = load_stage(config_path, overrides, "select", flags=flags, with_model=False).cfg
     if not cfg.input:
         raise UserError("no rollouts file: pass ROLLOUTS.jsonl (or set select.input)")
     if not cfg.output:
         raise UserError("no output directory: pass -o OUT_DIR (or set select.output)")
-    report = run_select(cfg.input, cfg, cfg.output, overwrite=overwrite)
+    golds = None
+    if cfg.gold:
+        if not tasks_path or not model:
+            raise UserError("--gold needs --tasks TASKS.jsonl and --model SPEC (the tokenizer of the student)")
+        from mlx_ssp.models import load_tokenizer
+        from mlx_ssp.select import gold_records
+        from mlx_ssp.tasks import load_tasks
+
+        golds = gold_records(load_tasks(tasks_path), load_tokenizer(model))
+    report = run_select(cfg.input, cfg, cfg.output, overwrite=overwrite, gold=golds)
     click.echo(format_report(report))
     if report["repeated_records_dropped"]:
         click.echo(f"warning: {report['repeated_records_dropped']} repeated (task, sample) record(s) in {cfg.input} were counted once", err=True)
