@@ -37,3 +37,65 @@ def make_iterate_batches(seed: int, skip: int = 0):
     return wrapped
 
 
+
+
+#: batch widths are rounded up to a multiple of this (plus one), as mlx-lm does: fewer distinct
+#: shapes for the compiled step to trace
+PAD_TO = 32
+
+
+def masked_batch(items: list[tuple[list[int], list[int]]], max_seq_length: int):
+    """``(tokens, weights)`` of a list of ``(token_ids, mask)`` items: ``tokens`` is ``(B, W)``
+    int32, right-padded with 0 to ``W = min(1 + PAD_TO * ceil(longest / PAD_TO), max_seq_length)``
+    (mlx-lm's width); ``weights`` is ``(B, W - 1)`` bool aligned with the *targets*
+    ``tokens[:, 1:]``: ``weights[b, t] = mask_b[t + 1]``, so padding and every mask-0 token weigh
+    nothing. Items longer than ``max_seq_length`` are cut (the loader already did; this keeps the
+    shape bound for a dataset made elsewhere)."""
+    import mlx.core as mx
+    import numpy as np
+
+    longest = max(len(ids) for ids, _ in items)
+    width = min(1 + PAD_TO * ((longest + PAD_TO - 1) // PAD_TO), max_seq_length)
+    tokens = np.zeros((len(items), width), np.int32)
+    mask = np.zeros((len(items), width), np.bool_)
+    for b, (ids, m) in enumerate(items):
+        n = min(len(ids), width)
+        tokens[b, :n] = ids[:n]
+        mask[b, :n] = np.asarray(m[:n], dtype=np.bool_)
+    return mx.array(tokens), mx.array(mask[:, 1:])
+
+
+def make_masked_iterate_batches(seed: int, skip: int = 0):
+    """The batch iterator for token records (:class:`~mlx_ssp.sft.episodes.TokenDataset`), with
+    mlx-lm's ``iterate_batches`` signature and batching rule: items sorted by length, cut into
+    consecutive batches of ``batch_size`` (length bucketing: a batch holds episodes of similar
+    length, so little of it is padding; the last partial batch is left out), the batch order a
+    fresh permutation per pass from a private seeded ``RandomState`` (training: ``seed``;
+    validation: ``seed + 1``), each rank taking every ``size``-th item of a batch. Yields
+    :func:`masked_batch`'s ``(tokens, weights)``, the arguments of :func:`~mlx_ssp.sft.loss.masked_loss`.
+    With ``loop`` the first ``skip`` batches are dropped (resume: they were trained on)."""
+    import numpy as np
+
+    def iterate(dataset, batch_size, max_seq_length, loop=False, seed=None, comm_group=None):
+        if len(dataset) < batch_size:
+            raise ValueError(f"Dataset must have at least batch_size={batch_size} examples but only has {len(dataset)}.")
+        rank, size = (comm_group.rank(), comm_group.size()) if comm_group is not None else (0, 1)
+        if batch_size % size:
+            raise ValueError("The batch size must be divisible by the number of workers")
+        order = sorted(range(len(dataset)), key=dataset.itemlen)
+        batches = [order[i + rank: i + batch_size: size] for i in range(0, len(order) - batch_size + 1, batch_size)]
+        rng = np.random.RandomState(seed_for(loop))
+        n = 0
+        while True:
+            for i in rng.permutation(len(batches)):
+                n += 1
+                if loop and n <= skip:
+                    continue
+                yield masked_batch([dataset[j] for j in batches[i]], max_seq_length)
+            if not loop:
+                return
+
+    def seed_for(loop: bool) -> int:
+        return (seed + (0 if loop else 1)) % (1 << 32)
+
+    return iterate

@@ -3,6 +3,7 @@ each domain's plan (data files, probe tasks, LoRA targets) checked before any do
 
 from __future__ import annotations
 
+import itertools
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from typing import Any, Optional
 from mlx_ssp.errors import UserError
 from mlx_ssp.finetune.lora import check_lora_targets
 from mlx_ssp.sft.config import DomainSpec, SFTConfig
+from mlx_ssp.sft.episodes import is_token_record, load_token_records
 
 
 @dataclass
@@ -21,7 +23,7 @@ class DomainPlan:
     name: str
     train_path: Path
     valid_path: Optional[Path]
-    train_set: Any  # mlx_lm CacheDataset, fully tokenized
+    train_set: Any  # mlx_lm CacheDataset, fully tokenized; a TokenDataset for token records
     valid_set: Any
     probe_tasks: list
     probe_source: str
@@ -39,7 +41,10 @@ def _read_records(path: Path) -> list[tuple[int, dict]]:
 
 
 def _record_kind(rec: dict) -> Optional[str]:
-    # the same precedence as mlx_lm.tuner.datasets.create_dataset
+    # token records first (episode records also carry 'messages', for humans); then the same
+    # precedence as mlx_lm.tuner.datasets.create_dataset
+    if is_token_record(rec):
+        return "tokens"
     if "prompt" in rec and "completion" in rec:
         return "completions"
     if "messages" in rec:
@@ -55,10 +60,12 @@ def _check_record(path: Path, lineno: int, rec: dict, kind: str, mask_prompt: bo
     if got is None:
         raise UserError(
             f"{where}: unknown record format (keys: {', '.join(sorted(rec)) or 'none'}); expected "
-            "{'messages': [...]}, {'prompt': ..., 'completion': ...} or {'text': ...}"
+            "{'messages': [...]}, {'prompt': ..., 'completion': ...}, {'text': ...} or {'token_ids': [...], 'mask': [...]}"
         )
     if got != kind:
         raise UserError(f"{where}: a '{got}' record in a '{kind}' file (the first record sets the format)")
+    if kind == "tokens":
+        return  # checked with the tokenizer's vocabulary in load_token_records
     if kind == "chat":
         msgs = rec["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -84,7 +91,8 @@ def _check_record(path: Path, lineno: int, rec: dict, kind: str, mask_prompt: bo
 def load_sft_file(path: Path, tokenizer, *, mask_prompt: bool, max_seq_length: int):
     """Read, check and tokenize an SFT JSONL file into mlx-lm's dataset classes.
 
-    Returns ``(CacheDataset, stats)``. Every record is tokenized now; a record that cannot be
+    Returns ``(CacheDataset, stats)``; for token records (``token_ids`` + ``mask``, whole episodes)
+    a :class:`~mlx_ssp.sft.episodes.TokenDataset` instead (:func:`load_token_records`). Every record is tokenized now; a record that cannot be
     tokenized or has no answer token is an error naming file and line. A record whose prompt alone
     fills ``max_seq_length`` (nothing left to train on after mlx-lm's truncation) is dropped with a
     warning that counts them."""
@@ -94,6 +102,8 @@ def load_sft_file(path: Path, tokenizer, *, mask_prompt: bool, max_seq_length: i
     kind = _record_kind(recs[0][1]) or "chat"
     for lineno, rec in recs:
         _check_record(path, lineno, rec, kind, mask_prompt)
+    if kind == "tokens":  # their own mask says what is trained on; mask_prompt does not apply
+        return load_token_records(path, recs, tokenizer, max_seq_length=max_seq_length)
     data = [r for _, r in recs]
     conf = types.SimpleNamespace(mask_prompt=mask_prompt)
     ds = CacheDataset(create_dataset(data, tokenizer, conf))
@@ -166,10 +176,14 @@ def _probe_tasks(domain: str, spec: DomainSpec, cfg: SFTConfig, run_data: dict, 
             f"domain '{domain}': no probe tasks; set sft.domains.{domain}.probe_tasks to a task JSONL "
             "or add a tasks: section to the run file"
         )
-    mine = [t for t in tasks if t.domain == domain]
+    wanted = set(spec.probe_domains or [domain])
+    mine = [t for t in tasks if t.domain in wanted]
     if not mine:
         found = sorted({t.domain for t in tasks})
         raise UserError(f"{where}: no probe tasks for domain '{domain}' (domains there: {', '.join(found) or 'none'})")
+    if len(wanted) > 1:  # a blend: round-robin over its domains, so max_tasks keeps all of them
+        by_dom = [[t for t in mine if t.domain == d] for d in sorted(wanted)]
+        mine = [t for group in itertools.zip_longest(*by_dom) for t in group if t is not None]
     if cfg.probe.max_tasks is not None:
         mine = mine[: cfg.probe.max_tasks]
     return mine, where
@@ -191,6 +205,9 @@ def plan_domains(cfg: SFTConfig, model, tokenizer, run_data: dict, run_dir: Path
             valid_set, vstats = load_sft_file(valid_path, tokenizer, **kw)
             if len(valid_set) < cfg.batch_size:
                 raise UserError(f"{valid_path}: {len(valid_set)} records, fewer than batch_size={cfg.batch_size}")
+            if vstats["format"] != stats["format"]:
+                raise UserError(f"{valid_path}: '{vstats['format']}' records, but {train_path} holds "
+                                f"'{stats['format']}' records; validation must be the same kind")
             stats["valid_records"] = vstats["records"]
         if cfg.select == "val_loss" and valid_set is None:
             raise UserError(f"domain '{name}': select=val_loss needs validation data (valid.jsonl or domains.{name}.valid)")

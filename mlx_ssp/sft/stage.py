@@ -20,7 +20,7 @@ from mlx_ssp.finetune.lora import attach_lora
 from mlx_ssp.finetune.optim import build_optimizer as _build
 from mlx_ssp.finetune.seed import step_seed
 from mlx_ssp.io import JsonlAppender, write_json_atomic
-from mlx_ssp.sft.batches import make_iterate_batches
+from mlx_ssp.sft.batches import make_iterate_batches, make_masked_iterate_batches
 from mlx_ssp.sft.config import SFTConfig
 from mlx_ssp.sft.data import DomainPlan, plan_domains
 from mlx_ssp.sft.probe import ProbeFn, default_probe, probe_seed, read_curve, write_curve  # noqa: F401
@@ -55,6 +55,17 @@ def fingerprint(cfg: SFTConfig, seed: int, model_path: Path, plan: DomainPlan) -
     d["probe"].pop("progress", None)
     d.update(seed=seed, model=str(model_path), train=str(plan.train_path), valid=str(plan.valid_path))
     return d
+
+
+def batching(plan: DomainPlan, seed: int, skip: int = 0) -> dict:
+    """The ``iterate_batches`` (and ``loss``) keywords of mlx-lm's ``train`` / ``evaluate`` for a
+    domain's data: token records (whole episodes) get the masked batches and the masked loss; the
+    other kinds get mlx-lm's own batches (seeded, resumable) and its default loss, as before."""
+    if plan.stats.get("format") == "tokens":
+        from mlx_ssp.sft.loss import masked_loss
+
+        return {"iterate_batches": make_masked_iterate_batches(seed, skip=skip), "loss": masked_loss}
+    return {"iterate_batches": make_iterate_batches(seed, skip=skip)}
 
 
 class _Hook:
@@ -98,7 +109,7 @@ class _DomainRun:
         tic = time.perf_counter()
         loss = evaluate(
             self.model, self.plan.valid_set, batch_size=self.cfg.batch_size, num_batches=self.cfg.val_batches,
-            max_seq_length=self.cfg.max_seq_length, iterate_batches=make_iterate_batches(self.seed),
+            max_seq_length=self.cfg.max_seq_length, **batching(self.plan, self.seed),
         )
         self.val_time += time.perf_counter() - tic
         return float(loss)
@@ -192,7 +203,7 @@ class _DomainRun:
                 with dist.watch(f"sft {self.plan.name} training"):  # mlx-lm's all_sums: stop, not hang, on a lost rank
                     train(
                         model=self.model, optimizer=self.optimizer, train_dataset=self.plan.train_set, val_dataset=None,
-                        args=args, iterate_batches=make_iterate_batches(self.seed, skip=start), training_callback=hook,
+                        args=args, training_callback=hook, **batching(self.plan, self.seed, skip=start),
                     )
                 train_wall = time.perf_counter() - tic
                 # mlx-lm's trainer saves its final weights here; the last checkpoint already has them
