@@ -93,9 +93,10 @@ def test_masked_loss_equals_mlx_lm_default_loss_on_a_single_span(base):
     """A completions record (tokenized by mlx-lm: tokens + prompt offset) as a token record with
     mask 0 on the prompt, 1 on the answer: the masked loss equals mlx-lm's default_loss on mlx-lm's
     own batch, loss and token count."""
+    from types import SimpleNamespace
+
     from mlx_lm.tuner.datasets import CacheDataset, create_dataset
     from mlx_lm.tuner.trainer import default_loss, iterate_batches
-    from types import SimpleNamespace
 
     model, tok, _ = base
     data = [{"prompt": "What is 12 + 30? Think it through.", "completion": "12 + 30 = 42, so the answer is 42."}] * 2
@@ -166,7 +167,7 @@ def test_a_gold_episode_trains_through_the_sft_stage(tmp_path, base, gold):
     from mlx_ssp.sft.data import plan_domains
     from mlx_ssp.sft.stage import batching
 
-    model, tok, path = base
+    model, tok, _ = base
     data = write_jsonl(tmp_path / "train.jsonl", gold)
     probe = write_jsonl(tmp_path / "probe.jsonl", [{"id": "p0", "domain": "fs", "prompt": "hi", "answer": "x",
                                                       "verifier": "exact"}])
@@ -190,3 +191,87 @@ def test_a_gold_episode_trains_through_the_sft_stage(tmp_path, base, gold):
     assert Path(summary["domains"]["fs"]["specialist"], "config.json").is_file()
     res = json.loads((tmp_path / "sft" / "fs" / "result.json").read_text())
     assert res["data"]["format"] == "tokens" and res["data"]["target_tokens"] == sum(sum(r["mask"][1:]) for r in gold)
+
+
+def _synthetic(n: int, seed: int) -> list[dict]:
+    """Short token records of varied length, two target spans each (like two assistant turns)."""
+    rng = np.random.RandomState(seed)
+    out = []
+    for i in range(n):
+        L = int(rng.randint(12, 70))
+        ids = rng.randint(1, 200, size=L).tolist()
+        a, b = sorted(rng.choice(np.arange(2, L - 1), 2, replace=False).tolist())
+        mask = [int(a <= j < a + 3 or b <= j < L) for j in range(L)]
+        out.append({"token_ids": ids, "mask": mask, "source": "sampled", "task_id": f"t{i}"})
+    return out
+
+
+def test_batches_bucket_by_length_seeded_resumable_and_split_across_ranks(tmp_path, base):
+    from types import SimpleNamespace
+
+    _, tok, _ = base
+    ds, _ = load_sft_file(write_jsonl(tmp_path / "t.jsonl", _synthetic(11, 0)), tok, mask_prompt=True, max_seq_length=64)
+    lens = sorted(ds.itemlen(i) for i in range(len(ds)))
+
+    def rows(batch):  # the record lengths in a batch (records are right-padded with 0; ids are >= 1)
+        return sorted(int((np.array(batch[0])[b] != 0).sum()) for b in range(batch[0].shape[0]))
+
+    def take(it, n):
+        return [rows(next(it)) for _ in range(n)]
+
+    it = make_masked_iterate_batches(seed=4)
+    first = take(it(ds, 3, 64, loop=True), 9)
+    # bucketing: the 3 batches of a pass are consecutive runs of the length order (the 11th record left out)
+    assert sorted(first[:3]) == [lens[0:3], lens[3:6], lens[6:9]] and sorted(first[3:6]) == sorted(first[:3])
+    assert first == take(make_masked_iterate_batches(seed=4)(ds, 3, 64, loop=True), 9)  # seeded
+    assert first[4:] == take(make_masked_iterate_batches(seed=4, skip=4)(ds, 3, 64, loop=True), 5)  # resume
+    assert first != take(make_masked_iterate_batches(seed=5)(ds, 3, 64, loop=True), 9)
+    val = [rows(b) for b in it(ds, 3, 64)]  # validation: one pass, its own stream, skip not applied
+    assert sorted(val) == sorted(first[:3]) and len(val) == 3
+    # ranks: rank r of 2 takes every 2nd record of each batch of 4; together they make the batch
+    halves = [take(it(ds, 4, 64, loop=True, comm_group=SimpleNamespace(rank=lambda r=r: r, size=lambda: 2)), 2)
+              for r in (0, 1)]
+    whole = take(it(ds, 4, 64, loop=True), 2)
+    assert [sorted(a + b) for a, b in zip(*halves)] == whole
+
+
+def test_token_data_resumes_to_the_same_adapter_with_masked_val_loss(tmp_path, base):
+    """Kill mid-run, resume: the same adapters and losses (train and masked validation) as one run."""
+    data = tmp_path / "d"
+    data.mkdir()
+    write_jsonl(data / "train.jsonl", _synthetic(8, 1))
+    write_jsonl(data / "valid.jsonl", _synthetic(4, 2))
+    probe = write_jsonl(tmp_path / "probe.jsonl", [{"id": "p0", "domain": "fs", "prompt": "hi", "answer": "x",
+                                                      "verifier": "exact"}])
+
+    def cfg(out):
+        return SFTConfig(domains={"fs": {"data": str(data), "probe_tasks": str(probe)}}, out_dir=str(tmp_path / out),
+                         lora={"rank": 2, "num_layers": -1, "scale": 10.0}, learning_rate=5e-3, iters=6, batch_size=2,
+                         max_seq_length=48, save_every=2, report_every=1, val_batches=-1, seed=2,
+                         probe={"k": 1, "sampling": {"temperature": 0.0, "max_tokens": 1}, "progress": False})
+
+    def probe_fn(*a):
+        return {"pass@1": 0.0, "pass@k": 0.0}
+
+    class Kill(Exception):
+        pass
+
+    class KillAt3:
+        def on_train_loss_report(self, info):
+            if info["iteration"] == 3:
+                raise Kill()
+
+    with pytest.warns(UserWarning, match="truncated"):
+        run_sft(cfg("a"), None, model_and_tokenizer=base, probe_fn=probe_fn)
+        with pytest.raises(Kill):
+            run_sft(cfg("b"), None, model_and_tokenizer=base, probe_fn=probe_fn, callbacks=[KillAt3()])
+        run_sft(cfg("b"), None, model_and_tokenizer=base, probe_fn=probe_fn)
+    for step in (2, 4, 6):
+        wa = mx.load(str(tmp_path / "a" / "fs" / "checkpoints" / f"step_{step:07d}" / "adapters.safetensors"))
+        wb = mx.load(str(tmp_path / "b" / "fs" / "checkpoints" / f"step_{step:07d}" / "adapters.safetensors"))
+        for k in wa:
+            np.testing.assert_allclose(np.array(wa[k]), np.array(wb[k]), rtol=0, atol=1e-6, err_msg=f"step {step} {k}")
+    ca, cb = ([json.loads(x) for x in (tmp_path / d / "fs" / "probe_curve.jsonl").read_text().splitlines()] for d in "ab")
+    assert [r["val_loss"] for r in ca] == pytest.approx([r["val_loss"] for r in cb], rel=1e-5)
+    assert all(r["val_loss"] is not None and np.isfinite(r["val_loss"]) for r in ca)
+    assert [r["loss"] for r in ca] == pytest.approx([r["loss"] for r in cb], rel=1e-5)

@@ -6,7 +6,11 @@ For each domain d listed in the ``sft:`` section:
 1. Fresh LoRA (or DoRA) layers are put on the base model (loaded once for all domains) with
    ``mlx_lm.tuner.utils.linear_to_lora_layers``, and trained on d's SFT data (the output of
    ``mlx_ssp select``, or any mlx-lm chat / completions / text JSONL) through
-   ``mlx_lm.tuner.trainer.train``: its compiled step, loss, padding and batching.
+   ``mlx_lm.tuner.trainer.train``: its compiled step, loss, padding and batching. Token records
+   (whole episodes: ``token_ids`` + a 0/1 ``mask`` on the model's tokens, :mod:`mlx_ssp.sft.episodes`)
+   go through the same ``train`` with length-bucketed masked batches
+   (:func:`~mlx_ssp.sft.batches.make_masked_iterate_batches`) and the masked loss
+   (:func:`~mlx_ssp.sft.loss.masked_loss`): every assistant turn is a target, nothing else is.
 2. Every ``save_every`` steps (and at the last step) the adapter is saved as a checkpoint
    (``adapters.safetensors`` + ``adapter_config.json``, so ``mlx_lm fuse`` / ``load_adapters`` work on
    it) and *probed*: K samples per probe prompt through the rollout engine
@@ -55,15 +59,18 @@ they are configuration here (``probe.k``, ``probe.max_tasks``, ``save_every``).
 from mlx_ssp.finetune.fuse import fuse_and_save, restore_base
 from mlx_ssp.finetune.lora import LoRAConfig, check_lora_targets
 from mlx_ssp.finetune.seed import step_seed
-from mlx_ssp.sft.batches import make_iterate_batches
+from mlx_ssp.sft.batches import make_iterate_batches, make_masked_iterate_batches, masked_batch
 from mlx_ssp.sft.config import OPTIMIZERS, SELECT_RULES, DomainSpec, ProbeConfig, ScheduleConfig, SFTConfig
 from mlx_ssp.sft.data import DomainPlan, load_sft_file, plan_domains
+from mlx_ssp.sft.episodes import TokenDataset, load_token_records
+from mlx_ssp.sft.loss import masked_loss
 from mlx_ssp.sft.probe import ProbeFn, default_probe, probe_seed, read_curve, select_checkpoint, write_curve
 from mlx_ssp.sft.stage import adapter_config, build_optimizer, fingerprint, run_sft, train_specialist
 
 __all__ = [
     "OPTIMIZERS", "SELECT_RULES", "DomainPlan", "DomainSpec", "LoRAConfig", "ProbeConfig", "ProbeFn", "SFTConfig",
-    "ScheduleConfig", "adapter_config", "build_optimizer", "check_lora_targets", "default_probe",
-    "fingerprint", "fuse_and_save", "load_sft_file", "make_iterate_batches", "plan_domains", "probe_seed",
+    "ScheduleConfig", "TokenDataset", "adapter_config", "build_optimizer", "check_lora_targets", "default_probe",
+    "fingerprint", "fuse_and_save", "load_sft_file", "load_token_records", "make_iterate_batches", "make_masked_iterate_batches",
+    "masked_batch", "masked_loss", "plan_domains", "probe_seed",
     "read_curve", "restore_base", "run_sft", "select_checkpoint", "step_seed", "train_specialist", "write_curve",
 ]
