@@ -1,0 +1,222 @@
+"""Benchmark: multi-turn tool-use episodes (issue 17), batched vs one at a time, cache reuse vs re-prefill.
+
+Measured side by side in one run, per model, on the same tasks, samples and seeds
+(:func:`mlx_ssp.agents.engine.run_episodes`, verification included, as ``mlx_ssp rollout`` runs it):
+
+- ``batched``: all episodes through one ``BatchGenerator`` (``--batch-size``, default 16) vs
+  ``one at a time``: batch 1, on the first ``--seq-episodes`` of the same episodes (to keep the run
+  short). Episodes/s and generated tokens/s; the token ids of every episode run both ways are
+  compared (the engine promises batched == one at a time).
+- ``prefill``: the batched run with KV-cache reuse (``reuse_cache=True``) vs re-prefilling the whole
+  conversation for every message (``reuse_cache=False``): prompt tokens prefilled per generated
+  token, and the ratio.
+
+Tasks: ``bfcl_multi_turn:base`` entries of one backend (``--backend``) whose ground truth has
+exactly ``--turns`` turns (default 4). Policy: SCRIPTED. A random or tiny model never writes a
+parseable call, so the first message of every turn "calls" that turn's ground truth (what a capable
+model would call; the tests' scripted policy) and the next message ends the turn. The tokens are the
+model's own samples (``--max-tokens`` per message); the calls, their execution and the tool results
+fed back into the conversation are real. So every episode has 2 messages per turn.
+
+Tool schemas in the prompt (``--tools``): ``all`` (every function offered, ~10k tokens with the
+tiny model's byte-level tokenizer), ``gt`` (only the functions the episode's ground truth uses;
+default) or ``none``.
+
+    python scripts/bench_episodes.py
+    python scripts/bench_episodes.py --models tiny --tasks 8 --k 2 --tools all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
+
+
+def scripted_policy() -> None:
+    """The first message of each turn calls the turn's ground truth; the next one ends the turn."""
+    from mlx_ssp.agents.calls import parse_ground_truth
+    from mlx_ssp.agents.episode import Episode
+
+    def parse_calls(self, text):
+        gt = self.task.metadata["episode"]["ground_truth"][self.turn]
+        return [parse_ground_truth(c) for c in gt] if self.steps == 0 else []
+
+    Episode.parse_calls = parse_calls
+
+
+#: the BatchGenerator counters of the last closed generator (decode/prefill time), for the profile line
+GEN_COUNTERS: dict = {}
+
+
+def profile_generator() -> None:
+    """Record mlx-lm's own decode/prefill timers when the engine closes its generator."""
+    from mlx_lm.generate import BatchGenerator
+
+    close = BatchGenerator.close
+
+    def closing(self):
+        c = self._counters
+        GEN_COUNTERS.update(decode_s=c.decode_time, prefill_s=c.prompt_time, decode_steps=c.generation_steps,
+                            gen_tokens=c.generation_tokens, prefill_tokens=c.prompt_tokens)
+        return close(self)
+
+    BatchGenerator.close = closing
+
+
+def episode_tasks(backend: str, turns: int, n: int, tools: str):
+    from mlx_ssp.agents.calls import parse_ground_truth
+    from mlx_ssp.tasks import export_source
+
+    ts = [t for t in export_source("bfcl_multi_turn:base", params={"backend": backend})
+          if len(t.metadata["episode"]["ground_truth"]) == turns][:n]
+    if len(ts) < n:
+        sys.exit(f"only {len(ts)} {backend} base entries with {turns} turns (asked for {n})")
+    for t in ts:
+        if tools == "none":
+            t.metadata["tools"] = []
+        elif tools == "gt":
+            used = {parse_ground_truth(c).name for turn in t.metadata["episode"]["ground_truth"] for c in turn}
+            t.metadata["tools"] = [s for s in t.metadata["tools"] if s["function"]["name"] in used]
+    return ts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["tiny", "demo"], help="'tiny', 'demo' or model dirs")
+    ap.add_argument("--backend", default="trading")
+    ap.add_argument("--turns", type=int, default=4, help="base entries whose ground truth has this many turns")
+    ap.add_argument("--tasks", type=int, default=8)
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-episodes", type=int, default=None, help="episodes timed one at a time (default all)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="per assistant message")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--tools", choices=["all", "gt", "none"], default="gt")
+    ap.add_argument("--seed", type=int, default=3)
+    args = ap.parse_args()
+
+    import mlx.core as mx
+
+    from mlx_ssp.agents.engine import run_episodes
+    from mlx_ssp.models import load_model
+    from mlx_ssp.rollout.config import SamplingConfig
+    from mlx_ssp.rollout.request import RolloutRequest
+    from mlx_ssp.tasks import render_prompt
+
+    scripted_policy()
+    profile_generator()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_episodes."))
+    tasks = episode_tasks(args.backend, args.turns, args.tasks, args.tools)
+    sc = SamplingConfig(temperature=args.temperature, max_tokens=args.max_tokens)
+    n_eps = len(tasks) * args.k
+    n_seq = min(args.seq_episodes or n_eps, n_eps)
+    seq_samples: dict[str, list[int]] = {}
+    for t in tasks:  # the first n_seq episodes in (task, sample) order
+        for s in range(args.k):
+            if sum(map(len, seq_samples.values())) < n_seq:
+                seq_samples.setdefault(t.id, []).append(s)
+
+    def run(model, tok, batch, *, reuse=True, samples=None, task_list=tasks, sampling=sc):
+        req = RolloutRequest(tasks=task_list, k=args.k, sampling=sampling, seed=args.seed, batch_size=batch,
+                             progress=False)
+        st = {}
+        t0, c0 = time.perf_counter(), time.process_time()
+        recs = [r for g in run_episodes(model, tok, req, samples=samples, stats=st, reuse_cache=reuse) for r in g]
+        st["wall_s"], st["cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+        st["gen"] = dict(GEN_COUNTERS)
+        recs.sort(key=lambda r: (r["task_id"], r["sample"]))
+        return recs, st
+
+    def note(name, recs, st):
+        print(f"# {name}: {len(recs)} episodes, {st['gen_tokens']} gen tokens, {st['prompt_tokens']} prefilled, "
+              f"{st['wall_s']:.1f} s wall, {st['cpu_s']:.1f} s CPU; generator: decode {st['gen']['decode_s']:.1f} s "
+              f"in {st['gen']['decode_steps']} steps, prefill {st['gen']['prefill_s']:.1f} s", file=sys.stderr, flush=True)
+
+    rows = []
+    for spec in args.models:
+        if spec == "tiny":
+            from mlx_ssp.testing import make_tiny_model
+
+            mspec = str(make_tiny_model(tmp / "tiny", "qwen3"))
+        else:
+            mspec = spec
+        model, tok, path = load_model(mspec)
+        prompt_lens = [len(render_prompt(tok, t)) for t in tasks]
+        # warm-up: one short episode, batched and alone
+        warm = sc.model_copy(update={"max_tokens": 2})
+        run(model, tok, 2, task_list=tasks[:1], sampling=warm)
+        mx.random.seed(0)
+
+        b_recs, b_st = run(model, tok, args.batch_size)
+        note(f"{spec} batched (batch {args.batch_size}, cache reuse)", b_recs, b_st)
+        s_recs, s_st = run(model, tok, 1, samples=seq_samples)
+        note(f"{spec} one at a time", s_recs, s_st)
+        n_recs, n_st = run(model, tok, args.batch_size, reuse=False)
+        note(f"{spec} batched, no cache reuse", n_recs, n_st)
+
+        by_key = {(r["task_id"], r["sample"]): r for r in b_recs}
+        same_seq = all(r["token_ids"] == by_key[(r["task_id"], r["sample"])]["token_ids"] for r in s_recs)
+        same_nocache = [r["token_ids"] for r in n_recs] == [r["token_ids"] for r in b_recs]
+        b_eps, s_eps = len(b_recs) / b_st["wall_s"], len(s_recs) / s_st["wall_s"]
+        b_eps_c, s_eps_c = len(b_recs) / b_st["cpu_s"], len(s_recs) / s_st["cpu_s"]
+        pf_reuse = b_st["prompt_tokens"] / b_st["gen_tokens"]
+        pf_none = n_st["prompt_tokens"] / n_st["gen_tokens"]
+        res = {
+            "model": spec,
+            "model_path": str(path),
+            "tools": args.tools,
+            "backend": args.backend,
+            "turns": args.turns,
+            "tasks": len(tasks),
+            "k": args.k,
+            "episodes_batched": len(b_recs),
+            "episodes_one_at_a_time": len(s_recs),
+            "batch_size": args.batch_size,
+            "max_tokens_per_message": args.max_tokens,
+            "prompt_tokens_first_turn": {"min": min(prompt_lens), "max": max(prompt_lens)},
+            "messages_per_episode": sorted({r["num_messages"] for r in b_recs}),
+            "conversation_tokens_mean": round(sum(len(r["prompt_token_ids"]) + len(r["token_ids"]) for r in b_recs)
+                                              / len(b_recs), 1),
+            "rewards": sorted({r["reward"] for r in b_recs}),
+            "episodes_per_wall_s": {"batched": round(b_eps, 3), "one_at_a_time": round(s_eps, 3)},
+            "gen_tok_per_wall_s": {"batched": round(b_st["gen_tokens"] / b_st["wall_s"], 1),
+                                   "one_at_a_time": round(s_st["gen_tokens"] / s_st["wall_s"], 1)},
+            "speedup_batched": {"wall": round(b_eps / s_eps, 2), "cpu": round(b_eps_c / s_eps_c, 2)},
+            "batched_equals_one_at_a_time": same_seq,
+            "no_reuse_equals_reuse": same_nocache,
+            "prefill_per_gen_token": {"reuse": round(pf_reuse, 2), "no_reuse": round(pf_none, 2)},
+            "prefill_reduction": round(pf_none / pf_reuse, 2),
+            "profile_s": {name: {"wall": round(st["wall_s"], 2), "decode": round(st["gen"]["decode_s"], 2),
+                                 "prefill": round(st["gen"]["prefill_s"], 2), "decode_steps": st["gen"]["decode_steps"]}
+                          for name, st in (("batched", b_st), ("one_at_a_time", s_st), ("no_reuse", n_st))},
+            "wall_s_no_reuse_over_reuse": round(n_st["wall_s"] / b_st["wall_s"], 2),
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
+            "load_avg": [round(x, 2) for x in os.getloadavg()],
+        }
+        print(json.dumps(res, indent=2), flush=True)
+        rows.append(res)
+        del model
+
+    print("\n| model | tools | episodes (batched / alone) | first prompt tokens | episodes/s batched | episodes/s alone "
+          "| speedup (wall / CPU) | batched == alone | prefill/gen token, reuse | no reuse | reduction |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        p = r["prompt_tokens_first_turn"]
+        print(f"| {r['model']} | {r['tools']} | {r['episodes_batched']} / {r['episodes_one_at_a_time']} "
+              f"| {p['min']}-{p['max']} | {r['episodes_per_wall_s']['batched']} | {r['episodes_per_wall_s']['one_at_a_time']} "
+              f"| **{r['speedup_batched']['wall']}x** / {r['speedup_batched']['cpu']}x "
+              f"| {'yes' if r['batched_equals_one_at_a_time'] else 'NO'} "
+              f"| {r['prefill_per_gen_token']['reuse']} | {r['prefill_per_gen_token']['no_reuse']} "
+              f"| **{r['prefill_reduction']}x** |")
+
+
+if __name__ == "__main__":
+    main()
