@@ -11,7 +11,8 @@ Each step (VibeThinker-1.5B section 3.4; GRPO, DeepSeekMath arXiv:2402.03300 sec
 3. MGPO advantages A' = w(p) * A (:func:`mlx_ssp.rl.mgpo.mgpo_advantages`, or its kernel twin);
 4. ``mu`` inner updates on the whole batch (micro-batches of ``micro_batch_size`` sequences,
    gradients accumulated so the loss is exactly the full batch's): the forward runs on
-   prompt + completion, the completion mask selects the tokens, log-probs come from the chunked
+   prompt + completion, the completion mask selects the tokens (an episode's: the model's own
+   messages only, not the tool results between them; :func:`build_batch`), log-probs come from the chunked
    op at the sampling temperature; the ratio is against the log-probs of the policy that sampled
    (``old_logprobs: recompute``: the first inner update's own forward, so the ratio is exactly 1
    there and the clip acts from the second; ``behaviour``: the sampler's recorded log-probs,
@@ -121,8 +122,16 @@ class TaskStream:
 
 
 def build_batch(records: list[dict], advantages: np.ndarray) -> dict:
-    """Right-padded [B, L] inputs/targets of prompt + completion, the completion mask, the
-    behaviour log-probs on the mask, and the per-sample advantages."""
+    """Right-padded [B, L] inputs/targets of prompt + completion, the loss mask, the behaviour
+    log-probs on the mask, and the per-sample advantages.
+
+    Episodes (issue 18): ``token_ids`` is the whole conversation after the prompt (the model's
+    messages and the tool results / user turns rendered between them) and ``model_mask`` marks the
+    tokens the model sampled. The forward still runs over the whole conversation (the model's later
+    messages are conditioned on the tool results), but the mask is the completion span times
+    ``model_mask``, so tool-result and user tokens get no loss, no gradient and no weight in any
+    aggregation or statistic. Records without ``model_mask`` (single-turn) are all the model's.
+    ``tokens`` counts the forward's tokens (prompt + conversation), ``model_tokens`` the loss's."""
     seqs = [list(r["prompt_token_ids"]) + list(r["token_ids"]) for r in records]
     L = max(len(s) for s in seqs) - 1
     B = len(seqs)
@@ -136,8 +145,9 @@ def build_batch(records: list[dict], advantages: np.ndarray) -> dict:
         targets[i, :n] = s[1:]
         p, c = len(r["prompt_token_ids"]), len(r["token_ids"])
         # target position j predicts token j+1: completion tokens are targets p-1 .. p+c-2
-        mask[i, p - 1 : p - 1 + c] = 1.0
-        old[i, p - 1 : p - 1 + c] = np.asarray(r["logprobs"], np.float32)[:c]
+        mask[i, p - 1 : p - 1 + c] = model_mask(r)
+        # episodes record 0.0 off the model's tokens; masked there anyway, zeroed so no stray value counts
+        old[i, p - 1 : p - 1 + c] = np.asarray(r["logprobs"], np.float32)[:c] * mask[i, p - 1 : p - 1 + c]
     return {
         "inputs": mx.array(inputs),
         "targets": mx.array(targets),
@@ -145,7 +155,26 @@ def build_batch(records: list[dict], advantages: np.ndarray) -> dict:
         "behaviour": mx.array(old),
         "adv": mx.array(advantages.astype(np.float32)),
         "tokens": int(sum(len(s) for s in seqs)),
+        "model_tokens": int(mask.sum()),
     }
+
+
+def model_mask(record: dict) -> np.ndarray:
+    """1.0 on the completion tokens the model sampled: ``model_mask`` of an episode record, else
+    every token (a single-turn completion is all the model's)."""
+    c = len(record["token_ids"])
+    m = record.get("model_mask")
+    if m is None:
+        return np.ones(c, np.float32)
+    if len(m) != c:
+        raise ValueError(f"record {record.get('task_id')!r}: model_mask has {len(m)} entries for {c} token ids")
+    return np.asarray(m, np.float32)
+
+
+def model_tokens(record: dict) -> int:
+    """How many of the record's tokens the model sampled (an episode's tool results excluded)."""
+    m = record.get("model_mask")
+    return len(record["token_ids"]) if m is None else int(sum(m))
 
 
 def _slice(batch: dict, i: int, j: int) -> dict:
@@ -283,7 +312,8 @@ class Trainer:
             t0 = time.perf_counter()
             groups, _ = self._rollouts(self.stream.take(need), rnd)
             info["gen_s"] += time.perf_counter() - t0
-            info["gen_tokens"] += sum(len(r["token_ids"]) for g in groups for r in g)
+            # model-sampled tokens only: an episode's tool results and user turns were not generated
+            info["gen_tokens"] += sum(model_tokens(r) for g in groups for r in g)
             info["groups_sampled"] += len(groups)
             info["refill_rounds"] = rnd
             all_groups.extend(groups)
@@ -349,6 +379,7 @@ class Trainer:
         rec = {"train_s": train_s}
         rec["gen_tokens_per_s"] = info["gen_tokens"] / info["gen_s"] if info["gen_s"] > 0 else 0.0
         rec["train_tokens_per_s"] = batch["tokens"] * self.cfg.mu / train_s if train_s > 0 else 0.0
+        rec["train_model_tokens"] = batch["model_tokens"]  # tokens in the loss (episodes: the model's only)
         rec["step_s"] = time.perf_counter() - t_step
         rec["step_cpu_s"] = time.process_time() - cpu_step  # all threads; less sensitive to a busy machine
         rec["peak_memory_train_mb"] = mx.get_peak_memory() / 2**20
