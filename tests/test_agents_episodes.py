@@ -100,9 +100,9 @@ def test_cache_reuse_cuts_prefill(model_tok, tasks, scripted):
     assert [r["reward"] for r in a] == [r["reward"] for r in b] == [1.0] * 4
     # without reuse every message re-prefills the whole conversation
     assert without["prompt_tokens"] > 2 * with_cache["prompt_tokens"]
-    # with reuse each conversation token is prefilled once (the last sampled token of a message is fed again)
+    # with reuse each conversation token is prefilled once (the cache has seen each message's last sampled token)
     assert with_cache["prompt_tokens"] == sum(len(r["prompt_token_ids"]) + len(r["token_ids"]) - r["num_tokens"]
-                                              + r["num_messages"] - 1 for r in a)
+                                              for r in a)
 
 
 def test_verify_replays_episode_lines(tasks):

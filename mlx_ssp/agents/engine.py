@@ -127,7 +127,12 @@ class EpisodeRun:
         if ep.done:
             self._finish(lv.ti, ep)
         elif self.reuse_cache and cache is not None:
-            self._insert(lv.ti, ep, [toks[-1]] + nxt, cache)  # the cache holds all but the last sampled token
+            # mlx-lm 0.32's BatchGenerator runs the forward on a token before handing it out, so the
+            # cache has seen the last sampled token (older versions: all but it); feeding it again
+            # conditioned every later message on a duplicated token, off the recorded conversation
+            seen = len(ep.prompt_ids) + len(ep.ids) - len(nxt)
+            head = [] if getattr(cache[0], "offset", seen - 1) >= seen else [toks[-1]]
+            self._insert(lv.ti, ep, head + nxt, cache)
         else:
             self._insert(lv.ti, ep, ep.prompt_ids + ep.ids, None)
 
