@@ -103,6 +103,8 @@ def test_cache_reuse_cuts_prefill(model_tok, tasks, scripted):
     # with reuse each conversation token is prefilled once (the cache has seen each message's last sampled token)
     assert with_cache["prompt_tokens"] == sum(len(r["prompt_token_ids"]) + len(r["token_ids"]) - r["num_tokens"]
                                               for r in a)
+    # and the model saw the recorded conversation: the tokens a full re-prefill gives
+    assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
 
 
 def test_verify_replays_episode_lines(tasks):
