@@ -46,6 +46,8 @@ from mlx_ssp.io import JsonlAppender, write_json_atomic, write_text_atomic
 from mlx_ssp.stage_config import section_seed, with_seed
 
 STATE_FILE = "_stage.json"
+#: the SFT "domain" trained on every domain's data mixed when ``sft.blend`` is set
+BLEND = "blend"
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,13 @@ class Run:
         return self.run_dir / "tasks" / f"{split}.jsonl"
 
     def specialists(self) -> dict[str, Path]:
+        """The fused specialist of each domain (the blend, if trained, is not one: it is never merged)."""
+        return {d: p for d, p in self._sft_models().items() if d != BLEND}
+
+    def blend(self) -> Optional[Path]:
+        return self._sft_models().get(BLEND)
+
+    def _sft_models(self) -> dict[str, Path]:
         summary = json.loads((self.stage_dir("sft") / "summary.json").read_text())
         return {d: Path(v["specialist"]) for d, v in summary["domains"].items()}
 
@@ -207,6 +216,11 @@ def sft_config(run: Run):
         spec.setdefault("data", str(run.stage_dir("select") / safe_dirname(d)))
         spec.setdefault("probe_tasks", str(run.tasks_path("probe")))
         filled[d] = spec
+    if raw.get("blend"):
+        if BLEND in filled:
+            raise UserError(f"{run.source}: sft.blend trains a specialist named '{BLEND}': rename the domain '{BLEND}'")
+        filled[BLEND] = {"data": str(run.stage_dir("select") / "_blend"), "probe_tasks": str(run.tasks_path("probe")),
+                         "probe_domains": [d for d in filled if d != BLEND]}
     raw["domains"] = filled
     raw.setdefault("out_dir", str(run.stage_dir("sft")))
     from mlx_ssp.config import validate
@@ -225,11 +239,28 @@ def stage_sft(run: Run) -> dict:
             "no domain has SFT data (no correct rollouts at all): raise rollout.k, loosen the answer "
             "extraction, or use an easier task setting"
         )
+    if cfg.blend:  # every domain's selected data in one file (what the merge of specialists is compared with)
+        _write_blend(cfg, Path(cfg.domains[BLEND].data))
+        if (Path(cfg.domains[BLEND].data) / "train.jsonl").exists():
+            missing = [d for d in missing if d != BLEND]
     if missing:
         print(f"sft: skipping {', '.join(missing)}: selection found no correct solution", file=sys.stderr)
         cfg = cfg.model_copy(update={"domains": {d: s for d, s in cfg.domains.items() if d not in missing}})
     summary = run_sft(cfg, run.section("model"), run_dir=run.run_dir, run_data=run.data, seed=run.seed)
     return {"summary": summary}
+
+
+def _write_blend(cfg, out: Path) -> None:
+    from mlx_ssp.io import write_jsonl_atomic
+
+    for part in ("train", "valid"):
+        rows = []
+        for d, spec in cfg.domains.items():
+            f = Path(spec.data) / f"{part}.jsonl"
+            if d != BLEND and f.is_file():
+                rows += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        if rows:
+            write_jsonl_atomic(out / f"{part}.jsonl", rows)
 
 
 def stage_merge(run: Run) -> dict:
@@ -271,12 +302,14 @@ def stage_rl(run: Run) -> dict:
 
 
 def eval_models(run: Run) -> dict[str, str]:
-    """Every model the loop produced, in table order: base, specialists, merged, RL."""
+    """Every model the loop produced, in table order: base, specialists, the blend (if trained), merged, RL."""
     from mlx_ssp.models import resolve_model
 
     models = {"base": str(resolve_model(run.section("model").path))}
     for d, p in run.specialists().items():
         models[f"specialist:{d}"] = str(p)
+    if run.blend() is not None:
+        models[BLEND] = str(run.blend())
     models["merged"] = str(run.stage_dir("merge") / "model")
     rl_model = run.stage_dir("rl") / "model"
     if rl_model.exists():
@@ -338,6 +371,8 @@ def eval_table(results: dict[str, dict], k: int) -> dict:
                 },
             }
         )
+    for r in rows:  # breadth: every domain counts once, whatever its size (the negative-transfer figure)
+        r["breadth"] = {m: _mean([r["domains"].get(d, {}).get(m) for d in domains]) for m in ("pass@1", key_k)}
     table = {"k": k, "domains": domains, "rows": rows}
     base = next((r for r in rows if r["stage"] == "base"), None)
     last = rows[-1] if rows else None
@@ -350,6 +385,10 @@ def eval_table(results: dict[str, dict], k: int) -> dict:
     return table
 
 
+def _mean(xs: list):
+    return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)
+
+
 def _sub(a, b):
     return None if a is None or b is None else a - b
 
@@ -359,17 +398,21 @@ def _fmt(x) -> str:
 
 
 def format_eval_table(table: dict) -> str:
-    """A Markdown table: one row per stage model, pass@1 / pass@k per domain and overall."""
+    """A Markdown table: one row per stage model, pass@1 / pass@k per domain, overall (the mean over
+    tasks) and breadth (the mean over domains)."""
     k = table["k"]
     key_k = f"pass@{k}"
     cols = [f"{d} p@1 | {d} p@{k}" for d in table["domains"]] + [f"overall p@1 | overall p@{k}"]
-    lines = ["| model | " + " | ".join(cols) + " |", "|---|" + "---|---|" * (len(table["domains"]) + 1)]
+    cols += [f"breadth p@1 | breadth p@{k}"]
+    lines = ["| model | " + " | ".join(cols) + " |", "|---|" + "---|---|" * (len(table["domains"]) + 2)]
     for r in table["rows"]:
         cells = []
         for d in table["domains"]:
             v = r["domains"].get(d, {})
             cells += [_fmt(v.get("pass@1")), _fmt(v.get(key_k))]
         cells += [_fmt(r["overall"].get("pass@1")), _fmt(r["overall"].get(key_k))]
+        b = r.get("breadth", {})
+        cells += [_fmt(b.get("pass@1")), _fmt(b.get(key_k))]
         lines.append(f"| {r['stage']} | " + " | ".join(cells) + " |")
     g = table.get("gain")
     if g:

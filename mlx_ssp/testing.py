@@ -35,8 +35,9 @@ _CORPUS = [
 ]
 
 
-def train_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Path:
-    """Train a byte-level BPE on the built-in corpus and save tokenizer files with a ChatML template."""
+def train_tokenizer(out_dir: str | Path, vocab_size: int = 512, corpus: list[str] | None = None) -> Path:
+    """Train a byte-level BPE on the built-in corpus (plus ``corpus``: e.g. tool schemas, so that
+    long prompts tokenize short) and save tokenizer files with a ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     out = Path(out_dir)
@@ -51,7 +52,7 @@ def train_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    tok.train_from_iterator(_CORPUS * 20 + list(corpus or []), trainer=trainer)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(
@@ -105,8 +106,11 @@ def make_tiny_model(
     tie_word_embeddings: bool = True,
     seed: int = 0,
     dtype: str = "float32",
+    vocab_size: int = 512,
+    corpus: list[str] | None = None,
 ) -> Path:
-    """Write a random ``arch`` model (``qwen3`` or ``llama``) in HF layout and return its path."""
+    """Write a random ``arch`` model (``qwen3`` or ``llama``) in HF layout and return its path. The
+    trained tokenizer has ``vocab_size`` tokens learnt from the built-in corpus and ``corpus``."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import save_config
@@ -114,7 +118,7 @@ def make_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer_dir is None:
-        train_tokenizer(out)
+        train_tokenizer(out, vocab_size=vocab_size, corpus=corpus)
     else:
         src = Path(tokenizer_dir)
         for f in src.iterdir():

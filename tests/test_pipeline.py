@@ -152,6 +152,19 @@ def test_eval_table_and_gain():
     assert "| base | 0.100 | 0.300 | 0.100 | 0.300 |" in text and "+0.150" in text
 
 
+def test_eval_table_breadth_counts_every_domain_once():
+    """Overall is the mean over tasks; breadth the mean over domains (a big domain cannot hide a small
+    one a specialist eroded)."""
+    results = {"merged": {"domains": {"fs": {"pass@1": 0.8, "pass@2": 0.9, "n_tasks": 30},
+                                      "trade": {"pass@1": 0.2, "pass@2": 0.4, "n_tasks": 10}},
+                          "overall": {"pass@1": 0.65, "pass@2": 0.775}}}
+    row = pipeline.eval_table(results, k=2)["rows"][0]
+    assert row["breadth"]["pass@1"] == pytest.approx(0.5) and row["breadth"]["pass@2"] == pytest.approx(0.65)
+    assert "breadth p@1" in pipeline.format_eval_table(pipeline.eval_table(results, k=2))
+    results["merged"]["domains"]["trade"]["pass@1"] = None  # a domain without a figure: no breadth
+    assert pipeline.eval_table(results, k=2)["rows"][0]["breadth"]["pass@1"] is None
+
+
 @pytest.mark.slow
 @pytest.mark.demo
 def test_smoke_end_to_end_and_resume(tmp_path, monkeypatch):

@@ -60,6 +60,8 @@ class DomainSpec(StrictModel):
     valid: Optional[str] = None
     #: a task JSONL used as the probe set (only this domain's tasks are used)
     probe_tasks: Optional[str] = None
+    #: the domains whose probe tasks choose this one's checkpoint (default: its own; a blend: all)
+    probe_domains: Optional[list[str]] = None
 
 
 class SFTConfig(StrictModel):
@@ -89,6 +91,9 @@ class SFTConfig(StrictModel):
     seed: Optional[int] = None  # default: the run file's top-level seed, else 0
     dequantize: bool = False  # fuse a quantized base into a dequantized specialist
     overwrite: bool = False  # discard earlier checkpoints/specialists instead of resuming
+    #: `mlx_ssp run`: also train one LoRA on every domain's data mixed (the blend the merge is compared
+    #: with: issue 18's negative-transfer experiment); evaluated, never merged
+    blend: bool = False
 
     @field_validator("domains", mode="before")
     @classmethod

@@ -25,7 +25,9 @@ file system, trading, travel and vehicle control, with the other classes (Twitte
 tickets, math) as helpers. Without ``params.backend`` every task's domain is ``<domain>_<backend>``
 (so ``tasks export bfcl_multi_turn:base`` writes one domain per backend); with ``backend: NAME`` (a
 short name such as ``vehicle_control``, or a class name) only that backend's entries are drawn, into
-the domain as named. Splits are disjoint as for the other file sources (shuffled by seed and domain).
+the domain as named. ``params.tools: used`` offers only the functions the entry's ground truth calls
+(short prompts for small models and CPU runs: an easier task than BFCL's, say so when reporting);
+``params.reward: partial`` makes the fraction of turns passed the reward (default ``accuracy``). Splits are disjoint as for the other file sources (shuffled by seed and domain).
 """
 
 from __future__ import annotations
@@ -74,12 +76,25 @@ def primary_backend(entry: dict) -> str:
     return next(c for c in on_path if counts.get(c) == best)
 
 
+PARAMS = ("backend", "tools", "reward")
+#: which functions a task offers: every documented one of its classes (BFCL), or only those its
+#: ground truth calls (a smaller task for small models and short CPU runs; not BFCL's benchmark)
+TOOL_SETS = ("all", "used")
+
+
+def _check_params(params: dict) -> None:
+    bad = sorted(set(params) - set(PARAMS))
+    if bad:
+        raise UserError(f"source 'bfcl_multi_turn': unknown params {', '.join(bad)}; valid: {', '.join(PARAMS)}")
+    if params.get("tools", "all") not in TOOL_SETS:
+        raise UserError(f"source 'bfcl_multi_turn': params.tools must be one of {', '.join(TOOL_SETS)}")
+    if params.get("reward", "accuracy") not in ("accuracy", "partial"):
+        raise UserError("source 'bfcl_multi_turn': params.reward must be accuracy or partial")
+
+
 def _backend_filter(params: dict) -> str | None:
     from mlx_ssp.agents.backends import BACKENDS
 
-    bad = sorted(set(params) - {"backend"})
-    if bad:
-        raise UserError(f"source 'bfcl_multi_turn': unknown params {', '.join(bad)}; valid: backend")
     name = params.get("backend")
     if name is None:
         return None
@@ -102,7 +117,8 @@ def held_out_message(docs: list[dict]) -> dict:
     return {"role": "user", "content": f"New functions you can call (JSON schemas):\n{listing}\n\n{HELD_OUT_PROMPT}"}
 
 
-def entry_item(entry: dict, ground_truth: list[list[str]], category: str, *, with_domain: bool) -> Item:
+def entry_item(entry: dict, ground_truth: list[list[str]], category: str, *, with_domain: bool,
+               tools: str = "all", reward: str = "accuracy") -> Item:
     """One BFCL multi-turn entry as an :class:`Item` (see the module docstring)."""
     from mlx_ssp.agents.backends import BACKENDS, function_docs
 
@@ -115,6 +131,9 @@ def entry_item(entry: dict, ground_truth: list[list[str]], category: str, *, wit
     held = {int(t): list(names) for t, names in (entry.get("missed_function") or {}).items()}
     held_names = {n for names in held.values() for n in names}
     offered = [d for d in docs if d["name"] not in excluded and d["name"] not in held_names]
+    if tools == "used":
+        used = {c.split("(", 1)[0].strip() for turn in ground_truth for c in turn}
+        offered = [d for d in offered if d["name"] in used]
     by_name = {d["name"]: d for d in docs}
     turns = []
     for t, msgs in enumerate(entry["question"]):
@@ -137,6 +156,7 @@ def entry_item(entry: dict, ground_truth: list[list[str]], category: str, *, wit
             "held_out": {str(t): names for t, names in sorted(held.items())},
             # what a tool result shown to the model is cut at (long_context is about long results)
             "max_result_chars": LONG_RESULT_CHARS if category == "long_context" else RESULT_CHARS,
+            "reward": reward,
         },
         "tools": [_tool(d) for d in offered],
         "functions": offered,
@@ -153,6 +173,7 @@ def load_multi_turn(arg: str, params: dict) -> list[Item]:
     """Every entry of ``BFCL_v4_multi_turn_{arg}.json`` (optionally one backend's) as items."""
     if arg not in CATEGORIES:
         raise UserError(f"unknown BFCL multi-turn category '{arg}'; valid: {', '.join(CATEGORIES)}")
+    _check_params(params)
     only = _backend_filter(params)
     d = _data_dir()
     answers = {r["id"]: r["ground_truth"] for r in read_rows(str(d / "possible_answer" / f"BFCL_v4_multi_turn_{arg}.json"))}
@@ -160,5 +181,6 @@ def load_multi_turn(arg: str, params: dict) -> list[Item]:
     for entry in read_rows(str(d / f"BFCL_v4_multi_turn_{arg}.json")):
         if entry["id"] not in answers or (only is not None and primary_backend(entry) != only):
             continue
-        items.append(entry_item(entry, answers[entry["id"]], arg, with_domain=only is None))
+        items.append(entry_item(entry, answers[entry["id"]], arg, with_domain=only is None,
+                                tools=params.get("tools", "all"), reward=params.get("reward", "accuracy")))
     return items

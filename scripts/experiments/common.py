@@ -217,7 +217,12 @@ class Ctx:
         out = self.select_dir(policy)
         if not (out / "spectrum.json").exists():
             cfg = validate(SelectConfig, {**self.select_raw, "policy": policy}, source="experiment", prefix="select")
-            run_select(self.rollouts(), cfg, out, overwrite=True)
+            gold = None
+            if cfg.gold:  # episode tasks: BFCL's ground truth played through the environment, in the model's tokens
+                from mlx_ssp.select import gold_records
+
+                gold = gold_records(self.load_tasks("train"), self.base()[1])
+            run_select(self.rollouts(), cfg, out, overwrite=True, gold=gold)
         return out
 
     def sft(self, name: str, domains: dict[str, dict], seed: int, iters: Optional[int] = None,
@@ -435,13 +440,17 @@ def options(f):
     return f
 
 
-def make_ctx(tiny: bool, work_dir: Optional[str], overrides: tuple[str, ...], no_progress: bool) -> Ctx:
-    cfg = _tiny_defaults() if tiny else copy.deepcopy(DEFAULTS)
+def make_ctx(tiny: bool, work_dir: Optional[str], overrides: tuple[str, ...], no_progress: bool,
+             defaults: Optional[dict] = None, tiny_defaults: Optional[dict] = None, name: str = "experiments") -> Ctx:
+    """The context of a run: ``defaults`` (default :data:`DEFAULTS`; ``tiny_defaults`` with ``--tiny``)
+    with the ``--set`` overrides applied; keys outside the defaults are an error."""
+    base = defaults if defaults is not None else DEFAULTS
+    cfg = copy.deepcopy((tiny_defaults if tiny_defaults is not None else _tiny_defaults()) if tiny else base)
     cfg = apply_overrides(cfg, list(overrides))
-    unknown = sorted(set(cfg) - set(DEFAULTS))
+    unknown = sorted(set(cfg) - set(base))
     if unknown:
-        raise UserError(f"unknown experiment key(s) {', '.join(unknown)}; valid: {', '.join(sorted(DEFAULTS))}")
-    work = Path(work_dir or ("runs/experiments-tiny" if tiny else "runs/experiments"))
+        raise UserError(f"unknown experiment key(s) {', '.join(unknown)}; valid: {', '.join(sorted(base))}")
+    work = Path(work_dir or (f"runs/{name}-tiny" if tiny else f"runs/{name}"))
     if tiny:
         _register_tiny_verifier()
         if cfg["model"] == "demo":

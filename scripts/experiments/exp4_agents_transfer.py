@@ -1,0 +1,177 @@
+"""Experiment 4 (agents): does a narrow specialist erode the other backends, and does merging not?
+
+The agents plan (RECIPE.md) trains one LoRA specialist per BFCL backend and merges them, because the
+brief measured negative transfer: a file-system specialist cut breadth across backends from 60 to 42,
+a blended multi-backend distillation from 60 to 31. This script measures, on every backend's
+held-out multi-turn episodes (``bfcl_multi_turn:base``, one domain per backend), for each SFT seed:
+
+- ``specialist:<backend>``: one LoRA per backend, trained on that backend's selected passing episodes
+  (the model's own K rollouts that pass, and the gold episodes of BFCL's ground truth played through
+  the environment: ``select.gold``), checkpoint by Pass@K on its probe episodes, fused;
+- ``merged``: the specialists merged (``merge.method``, default linear);
+- ``blend``: one LoRA on all backends' data mixed, for as many iterations as all specialists together
+  (equal training compute), probed on every backend's probe episodes;
+- ``base``: the untrained model.
+
+Reported: each model's pass rate per backend, its *breadth* (the mean over backends), the
+specialists' own-backend pass rate and their breadth, and the differences that carry the question
+(merged - specialist on the specialist's own backend; breadth of merged, blend and specialists vs
+base), as means over SFT seeds with the standard error across seeds (and, per seed, the paired SE
+across tasks in results.json). Reward per episode: ``partial`` (the fraction of turns passed) by
+default, because at demo scale BFCL's all-turns accuracy is 0 almost everywhere.
+
+    python scripts/experiments/exp4_agents_transfer.py [--tiny] [--work-dir DIR] [--set KEY=VALUE]
+
+Demo scale uses ``tools: used`` (only the functions an episode's ground truth calls are offered:
+short prompts, an easier task than BFCL's). ``--tiny``: a random model, minimal sizes, seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+BACKENDS = ("file_system", "vehicle_control", "trading", "travel")
+_S = {"temperature": 0.7, "top_p": 1.0, "max_tokens": 96}
+
+
+def _domains(sizes: dict, tools: str = "used") -> dict:
+    return {b: {"source": "bfcl_multi_turn:base", "params": {"backend": b, "tools": tools, "reward": "partial"},
+                "sizes": dict(sizes)} for b in BACKENDS}
+
+
+DEFAULTS = {
+    **copy.deepcopy(common.DEFAULTS),
+    "tasks": {"seed": 1234, "domains": _domains({"train": 8, "probe": 2, "eval": 6})},
+    "rollout": {"k": 2, "sampling": _S, "batch_size": 16},
+    "select": {"per_prompt": 2, "gold": True, "drop_truncated": False},
+    "sft": {
+        "lora": {"rank": 8, "num_layers": 8, "scale": 20.0}, "learning_rate": 2e-4, "iters": 24, "batch_size": 1,
+        "save_every": 12, "report_every": 6, "val_batches": 0, "max_seq_length": 4096,
+        "probe": {"k": 2, "max_tasks": 2, "batch_size": 16, "sampling": _S, "progress": False},
+    },
+    "sft_seeds": [0, 1, 2],
+    "eval": {"k": 2, "n": 2, "sampling": _S, "batch_size": 16},
+}
+
+
+def _tiny() -> dict:
+    d = copy.deepcopy(DEFAULTS)
+    s = {"temperature": 1.0, "max_tokens": 6}
+    d["tasks"]["domains"] = {b: v for b, v in _domains({"train": 2, "probe": 1, "eval": 1}).items()
+                             if b in ("file_system", "trading")}
+    d["rollout"].update(k=2, sampling=s, batch_size=8)
+    d["sft"].update(iters=2, save_every=1, report_every=1, max_seq_length=2048, lora={"rank": 2, "num_layers": 1},
+                    probe={"k": 2, "max_tasks": 1, "batch_size": 8, "sampling": s, "progress": False})
+    d["sft_seeds"] = [0, 1]
+    d["eval"].update(k=2, n=2, sampling=s, batch_size=8)
+    return d
+
+
+def run_seed(ctx: common.Ctx, seed: int) -> dict:
+    """Every model of one SFT seed, each evaluated on every backend."""
+    sel = ctx.selection("diverse")
+    doms = common.domains_with_data(sel)
+    if not doms:
+        raise common.UserError("no backend has SFT data (no passing episode and no gold episode)")
+    probe = str(ctx.tasks("probe"))
+    specs = ctx.sft(f"spec-s{seed}", {d: {"data": str(sel / d), "probe_tasks": probe} for d in doms}, seed)
+    merged = ctx.merge(f"s{seed}-{ctx.merge_cfg.method}", list(specs.values()))
+    mixed = _blend_dir(ctx, sel, doms)
+    blend = ctx.sft(f"blend-s{seed}", {"blend": {"data": str(mixed), "probe_tasks": probe, "probe_domains": doms}},
+                    seed, iters=ctx.raw["sft"]["iters"] * len(doms),
+                    probe_max_tasks=ctx.raw["sft"]["probe"]["max_tasks"] * len(doms))["blend"]
+    ev = {f"specialist:{d}": ctx.evaluate(f"s{seed}-spec-{d}", p) for d, p in specs.items()}
+    ev["merged"] = ctx.evaluate(f"s{seed}-merged", merged)
+    ev["blend"] = ctx.evaluate(f"s{seed}-blend", blend)
+    return ev
+
+
+def _blend_dir(ctx: common.Ctx, sel: Path, doms: list[str]) -> Path:
+    from mlx_ssp.io import read_jsonl, write_jsonl_atomic
+
+    out = ctx.select_dir("blend") / "blend"
+    for part in ("train", "valid"):
+        f = out / f"{part}.jsonl"
+        if not f.exists():
+            write_jsonl_atomic(f, [r for d in doms for r in read_jsonl(sel / d / f"{part}.jsonl")])
+    return out
+
+
+def per_backend(res: dict, k: int, backends: list[str]) -> dict[str, float]:
+    return {b: common.scores(res, k, b)["pass@1"] for b in backends}
+
+
+def breadth(p: dict[str, float]) -> float:
+    return sum(p.values()) / len(p)
+
+
+def summarize(base: dict, seeds: dict[int, dict], k: int, backends: list[str]) -> dict:
+    """Means over seeds (± SE across seeds) of pass@1 per backend and breadth, per model kind."""
+    kinds: dict[str, list[dict]] = {}
+    own, own_minus_merged = [], []
+    for ev in seeds.values():
+        for name, res in ev.items():
+            kinds.setdefault(name, []).append(per_backend(res, k, backends))
+        spec_own = {b: per_backend(ev[f"specialist:{b}"], k, backends)[b] for b in backends if f"specialist:{b}" in ev}
+        merged = per_backend(ev["merged"], k, backends)
+        own.append(breadth(spec_own))
+        own_minus_merged.append(sum(merged[b] - v for b, v in spec_own.items()) / len(spec_own))
+    b0 = per_backend(base, k, backends)
+    out = {"base": {"per_backend": b0, "breadth": (breadth(b0), None)}}
+    for name, rows in kinds.items():
+        out[name] = {"per_backend": {b: common.mean_se([r[b] for r in rows]) for b in backends},
+                     "breadth": common.mean_se([breadth(r) for r in rows])}
+    spec_breadth = [breadth(r) for n, rows in kinds.items() if n.startswith("specialist:") for r in rows]
+    out["specialists"] = {"own_backend": common.mean_se(own), "breadth": common.mean_se(spec_breadth)}
+    out["merged_minus_specialist_own"] = common.mean_se(own_minus_merged)
+    return out
+
+
+def run(ctx: common.Ctx) -> dict:
+    k = ctx.eval_cfg.k
+    backends = list(ctx.domains)
+    base = ctx.evaluate("base", None)
+    seeds = {s: run_seed(ctx, s) for s in ctx.sft_seeds}
+    summ = summarize(base, seeds, k, backends)
+    f = common.fmt
+    head = ["model", *backends, "breadth"]
+    rows = [["base", *(f(summ["base"]["per_backend"][b]) for b in backends), f(summ["base"]["breadth"][0])]]
+    for name in [n for n in summ if n.startswith("specialist:")] + ["blend", "merged"]:
+        r = summ[name]
+        rows.append([name, *(f(*r["per_backend"][b]) for b in backends), f(*r["breadth"])])
+    sp = summ["specialists"]
+    text = "\n".join([
+        f"## Experiment 4: specialists per backend vs blend vs merge on BFCL multi-turn episodes "
+        f"(pass@1 with partial-credit reward, n={ctx.eval_cfg.n or k}; {len(ctx.sft_seeds)} SFT seeds; "
+        "± = SE across seeds)",
+        "",
+        common.md_table(head, rows),
+        "",
+        f"specialists on their own backend: {f(*sp['own_backend'])}; specialists' breadth: {f(*sp['breadth'])}; "
+        f"merged - specialist on the specialist's backend: {f(*summ['merged_minus_specialist_own'], signed=True)}",
+    ])
+    results = {"k": k, "backends": backends, "summary": summ, "per_seed": {
+        s: {n: {"per_backend": per_backend(r, k, backends),
+                "vs_base": common.paired(base, r, k)} for n, r in ev.items()} for s, ev in seeds.items()}}
+    common.write_results(ctx, "exp4", results, text)
+    return results
+
+
+def _make_ctx(tiny, work_dir, overrides, no_progress):
+    return common.make_ctx(tiny, work_dir, overrides, no_progress, defaults=DEFAULTS, tiny_defaults=_tiny(),
+                           name="experiments-agents")
+
+
+@common.click.command(help="Experiment 4: specialists per BFCL backend vs blend vs merge (breadth).")
+@common.options
+def cli(tiny, work_dir, overrides, no_progress):
+    run(_make_ctx(tiny, work_dir, overrides, no_progress))
+
+
+if __name__ == "__main__":
+    common.main(cli)
