@@ -157,3 +157,16 @@ def make_tiny_model(
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     save_config(config, out / "config.json")
     return out
+
+
+def make_tiny_agent_model(out_dir: str | Path, n_tasks: int = 80) -> Path:
+    """A tiny random model whose tokenizer (4096 tokens) was trained on BFCL multi-turn tool schemas
+    and gold conversations, so an episode prompt is ~650 tokens instead of ~4k: for agents tests and
+    ``--tiny`` experiments (needs ``bfcl-eval``)."""
+    from mlx_ssp.agents.gold import gold_messages
+    from mlx_ssp.tasks import export_source
+
+    corpus = []
+    for t in export_source("bfcl_multi_turn:base", params={"tools": "used"})[:n_tasks]:
+        corpus += [json.dumps(x) for x in t.metadata["tools"]] + [m["content"] for m in gold_messages(t)]
+    return make_tiny_model(out_dir, vocab_size=4096, corpus=corpus)

@@ -337,3 +337,17 @@ def test_select_with_gold_writes_masked_conversations(tmp_path, tiny_qwen3, task
         assert len(r["token_ids"]) == len(r["mask"]) and 0 < sum(r["mask"]) < len(r["mask"])
     res = CliRunner().invoke(main, ["select", str(ro), "-o", str(tmp_path / "s2"), "--gold"])
     assert res.exit_code == 2 and "--tasks" in res.output
+
+
+def test_step_limit_ends_the_episode_and_fails_that_turn(model_tok, tasks, monkeypatch):
+    """A model that calls on every message: at `max_steps` attempts in a turn the episode ends
+    (BFCL's force-quit), and re-verification flags the same turn."""
+    from mlx_ssp.agents.calls import Call
+
+    monkeypatch.setattr(Episode, "parse_calls", lambda self, text: [Call("pwd", {})])
+    t = tasks[0].model_copy(deep=True)
+    t.metadata["episode"]["max_steps"] = 3
+    (rec, _) = _run(model_tok, [t], batch_size=2)
+    assert rec["finish_reason"] == "step_limit" and rec["num_messages"] == 3
+    assert rec["turns"][0]["reason"].startswith("step limit") and rec["reward"] == 0.0
+    assert verify(rec["messages"], t).extra["turns"][0]["reason"].startswith("step limit")

@@ -19,14 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tiny_agent_model(tmp_path_factory) -> Path:
-    from mlx_ssp.agents.gold import gold_messages
-    from mlx_ssp.tasks import export_source
-    from mlx_ssp.testing import make_tiny_model
+    from mlx_ssp.testing import make_tiny_agent_model
 
-    corpus = []
-    for t in export_source("bfcl_multi_turn:base", params={"tools": "used"})[:80]:
-        corpus += [json.dumps(x) for x in t.metadata["tools"]] + [m["content"] for m in gold_messages(t)]
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_agent"), vocab_size=4096, corpus=corpus)
+    return make_tiny_agent_model(tmp_path_factory.mktemp("tiny_agent"))
 
 
 def _config(tmp_path: Path, model: Path) -> Path:

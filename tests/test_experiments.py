@@ -138,3 +138,19 @@ def test_exp3_mgpo_vs_grpo(work):
     assert cfgs[0]["mgpo_lambda"] == 1.0 and cfgs[1]["mgpo_lambda"] == 0.0
     rest = [{k: v for k, v in c.items() if k != "mgpo_lambda"} for c in cfgs]
     assert rest[0] == rest[1]
+
+
+@pytest.mark.slow
+def test_exp4_agents_transfer_runs_every_model_on_every_backend(tmp_path):
+    """Experiment 4 at toy size: per SFT seed, each backend's specialist, the blend and the merge are
+    evaluated on every backend (breadth needs all of them); the blend is trained on all backends."""
+    res = _run("exp4_agents_transfer", tmp_path)
+    assert res["tiny"] is True and res["backends"] == ["file_system", "trading"]
+    assert set(res["per_seed"]) == {"0", "1"}
+    for ev in res["per_seed"].values():
+        assert set(ev) == {"specialist:file_system", "specialist:trading", "merged", "blend"}
+        assert all(set(m["per_backend"]) == {"file_system", "trading"} for m in ev.values())
+    s = res["summary"]
+    assert s["blend"]["breadth"][0] == pytest.approx(sum(s["blend"]["per_backend"][b][0] for b in res["backends"]) / 2)
+    blend = [json.loads(x) for f in tmp_path.glob("select/*/blend/blend/train.jsonl") for x in f.read_text().splitlines()]
+    assert {r["task_id"].split("-")[0] for r in blend} == {"file_system", "trading"}

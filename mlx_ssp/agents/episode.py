@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from mlx_ssp.tasks import Task
+from mlx_ssp.tasks.multi_turn import MAX_STEPS  # BFCL's per-turn step limit
 
-#: BFCL's per-turn step limit (``MAXIMUM_STEP_LIMIT``): messages with calls allowed in one turn.
-MAX_STEPS = 20
 _PLACEHOLDER = "\u2063mlx_ssp:placeholder\u2063"
 
 
@@ -103,7 +102,7 @@ class Episode:
     mask: list[int] = field(default_factory=list)  # 1: sampled by the model
     logprobs: list[float] = field(default_factory=list)  # behaviour log-probs (0.0 where mask is 0)
     turn: int = 0
-    steps: int = 0  # messages with calls in the current turn
+    steps: int = 0  # messages in the current turn that tried to call (made calls, or failed to parse)
     n_messages: int = 0
     end: Optional[str] = None  # "done" | "step_limit" | "context"
 
@@ -112,6 +111,7 @@ class Episode:
 
         ep = self.task.metadata["episode"]
         self.user_turns: list[list[dict]] = ep["user_turns"]
+        self.max_steps = int(ep.get("max_steps", self.max_steps))
         # the cap on a result the model sees (long_context's point is long results: its tasks raise it)
         limits = CallLimits(max_result_chars=int(ep.get("max_result_chars", CallLimits.max_result_chars)))
         self.env = Environment(ep.get("initial_config", {}), ep["involved_classes"],

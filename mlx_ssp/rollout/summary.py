@@ -22,7 +22,8 @@ def _is_correct(r: dict) -> bool:
 
 def summarize(records: list[dict], k: int, max_samples: Optional[int] = None) -> dict:
     """Per-domain pass@1 / pass@k (unbiased estimator over each task's n samples; samples with
-    index >= ``max_samples`` ignored), mean completion length and the truncated fraction;
+    index >= ``max_samples`` ignored), mean completion length, the truncated fraction and the mean
+    reward (partial credit, e.g. an episode's fraction of turns passed, that pass@k does not count);
     ``overall`` averages over all tasks (task-weighted).
 
     pass@k needs n >= k (as in :mod:`mlx_ssp.eval`, which refuses n < k): a task with fewer samples
@@ -45,6 +46,8 @@ def summarize(records: list[dict], k: int, max_samples: Optional[int] = None) ->
                 f"pass@{k}": pass_at_k(n, c, k) if n >= k else None,
                 "mean_tokens": sum(r["num_tokens"] for r in recs) / n,
                 "truncated": sum(r["finish_reason"] == "length" for r in recs),
+                # partial credit (an episode's fraction of turns passed) that pass@k does not see
+                "mean_reward": sum(r.get("reward") or 0.0 for r in recs) / n,
             }
         )
 
@@ -62,6 +65,7 @@ def summarize(records: list[dict], k: int, max_samples: Optional[int] = None) ->
             f"pass@{k}_tasks": len(with_k),
             "mean_tokens": sum(t["mean_tokens"] * t["n"] for t in task_rows) / n_samples,
             "truncated_frac": sum(t["truncated"] for t in task_rows) / n_samples,
+            "mean_reward": sum(t["mean_reward"] * t["n"] for t in task_rows) / n_samples,
         }
 
     domains = {d: agg(v) for d, v in sorted(rows.items())}

@@ -27,7 +27,9 @@ tickets, math) as helpers. Without ``params.backend`` every task's domain is ``<
 short name such as ``vehicle_control``, or a class name) only that backend's entries are drawn, into
 the domain as named. ``params.tools: used`` offers only the functions the entry's ground truth calls
 (short prompts for small models and CPU runs: an easier task than BFCL's, say so when reporting);
-``params.reward: partial`` makes the fraction of turns passed the reward (default ``accuracy``). Splits are disjoint as for the other file sources (shuffled by seed and domain).
+``params.reward: partial`` makes the fraction of turns passed the reward (default ``accuracy``);
+``params.max_steps`` caps the messages per turn that try to call (default 20, BFCL's limit: a weak
+model that keeps writing unparseable calls is told the error 20 times per turn). Splits are disjoint as for the other file sources (shuffled by seed and domain).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from mlx_ssp.tasks.item import Item, read_rows
 
 CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
 RESULT_CHARS, LONG_RESULT_CHARS = 8192, 32768
+#: BFCL's per-turn step limit (``MAXIMUM_STEP_LIMIT``); ``params.max_steps`` lowers it for small runs
+MAX_STEPS = 20
 #: BFCL's text for the turn that brings the held-back functions (prompting handlers).
 HELD_OUT_PROMPT = "I have updated some more functions you can choose from. What about now?"
 #: The default system prompt of multi-turn domains (BFCL's multi-turn behaviour, in our words).
@@ -76,7 +80,7 @@ def primary_backend(entry: dict) -> str:
     return next(c for c in on_path if counts.get(c) == best)
 
 
-PARAMS = ("backend", "tools", "reward")
+PARAMS = ("backend", "tools", "reward", "max_steps")
 #: which functions a task offers: every documented one of its classes (BFCL), or only those its
 #: ground truth calls (a smaller task for small models and short CPU runs; not BFCL's benchmark)
 TOOL_SETS = ("all", "used")
@@ -90,6 +94,9 @@ def _check_params(params: dict) -> None:
         raise UserError(f"source 'bfcl_multi_turn': params.tools must be one of {', '.join(TOOL_SETS)}")
     if params.get("reward", "accuracy") not in ("accuracy", "partial"):
         raise UserError("source 'bfcl_multi_turn': params.reward must be accuracy or partial")
+    steps = params.get("max_steps", MAX_STEPS)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise UserError(f"source 'bfcl_multi_turn': params.max_steps must be an integer >= 1 (got {steps!r})")
 
 
 def _backend_filter(params: dict) -> str | None:
@@ -118,7 +125,7 @@ def held_out_message(docs: list[dict]) -> dict:
 
 
 def entry_item(entry: dict, ground_truth: list[list[str]], category: str, *, with_domain: bool,
-               tools: str = "all", reward: str = "accuracy") -> Item:
+               tools: str = "all", reward: str = "accuracy", max_steps: int = MAX_STEPS) -> Item:
     """One BFCL multi-turn entry as an :class:`Item` (see the module docstring)."""
     from mlx_ssp.agents.backends import BACKENDS, function_docs
 
@@ -157,6 +164,7 @@ def entry_item(entry: dict, ground_truth: list[list[str]], category: str, *, wit
             # what a tool result shown to the model is cut at (long_context is about long results)
             "max_result_chars": LONG_RESULT_CHARS if category == "long_context" else RESULT_CHARS,
             "reward": reward,
+            "max_steps": max_steps,
         },
         "tools": [_tool(d) for d in offered],
         "functions": offered,
@@ -182,5 +190,6 @@ def load_multi_turn(arg: str, params: dict) -> list[Item]:
         if entry["id"] not in answers or (only is not None and primary_backend(entry) != only):
             continue
         items.append(entry_item(entry, answers[entry["id"]], arg, with_domain=only is None,
-                                tools=params.get("tools", "all"), reward=params.get("reward", "accuracy")))
+                                tools=params.get("tools", "all"), reward=params.get("reward", "accuracy"),
+                                max_steps=params.get("max_steps", MAX_STEPS)))
     return items

@@ -8,9 +8,9 @@ JSON text): ``user`` messages delimit the turns in the task's order (the first o
 :func:`mlx_ssp.agents.checker.score_episode`: a fresh environment and a ground-truth twin, state and
 response checks per turn (BFCL's multi-turn checker semantics; see that module).
 
-A step that tried to call but could not be parsed runs nothing. A turn with more than
-``max_steps`` messages that make calls (default 20, BFCL's ``MAXIMUM_STEP_LIMIT``) hit the step
-limit and fails, as BFCL force-quits such an entry.
+A step that tried to call but could not be parsed runs nothing. A turn with ``max_steps``
+messages that tried to call (``metadata.episode.max_steps``, default 20, BFCL's
+``MAXIMUM_STEP_LIMIT``) hit the step limit and fails, as BFCL force-quits such an entry.
 
 Reward: ``metadata["episode"]["reward"]`` selects ``accuracy`` (default; 1 iff every turn passed,
 BFCL's metric) or ``partial`` (the fraction of turns passed). Both, and every turn's verdict, are in
@@ -59,10 +59,13 @@ def _messages(completion: Any) -> list[dict]:
 
 
 def episode_turns(messages: list[dict], n_turns: int, max_steps: int) -> tuple[list[list[list]], list[int]]:
-    """The calls of each turn, one list per assistant message, and the turns that hit the step limit."""
+    """The calls of each turn, one list per assistant message, and the turns that hit the step limit:
+    ``max_steps`` messages that tried to call (made calls, or failed to parse), the rule the episode
+    engine stops a turn by."""
     from mlx_ssp.agents.calls import CallSyntaxError, calls_from_message
 
     turns: list[list[list]] = [[] for _ in range(n_turns)]
+    attempts = [0] * n_turns
     turn = -1
     for m in messages:
         role = m.get("role")
@@ -74,12 +77,15 @@ def episode_turns(messages: list[dict], n_turns: int, max_steps: int) -> tuple[l
             if turn < 0:
                 raise EpisodeFormatError("an assistant message comes before the first user message")
             try:
-                turns[turn].append(calls_from_message(m))
+                calls = calls_from_message(m)
             except CallSyntaxError:
-                turns[turn].append([])  # the model was told the parse error; nothing ran
+                calls, attempts[turn] = [], attempts[turn] + 1  # the model was told the parse error; nothing ran
+            else:
+                attempts[turn] += bool(calls)
+            turns[turn].append(calls)
         elif role not in ("system", "tool"):
             raise EpisodeFormatError(f"unknown message role {role!r}")
-    over = [t for t, steps in enumerate(turns) if sum(1 for s in steps if s) > max_steps]
+    over = [t for t in range(n_turns) if attempts[t] >= max_steps]
     return turns, over
 
 
