@@ -13,18 +13,33 @@ from __future__ import annotations
 import importlib
 import re
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_serializer
 
 from mlx_ssp.errors import UserError
 
 
 class StrictModel(BaseModel):
-    """Base for every config model: unknown keys are errors, assignment is validated."""
+    """Base for every config model: unknown keys are errors, assignment is validated.
+
+    ``OMIT_AT_DEFAULT`` names keys added after runs were made with the model: a dump leaves them out
+    while they hold their default, so the resolved config (and every fingerprint made from it) of a
+    run that does not use them is what it was, and earlier runs resume instead of being redone."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    OMIT_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_new_defaults(self, handler):
+        data = handler(self)
+        if self.OMIT_AT_DEFAULT and isinstance(data, dict):
+            fields = type(self).model_fields
+            for k in self.OMIT_AT_DEFAULT:
+                if k in data and getattr(self, k) == fields[k].get_default(call_default_factory=True):
+                    del data[k]
+        return data
 
 
 M = TypeVar("M", bound=BaseModel)

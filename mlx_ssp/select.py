@@ -53,6 +53,8 @@ from mlx_ssp.errors import UserError
 class SelectConfig(StrictModel):
     """The ``select:`` section of a run file."""
 
+    OMIT_AT_DEFAULT = frozenset({"gold"})  # added for episodes (issue 18)
+
     policy: Literal["diverse", "first", "all"] = "diverse"
     per_prompt: int = Field(4, ge=1)  # M: most solutions kept per prompt (diverse)
     distance: Literal["ngram", "edit"] = "ngram"

@@ -60,12 +60,15 @@ class DomainSpec(StrictModel):
     valid: Optional[str] = None
     #: a task JSONL used as the probe set (only this domain's tasks are used)
     probe_tasks: Optional[str] = None
+    OMIT_AT_DEFAULT = frozenset({"probe_domains"})  # added for the blend (issue 18)
     #: the domains whose probe tasks choose this one's checkpoint (default: its own; a blend: all)
     probe_domains: Optional[list[str]] = None
 
 
 class SFTConfig(StrictModel):
     """The ``sft:`` section."""
+
+    OMIT_AT_DEFAULT = frozenset({"blend"})  # added for episodes (issue 18)
 
     #: required by the command; the pipeline fills it from the tasks section when empty
     domains: dict[str, DomainSpec] = Field(default_factory=dict)
