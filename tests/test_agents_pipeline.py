@@ -94,3 +94,17 @@ def _sha(p: Path) -> str:
     import hashlib
 
     return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_episode_select_refuses_a_teacher_with_another_tokenizer(tmp_path, tiny_agent_model, tiny_qwen3):
+    """Episode SFT examples are the teacher's sampled ids: a teacher whose tokenizer differs from the
+    model's would train the student on another vocabulary, so the select stage stops, naming why."""
+    from mlx_ssp.errors import UserError
+    from mlx_ssp.models import ModelConfig
+    from mlx_ssp.tasks import export_source, write_tasks
+
+    run = pipeline.Run(run_dir=tmp_path, data={"teacher": {"path": str(tiny_qwen3)}}, source="agents.yaml", seed=0)
+    run.sections.update(model=ModelConfig(path=str(tiny_agent_model)), teacher=ModelConfig(path=str(tiny_qwen3)))
+    write_tasks(run.tasks_path("train"), export_source("bfcl_multi_turn:base", params={"backend": "trading"})[:1])
+    with pytest.raises(UserError, match="teacher's tokenizer differs"):
+        pipeline.stage_select(run)
