@@ -227,18 +227,20 @@ def strategy_text(rec: dict) -> str:
         return rec["completion"]
     from mlx_ssp.agents.calls import CallSyntaxError, calls_from_message
 
-    lines, turn = [], []
+    lines: list[str] = []
+    turn: Optional[list[str]] = None  # the calls of the current turn (None: before the first user message)
     for m in rec["messages"]:
-        if m.get("role") == "user" and turn:
-            lines.append(" ".join(turn))
+        if m.get("role") == "user":
+            if turn is not None:  # every turn keeps its place, one without calls too
+                lines.append(" ".join(turn))
             turn = []
-        elif m.get("role") == "assistant":
+        elif m.get("role") == "assistant" and turn is not None:
             try:
                 turn += ["call_" + hashlib.blake2b(c.key().encode(), digest_size=6).hexdigest()
                          for c in calls_from_message(m)]
             except CallSyntaxError:
                 turn.append("<unparsed>")
-    return " | ".join(lines + [" ".join(turn)])
+    return " | ".join(lines + ([" ".join(turn)] if turn is not None else []))
 
 
 def select_prompt(recs: list[dict], cfg: SelectConfig) -> tuple[list[dict], dict]:

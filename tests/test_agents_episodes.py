@@ -351,3 +351,44 @@ def test_step_limit_ends_the_episode_and_fails_that_turn(model_tok, tasks, monke
     assert rec["finish_reason"] == "step_limit" and rec["num_messages"] == 3
     assert rec["turns"][0]["reason"].startswith("step limit") and rec["reward"] == 0.0
     assert verify(rec["messages"], t).extra["turns"][0]["reason"].startswith("step limit")
+
+
+def test_a_turn_never_reached_fails_even_with_empty_ground_truth():
+    """An episode cut before its last turn (a step or context limit) must not pass that turn as
+    irrelevance: the base entry whose last ground truth is empty, its gold conversation cut before
+    the last user message, scores below 1."""
+    from mlx_ssp.agents.gold import gold_messages
+
+    (t,) = [t for t in export_source("bfcl_multi_turn:base") if not t.metadata["episode"]["ground_truth"][-1]][:1]
+    msgs = gold_messages(t)
+    assert verify(msgs, t).reward == 1.0
+    last_user = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+    cut = verify(msgs[:last_user], t)
+    assert cut.reward == 0.0 and cut.extra["turns"][-1]["reason"] == "not reached"
+
+
+def test_python_tuples_run_as_the_saved_record_will():
+    """A call written in python syntax with a tuple argument: the live message (tool_calls built from
+    the parsed call) and its JSON round trip (the saved record) re-execute to the same verdict."""
+    from mlx_ssp.agents.calls import parse_assistant_text
+
+    (t,) = [t for t in export_source("bfcl_multi_turn:base") if t.metadata["bfcl_id"] == "multi_turn_base_147"]
+    (c,) = parse_assistant_text("post_tweet(content='hi', tags=('#a',), mentions=())")
+    assert c.arguments["tags"] == ["#a"] and c.arguments["mentions"] == []
+    msgs = [m for m in t.messages()] + [{"role": "assistant", "content": "", "tool_calls": [c.as_openai()]}]
+    live = verify(msgs, t)
+    saved = verify(json.loads(json.dumps(msgs)), t)
+    assert live.extra["turns"] == saved.extra["turns"] and live.reward == saved.reward
+
+
+def test_strategy_keeps_turn_boundaries():
+    """The same call in turn 0 or in turn 1 is two strategies (a turn without calls keeps its place)."""
+    from mlx_ssp.select import strategy_text
+
+    ls = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": {}}}]}
+    say = {"role": "assistant", "content": "ok"}
+    u0, u1 = {"role": "user", "content": "a"}, {"role": "user", "content": "b"}
+    early = {"kind": "episode", "messages": [u0, ls, say, u1, say]}
+    late = {"kind": "episode", "messages": [u0, say, u1, ls, say]}
+    assert strategy_text(early) != strategy_text(late)
+    assert strategy_text(early) == strategy_text({"kind": "episode", "messages": [u0, say, ls, u1, say]})

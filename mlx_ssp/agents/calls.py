@@ -111,7 +111,18 @@ def _make_call(name: Any, args: Any, positional: tuple = ()) -> Call:
         raise CallSyntaxError(f"arguments of {name} are not an object")
     _check_value(args, f"arguments of {name}")
     _check_value(list(positional), f"arguments of {name}")
-    return Call(name, dict(args), tuple(positional))
+    # tuples (python syntax) become lists, as a JSON round trip of the recorded message makes them:
+    # the live episode and a later re-verification must run the same values
+    return Call(name, _lists(dict(args)), tuple(_lists(list(positional))))
+
+
+def _lists(v: Any) -> Any:
+    """``v`` with every tuple made a list (depth is bounded by :func:`_check_value`)."""
+    if isinstance(v, (list, tuple)):
+        return [_lists(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _lists(x) for k, x in v.items()}
+    return v
 
 
 # ---------------------------------------------------------------- python syntax (ast, literals only)

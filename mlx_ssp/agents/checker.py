@@ -142,8 +142,10 @@ def score_episode(
     allowed_per_turn: Sequence[Collection[str]] | None = None,
 ) -> EpisodeVerdict:
     """Re-execute the model's calls (``turns[t]``: one list of calls per assistant message of turn t)
-    and the ground truth, and judge every turn (module docstring). Missing turns count as turns
-    without calls; more turns than the ground truth has is an error."""
+    and the ground truth, and judge every turn (module docstring). A turn the episode never reached
+    (``turns`` shorter than the ground truth: it ended at a step or context limit) fails as "not
+    reached", whatever its ground truth (an empty one would otherwise pass as irrelevance); more
+    turns than the ground truth has is an error."""
     n = len(spec.ground_truth)
     if len(turns) > n:
         raise UserError(f"the episode has {len(turns)} turns, the task {n}")
@@ -180,6 +182,8 @@ def score_episode(
                 reason = f"response: {len(missing)} ground-truth result(s) missing, e.g. {_short(missing[0])!r}"
             else:
                 reason = ""
+        if t >= len(turns):
+            reason = "not reached"
         if t in limit_hit:
             reason = "step limit" + (f"; {reason}" if reason else "")
         passed = not reason

@@ -39,6 +39,7 @@ class Decoder:
 
             self.bar = tqdm(total=total, unit=unit, desc=desc, dynamic_ncols=True)
         self.t_start = time.perf_counter()
+        self.gen_s_before = 0.0  # time of an earlier pass in the same request (episodes, then single turns)
 
     def insert(self, prompts: list[list[int]], max_tokens: list[int], streams: list[int], caches=None) -> list[int]:
         """Queue sequences, each with its noise stream (and, to continue one, its KV cache)."""
@@ -57,4 +58,4 @@ class Decoder:
             self.bar.close()
         if self.was_training:
             self.model.train()
-        stats["gen_s"] = self.elapsed()
+        stats["gen_s"] = self.gen_s_before + self.elapsed()

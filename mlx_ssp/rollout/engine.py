@@ -196,13 +196,14 @@ def run_request(model, tokenizer, request: RolloutRequest, *, samples: Optional[
     if not plan.work:
         return
     run = _Generation(model, tokenizer, request, plan, stats)
+    run.dec.gen_s_before = stats["gen_s"]  # the episode pass's, when the request had both kinds
     try:
         run.top_up()
         while run.live:
             groups = run.step()
             if groups is None:
                 continue
-            stats["gen_s"] = time.perf_counter() - run.t_start
+            stats["gen_s"] = run.dec.gen_s_before + time.perf_counter() - run.t_start
             stats["n_samples"] += sum(len(g) for g in groups)
             yield from groups
         if run.scorer.pending:

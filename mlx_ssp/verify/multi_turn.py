@@ -59,7 +59,8 @@ def _messages(completion: Any) -> list[dict]:
 
 
 def episode_turns(messages: list[dict], n_turns: int, max_steps: int) -> tuple[list[list[list]], list[int]]:
-    """The calls of each turn, one list per assistant message, and the turns that hit the step limit:
+    """The calls of each turn the episode reached, one list per assistant message, and the turns that
+    hit the step limit:
     ``max_steps`` messages that tried to call (made calls, or failed to parse), the rule the episode
     engine stops a turn by."""
     from mlx_ssp.agents.calls import CallSyntaxError, calls_from_message
@@ -86,7 +87,7 @@ def episode_turns(messages: list[dict], n_turns: int, max_steps: int) -> tuple[l
         elif role not in ("system", "tool"):
             raise EpisodeFormatError(f"unknown message role {role!r}")
     over = [t for t in range(n_turns) if attempts[t] >= max_steps]
-    return turns, over
+    return turns[: turn + 1], over  # only the turns whose user message the episode reached
 
 
 def allowed_per_turn(ep: dict) -> list[set[str]] | None:
