@@ -189,21 +189,23 @@ def stage_rollout(run: Run) -> dict:
 def stage_select(run: Run) -> dict:
     from mlx_ssp.select import gold_records, run_select
 
-    from mlx_ssp.agents.episode import is_episode
-    from mlx_ssp.models import load_tokenizer
-    from mlx_ssp.tasks import load_tasks
-
     cfg = run.section("select")
-    train = load_tasks(run.tasks_path("train"))
     teacher = run.section("teacher")
-    if teacher is not None and any(is_episode(t) for t in train):
+    gold = None
+    if teacher is not None or cfg.gold:  # only episode runs need the tasks and the tokenizers here
+        from mlx_ssp.agents.episode import is_episode
+        from mlx_ssp.models import load_tokenizer
+        from mlx_ssp.tasks import load_tasks
+
+        train = load_tasks(run.tasks_path("train"))
+        student = load_tokenizer(run.section("model").path)
         # an episode's SFT example is its sampled token ids: they must be the student's tokens
-        if load_tokenizer(teacher.path).get_vocab() != load_tokenizer(run.section("model").path).get_vocab():
+        if teacher is not None and any(is_episode(t) for t in train) and \
+                load_tokenizer(teacher.path).get_vocab() != student.get_vocab():
             raise UserError(f"{run.source}: the teacher's tokenizer differs from the model's; episode SFT data are "
                             "the teacher's sampled token ids, so use a teacher of the same tokenizer (or no teacher)")
-    gold = None
-    if cfg.gold:  # episodes: the ground truth played through the environment, in the student's tokens
-        gold = gold_records(train, load_tokenizer(run.section("model").path))
+        if cfg.gold:  # episodes: the ground truth played through the environment, in the student's tokens
+            gold = gold_records(train, student)
     report = run_select(run.stage_dir("rollout") / "rollouts.jsonl", cfg, run.stage_dir("select"), overwrite=True,
                         gold=gold)
     return {"spectrum": report}

@@ -164,10 +164,7 @@ def run_episodes(model, tokenizer, request: RolloutRequest, *, samples: Optional
     stats = stats if stats is not None else {}
     for k, v in (("gen_tokens", 0), ("prompt_tokens", 0), ("gen_s", 0.0), ("verify_s", 0.0), ("n_samples", 0)):
         stats.setdefault(k, v)
-    work = []
-    for ti, task in enumerate(request.tasks):
-        wanted = list(range(request.k)) if samples is None else sorted(samples.get(task.id, []))
-        work.extend((ti, s) for s in wanted)
+    work = [(ti, s) for ti, task in enumerate(request.tasks) for s in request.wanted(task.id, samples)]
     if not work:
         return
     context = request.max_context or model_context_length(model)

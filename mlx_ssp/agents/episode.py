@@ -45,9 +45,12 @@ class Deltas:
         self.tokenizer = tokenizer
         self.template = getattr(tokenizer, "chat_template", None)
 
-    def _render(self, messages: list[dict]) -> str:
+    def _after(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The template's text after a placeholder assistant message followed by ``messages``."""
         base = [{"role": "user", "content": "."}, {"role": "assistant", "content": _PLACEHOLDER}]
-        return self.tokenizer.apply_chat_template(base + messages, add_generation_prompt=True, tokenize=False)
+        full = self.tokenizer.apply_chat_template(base + messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+        return full[full.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
 
     def text(self, messages: list[dict], ended_with: Optional[str]) -> str:
         """What comes after the assistant message's last generated token: ``ended_with`` is the text of
@@ -55,10 +58,9 @@ class Deltas:
         if not self.template:
             return "\n\n" + "\n\n".join(m["content"] for m in messages) + "\n\n"
         try:
-            full = self._render(messages)
+            rest = self._after(messages)
         except Exception:  # noqa: BLE001 - templates that reject a 'tool' role get the results as a user turn
-            full = self._render([_as_user(m) for m in messages])
-        rest = full[full.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
+            rest = self._after([_as_user(m) for m in messages])
         if ended_with and rest.startswith(ended_with):
             rest = rest[len(ended_with):]
         return rest
@@ -71,9 +73,7 @@ class Deltas:
         when it uses none of the tokenizer's EOS tokens (then the delta carries the template's end)."""
         if not self.template:
             return None, None
-        base = [{"role": "user", "content": "."}, {"role": "assistant", "content": _PLACEHOLDER}]
-        full = self.tokenizer.apply_chat_template(base, tokenize=False)
-        rest = full[full.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
+        rest = self._after([], add_generation_prompt=False)
         eos = getattr(self.tokenizer, "eos_token_ids", None)
         eos = eos if eos is not None else self.tokenizer.eos_token_id
         for tid in sorted([eos] if isinstance(eos, int) else eos):
@@ -212,23 +212,24 @@ class Episode:
         }
 
 
-def messages_json(messages: list[dict]) -> str:
-    return json.dumps(messages, ensure_ascii=False)
-
-
 def assistant_text(message: dict) -> str:
     """The text of an assistant message as the model writes it: its content, or, for a message that
     carries only ``tool_calls`` (an imported trace), the calls in the ``<tool_call>`` format."""
     content = message.get("content") or ""
     if content.strip() or not message.get("tool_calls"):
         return content
-    blocks = []
+    calls = []
     for tc in message["tool_calls"]:
         fn = tc.get("function", tc)
         args = fn.get("arguments", {})
-        args = json.loads(args) if isinstance(args, str) else args
-        blocks.append("<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False) + "\n</tool_call>")
-    return "\n".join(blocks)
+        calls.append((fn["name"], json.loads(args) if isinstance(args, str) else args))
+    return tool_call_text(calls)
+
+
+def tool_call_text(calls: list[tuple[str, dict]]) -> str:
+    """Calls written as the prompts ask for them: one ``<tool_call>`` JSON block per call."""
+    return "\n".join("<tool_call>\n" + json.dumps({"name": n, "arguments": a}, ensure_ascii=False) + "\n</tool_call>"
+                     for n, a in calls)
 
 
 def replay(tokenizer, task: Task, messages: list[dict], system: Optional[str] = None) -> tuple[list[int], list[int], list[int]]:

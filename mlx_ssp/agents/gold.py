@@ -12,7 +12,6 @@ strategies (records say ``source: gold``).
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional
 
 from mlx_ssp.tasks import Task
@@ -25,6 +24,7 @@ def gold_messages(task: Task, system: Optional[str] = None) -> list[dict]:
     """The gold conversation of an episode task, in OpenAI chat format."""
     from mlx_ssp.agents.backends import CallLimits, Environment
     from mlx_ssp.agents.calls import parse_ground_truth
+    from mlx_ssp.agents.episode import tool_call_text
     from mlx_ssp.verify.multi_turn import allowed_per_turn
 
     ep = task.metadata["episode"]
@@ -42,9 +42,8 @@ def gold_messages(task: Task, system: Optional[str] = None) -> list[dict]:
             msgs.append({"role": "assistant", "content": CANNOT})
             continue
         calls = [env.bind(parse_ground_truth(c)) for c in calls_text]
-        content = "\n".join("<tool_call>\n" + json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False)
-                            + "\n</tool_call>" for c in calls)
-        msgs.append({"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]})
+        msgs.append({"role": "assistant", "content": tool_call_text([(c.name, c.arguments) for c in calls]),
+                     "tool_calls": [c.as_openai() for c in calls]})
         msgs += [{"role": "tool", "name": c.name, "content": r} for c, r in zip(calls, env.execute(calls, allowed[t]))]
         msgs.append({"role": "assistant", "content": DONE})
     return msgs

@@ -171,12 +171,6 @@ def model_mask(record: dict) -> np.ndarray:
     return np.asarray(m, np.float32)
 
 
-def model_tokens(record: dict) -> int:
-    """How many of the record's tokens the model sampled (an episode's tool results excluded)."""
-    m = record.get("model_mask")
-    return len(record["token_ids"]) if m is None else int(sum(m))
-
-
 def _slice(batch: dict, i: int, j: int) -> dict:
     return {k: (v[i:j] if isinstance(v, mx.array) else v) for k, v in batch.items()}
 
@@ -313,7 +307,7 @@ class Trainer:
             groups, _ = self._rollouts(self.stream.take(need), rnd)
             info["gen_s"] += time.perf_counter() - t0
             # model-sampled tokens only: an episode's tool results and user turns were not generated
-            info["gen_tokens"] += sum(model_tokens(r) for g in groups for r in g)
+            info["gen_tokens"] += sum(r["num_tokens"] for g in groups for r in g)
             info["groups_sampled"] += len(groups)
             info["refill_rounds"] = rnd
             all_groups.extend(groups)

@@ -56,7 +56,7 @@ def plan_work(tokenizer, request: RolloutRequest, samples: Optional[dict[str, li
     plan = WorkPlan()
     max_tokens = request.sampling.max_tokens
     for ti, task in enumerate(request.tasks):
-        wanted = list(range(request.k)) if samples is None else sorted(samples.get(task.id, []))
+        wanted = request.wanted(task.id, samples)
         if not wanted:
             continue
         ids = render_prompt(tokenizer, task, system=request.system)

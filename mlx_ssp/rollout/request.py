@@ -41,6 +41,10 @@ class RolloutRequest:
 
             check_tasks(self.tasks)
 
+    def wanted(self, task_id: str, samples: Optional[dict[str, list[int]]]) -> list[int]:
+        """The sample indices of a task to generate: all K, or (a resume) those ``samples`` names."""
+        return list(range(self.k)) if samples is None else sorted(samples.get(task_id, []))
+
     def replace(self, **changes: Any) -> RolloutRequest:
         return dataclasses.replace(self, **changes)
 

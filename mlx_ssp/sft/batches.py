@@ -11,8 +11,10 @@ def make_iterate_batches(seed: int, skip: int = 0):
     import numpy as np
     from mlx_lm.tuner.trainer import iterate_batches
 
+    base_seed = seed  # mlx-lm's `seed=` argument of the iterator below is not ours
+
     def wrapped(dataset, batch_size, max_seq_length, loop=False, seed=None, comm_group=None):
-        own = np.random.RandomState(seed_for(loop)).get_state()
+        own = np.random.RandomState(stream_seed(base_seed, loop)).get_state()
         inner = iterate_batches(dataset, batch_size, max_seq_length, loop=loop, comm_group=comm_group)
         n = 0
         while True:
@@ -30,13 +32,13 @@ def make_iterate_batches(seed: int, skip: int = 0):
                 continue
             yield batch
 
-    def seed_for(loop: bool) -> int:
-        # training: the seed itself, so the batch order equals `mlx_lm lora --seed SEED`'s
-        return (seed + (0 if loop else 1)) % (1 << 32)
-
     return wrapped
 
 
+def stream_seed(seed: int, loop: bool) -> int:
+    """The batch-order seed: training (``loop``) the seed itself, so the order equals
+    ``mlx_lm lora --seed SEED``'s; validation ``seed + 1``."""
+    return (seed + (0 if loop else 1)) % (1 << 32)
 
 
 #: batch widths are rounded up to a multiple of this (plus one), as mlx-lm does: fewer distinct
@@ -76,6 +78,8 @@ def make_masked_iterate_batches(seed: int, skip: int = 0):
     With ``loop`` the first ``skip`` batches are dropped (resume: they were trained on)."""
     import numpy as np
 
+    base_seed = seed  # mlx-lm's `seed=` argument of the iterator below is not ours
+
     def iterate(dataset, batch_size, max_seq_length, loop=False, seed=None, comm_group=None):
         if len(dataset) < batch_size:
             raise ValueError(f"Dataset must have at least batch_size={batch_size} examples but only has {len(dataset)}.")
@@ -84,7 +88,7 @@ def make_masked_iterate_batches(seed: int, skip: int = 0):
             raise ValueError("The batch size must be divisible by the number of workers")
         order = sorted(range(len(dataset)), key=dataset.itemlen)
         batches = [order[i + rank: i + batch_size: size] for i in range(0, len(order) - batch_size + 1, batch_size)]
-        rng = np.random.RandomState(seed_for(loop))
+        rng = np.random.RandomState(stream_seed(base_seed, loop))
         n = 0
         while True:
             for i in rng.permutation(len(batches)):
@@ -94,8 +98,5 @@ def make_masked_iterate_batches(seed: int, skip: int = 0):
                 yield masked_batch([dataset[j] for j in batches[i]], max_seq_length)
             if not loop:
                 return
-
-    def seed_for(loop: bool) -> int:
-        return (seed + (0 if loop else 1)) % (1 << 32)
 
     return iterate
