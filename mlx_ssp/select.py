@@ -50,10 +50,48 @@ from mlx_ssp.config import StrictModel
 from mlx_ssp.errors import UserError
 
 
+class RepetitionConfig(StrictModel):
+    """``select.repetition``: drop degenerate traces (:func:`mlx_ssp.quality.repetition_stats`)."""
+
+    n: int = Field(8, ge=2)  # words per n-gram
+    #: a trace whose share of n-grams repeating earlier ones is above this is degenerate (None: no limit)
+    max_repeated_fraction: Optional[float] = Field(0.5, gt=0.0, lt=1.0)
+    #: ... or which copies one stretch of this many words or more (None: no limit)
+    max_repeated_span: Optional[int] = Field(200, ge=2)
+
+
+class DecontaminateConfig(StrictModel):
+    """``select.decontaminate``: drop training prompts sharing an n-gram with held-out prompts
+    (:func:`mlx_ssp.quality.find_contaminated`)."""
+
+    #: benchmark files (JSONL) whose prompts must not be trained on, besides the held-out task files
+    against: list[str] = Field(default_factory=list)
+    n: int = Field(13, ge=1)  # words per n-gram
+    #: compare with the run's held-out task files (``mlx_ssp run``: eval and probe; the CLI: --held-out)
+    held_out: bool = True
+    #: an n-gram in at least this share of all compared prompts (and 3 of them) is template text
+    boilerplate_fraction: float = Field(0.5, gt=0.0, le=1.0)
+    #: the field of a benchmark row holding its prompt: the first of these that the row has
+    fields: list[str] = Field(default_factory=lambda: ["prompt", "question", "problem"], min_length=1)
+
+
+class PseudoLabelConfig(StrictModel):
+    """``select.pseudo_label``: write tasks labelled by the majority vote of their K samples
+    (:func:`mlx_ssp.quality.majority_vote`) to ``OUT_DIR/pseudo_labels.jsonl``."""
+
+    #: the least share of the K samples that must agree for a label to be written
+    min_agreement: float = Field(0.5, gt=0.0, le=1.0)
+    min_votes: int = Field(2, ge=1)  # ... and the least number of samples
+    #: label only tasks without an answer (those with one are still voted on: the report measures
+    #: how often the vote equals their answer); false: every votable task, its answer replaced
+    only_unlabelled: bool = True
+
+
 class SelectConfig(StrictModel):
     """The ``select:`` section of a run file."""
 
-    OMIT_AT_DEFAULT = frozenset({"gold"})  # added for episodes (issue 18)
+    # gold: added for episodes (issue 18); the quality filters (issue 19)
+    OMIT_AT_DEFAULT = frozenset({"gold", "repetition", "decontaminate", "pseudo_label"})
 
     policy: Literal["diverse", "first", "all"] = "diverse"
     per_prompt: int = Field(4, ge=1)  # M: most solutions kept per prompt (diverse)
@@ -67,6 +105,9 @@ class SelectConfig(StrictModel):
     #: episode tasks: also offer each task's gold episode (its ground truth played through the
     #: environment, ``source: gold``) as a candidate; needs the task file and the student's tokenizer
     gold: bool = False
+    repetition: Optional[RepetitionConfig] = None  # None: no repetition filter
+    decontaminate: Optional[DecontaminateConfig] = None  # None: no decontamination
+    pseudo_label: Optional[PseudoLabelConfig] = None  # None: no pseudo-labels
     input: Optional[str] = None  # rollouts JSONL (the positional argument beats it)
     output: Optional[str] = None  # OUT_DIR (-o beats it)
 
@@ -243,14 +284,38 @@ def strategy_text(rec: dict) -> str:
     return " | ".join(lines + ([" ".join(turn)] if turn is not None else []))
 
 
+def _quality_on(cfg: SelectConfig) -> bool:
+    """Whether the report counts drops per reason (only then, so that the report of a run without
+    the quality options stays what it was)."""
+    return any(x is not None for x in (cfg.repetition, cfg.decontaminate, cfg.pseudo_label))
+
+
+def drop_reason(rec: dict, cfg: SelectConfig) -> Optional[str]:
+    """Why a sample cannot be SFT data (``incorrect`` | ``truncated`` | ``repetition``), or None.
+    The first reason in that order is the one counted."""
+    if rec.get("reward") is None or rec["reward"] < cfg.min_reward - 1e-6:
+        return "incorrect"
+    if cfg.drop_truncated and rec.get("finish_reason") == "length":
+        return "truncated"
+    rep = cfg.repetition
+    if rep is not None:
+        from mlx_ssp.quality import degenerate_reason, repetition_stats, trace_text
+
+        if degenerate_reason(repetition_stats(trace_text(rec), rep.n), rep.max_repeated_fraction,
+                             rep.max_repeated_span) is not None:
+            return "repetition"
+    return None
+
+
+#: the reasons :func:`drop_reason` gives, in its order (the report's columns)
+DROP_REASONS = ("incorrect", "truncated", "repetition")
+
+
 def select_prompt(recs: list[dict], cfg: SelectConfig) -> tuple[list[dict], dict]:
     """One prompt's selected records and its spectrum row. ``recs`` are all its samples."""
     recs = sorted(recs, key=lambda r: r["sample"])
-    correct = [
-        r for r in recs
-        if r.get("reward") is not None and r["reward"] >= cfg.min_reward - 1e-6
-        and not (cfg.drop_truncated and r.get("finish_reason") == "length")
-    ]
+    reasons = [drop_reason(r, cfg) for r in recs]
+    correct = [r for r, why in zip(recs, reasons) if why is None]
     texts = [strategy_text(r) for r in correct]
     dist = DISTANCES[cfg.distance](cfg.ngram)(texts)
     distinct = dedupe(texts, dist, cfg.near_duplicate)
@@ -265,6 +330,8 @@ def select_prompt(recs: list[dict], cfg: SelectConfig) -> tuple[list[dict], dict
         "mean_pairwise_distance": mean_pairwise(dist, chosen),
         "mean_pairwise_distance_distinct": mean_pairwise(dist, distinct),
     }
+    if _quality_on(cfg):
+        row["dropped"] = {k: reasons.count(k) for k in DROP_REASONS}
     return [correct[i] for i in chosen], row
 
 
@@ -293,14 +360,22 @@ def _split_prompts(task_ids: list[str], frac: float, seed: int) -> tuple[set[str
     return set(order[:n_valid]), False
 
 
-def select(records: list[dict], cfg: SelectConfig, system: Optional[str] = None) -> tuple[dict, dict]:
-    """All records -> ({domain: {"train": [...], "valid": [...]}}, spectrum report). Pure."""
+def select(records: list[dict], cfg: SelectConfig, system: Optional[str] = None,
+           contaminated: Optional[dict[str, str]] = None) -> tuple[dict, dict]:
+    """All records -> ({domain: {"train": [...], "valid": [...]}}, spectrum report). Pure.
+    ``contaminated``: task id -> the n-gram it shares with a held-out prompt; those tasks are left
+    out (counted per domain as ``decontaminated``)."""
     by_task: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         by_task[r["task_id"]].append(r)
     rows_by_domain: dict[str, list[dict]] = defaultdict(list)
     picked: dict[str, dict[str, list[dict]]] = defaultdict(dict)
+    decon: dict[str, dict[str, tuple[str, int]]] = defaultdict(dict)  # domain -> id -> (gram, records)
     for tid, recs in by_task.items():
+        if contaminated and tid in contaminated:
+            decon[recs[0]["domain"]][tid] = (contaminated[tid], len(recs))
+            rows_by_domain[recs[0]["domain"]]  # the domain keeps its report entry (and says why it is empty)
+            continue
         chosen, row = select_prompt(recs, cfg)
         dom = recs[0]["domain"]
         rows_by_domain[dom].append(row)
@@ -317,20 +392,27 @@ def select(records: list[dict], cfg: SelectConfig, system: Optional[str] = None)
         with_pairs = [r["mean_pairwise_distance"] for r in rows if r["mean_pairwise_distance"] is not None]
         no_correct = [r["task_id"] for r in rows if r["n_correct"] == 0]
         n = len(rows)
+        den = max(n, 1)  # a domain whose every prompt was decontaminated has no rows
         domains[dom] = {
             "n_prompts": n,
             "prompts_with_correct": n - len(no_correct),
             "prompts_no_correct": len(no_correct),
             "no_correct_ids": no_correct,
-            "mean_correct_per_prompt": sum(r["n_correct"] for r in rows) / n,
-            "mean_distinct_correct_per_prompt": sum(r["n_distinct_correct"] for r in rows) / n,
-            "mean_selected_per_prompt": sum(r["n_selected"] for r in rows) / n,
+            "mean_correct_per_prompt": sum(r["n_correct"] for r in rows) / den,
+            "mean_distinct_correct_per_prompt": sum(r["n_distinct_correct"] for r in rows) / den,
+            "mean_selected_per_prompt": sum(r["n_selected"] for r in rows) / den,
             "mean_pairwise_distance": (sum(with_pairs) / len(with_pairs)) if with_pairs else None,
             "n_train": len(train),
             "n_valid": len(valid),
             "valid_is_train": valid_is_train and bool(train),
             "prompts": rows,
         }
+        if _quality_on(cfg):
+            dropped = {k: sum(r["dropped"][k] for r in rows) for k in DROP_REASONS}
+            dropped["decontaminated"] = sum(c for _, c in decon[dom].values())
+            domains[dom]["dropped"] = dropped
+            domains[dom]["decontaminated_prompts"] = len(decon[dom])
+            domains[dom]["decontaminated_ids"] = {t: g for t, (g, _) in sorted(decon[dom].items())}
     report = {"policy": cfg.policy, "config": cfg.model_dump(), "domains": domains}
     return data, report
 
@@ -369,15 +451,109 @@ def gold_records(tasks: list, tokenizer, system: Optional[str] = None) -> list[d
     return [{**gold_record(t, tokenizer, system), "sample": -1} for t in tasks if is_episode(t)]
 
 
+def reference_prompts(paths: list[str | Path], fields: list[str]) -> list[str]:
+    """The prompts of held-out task files and benchmark files (JSONL): each row's first field of
+    ``fields`` that it has (a string or chat messages)."""
+    from mlx_ssp.io import iter_jsonl_numbered
+    from mlx_ssp.quality import prompt_text
+
+    out = []
+    for p in paths:
+        for line, row in iter_jsonl_numbered(p, what="benchmark"):
+            f = next((f for f in fields if row.get(f) is not None), None)
+            if f is None:
+                raise UserError(f"{p}:{line}: no prompt field (looked for {', '.join(fields)}; "
+                                "set select.decontaminate.fields)")
+            out.append(prompt_text(row[f]))
+    return out
+
+
+def contamination(records: list[dict], cfg: DecontaminateConfig, held_out: list[str | Path]) -> tuple[dict, dict]:
+    """(task id -> shared n-gram, the report's ``decontamination`` entry) for the training prompts of
+    ``records`` against the held-out files (when ``cfg.held_out``) and ``cfg.against``."""
+    from mlx_ssp.quality import find_contaminated, prompt_text
+
+    files = [str(p) for p in (held_out if cfg.held_out else [])] + list(cfg.against)
+    if not files:
+        raise UserError("select.decontaminate has nothing to compare with: name benchmark files in "
+                        "select.decontaminate.against (or held-out task files: --held-out)")
+    ref = reference_prompts(files, cfg.fields)
+    train = {}
+    for r in records:
+        train.setdefault(r["task_id"], prompt_text(r.get("prompt")))
+    found = find_contaminated(train, ref, cfg.n, cfg.boilerplate_fraction)
+    return found, {"n": cfg.n, "against": files, "reference_prompts": len(ref), "train_prompts": len(train),
+                   "contaminated_prompts": len(found)}
+
+
+def pseudo_labels(records: list[dict], tasks: list, cfg: PseudoLabelConfig,
+                  skip: frozenset | set = frozenset()) -> tuple[list[dict], dict]:
+    """(task records labelled by majority vote, the report's ``pseudo_labels`` entry per domain).
+    Votes are over every sample of a task (its verifier's answer rule, :data:`mlx_ssp.quality.ANSWER_RULES`);
+    a label is written when at least ``min_votes`` samples and ``min_agreement`` of all agree. Tasks
+    in ``skip`` (decontaminated), episodes and tasks whose verifier has no answer rule are not voted on."""
+    from mlx_ssp.quality import ANSWER_RULES, vote_task
+
+    by_task: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        if r.get("sample", 0) >= 0:  # gold episodes (sample -1) are not samples
+            by_task[r["task_id"]].append(r)
+    out: list[dict] = []
+    stats: dict[str, dict] = {}
+    for t in tasks:
+        recs = sorted(by_task.get(t.id, []), key=lambda r: r["sample"])
+        if not recs or t.id in skip or t.verifier not in ANSWER_RULES or any(r.get("kind") == "episode" for r in recs):
+            continue
+        st = stats.setdefault(t.domain, {"voted": 0, "written": 0, "below_threshold": 0, "agreement_sum": 0.0,
+                                         "with_answer": 0, "vote_equals_answer": 0})
+        v = vote_task([r["completion"] for r in recs], t.verifier, t.metadata)
+        st["voted"] += 1
+        st["agreement_sum"] += v.agreement
+        has_answer = t.answer is not None and str(t.answer).strip() != ""
+        if has_answer and v.answer is not None:
+            st["with_answer"] += 1
+            st["vote_equals_answer"] += bool(ANSWER_RULES[t.verifier].same(str(t.answer).strip(), v.answer))
+        elif has_answer:
+            st["with_answer"] += 1
+        if has_answer and cfg.only_unlabelled:
+            continue
+        if v.answer is None or v.votes < cfg.min_votes or v.agreement < cfg.min_agreement - 1e-9:
+            st["below_threshold"] += 1
+            continue
+        label = {"agreement": v.agreement, "votes": v.votes, "k": v.k, "n_distinct": v.n_distinct}
+        if has_answer:
+            label["replaced_answer"] = t.answer
+        task = t.model_dump(mode="json")
+        task["answer"] = v.answer
+        task["metadata"] = {**task["metadata"], "pseudo_label": label}
+        out.append(task)
+        st["written"] += 1
+    report = {}
+    for dom, st in sorted(stats.items()):
+        report[dom] = {"voted": st["voted"], "written": st["written"], "below_threshold": st["below_threshold"],
+                       "mean_agreement": st["agreement_sum"] / st["voted"],
+                       "with_answer": st["with_answer"],
+                       "vote_accuracy": st["vote_equals_answer"] / st["with_answer"] if st["with_answer"] else None}
+    return out, report
+
+
 def safe_dirname(domain: str) -> str:
     name = re.sub(r"[^\w.\-]+", "_", domain).strip("._")
     return name or "domain"
 
 
+#: the pseudo-labelled task file in OUT_DIR (``select.pseudo_label``)
+PSEUDO_LABELS = "pseudo_labels.jsonl"
+
+
 def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, overwrite: bool = False,
-               gold: Optional[list[dict]] = None) -> dict:
+               gold: Optional[list[dict]] = None, held_out: Optional[list[str | Path]] = None,
+               tasks_path: Optional[str | Path] = None) -> dict:
     """Read rollouts, select, write OUT_DIR/<domain>/{train,valid}.jsonl + spectrum.json atomically.
-    ``gold``: gold episode records (:func:`gold_records`) offered beside the sampled ones."""
+    ``gold``: gold episode records (:func:`gold_records`) offered beside the sampled ones.
+    ``held_out``: task files whose prompts training must not overlap (``select.decontaminate``).
+    ``tasks_path``: the task file the rollouts came from (``select.pseudo_label``: the tasks labelled
+    into OUT_DIR/pseudo_labels.jsonl)."""
     from mlx_ssp.io import atomic_dir, read_jsonl, write_json_atomic, write_jsonl_atomic
 
     rollouts = Path(rollouts)
@@ -389,7 +565,7 @@ def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, 
         miss = [k for k in need if k not in r]
         if miss:
             raise UserError(f"{rollouts}: record {i} lacks {', '.join(miss)} (not an mlx_ssp rollouts file?)")
-    if all(r["reward"] is None for r in records):
+    if all(r["reward"] is None for r in records) and cfg.pseudo_label is None:
         raise UserError(f"{rollouts}: no record has a reward (generated without verification?)")
     records, repeated = dedupe_records(records, rollouts)
     if cfg.gold and gold is None:
@@ -399,9 +575,25 @@ def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, 
 
     meta = read_meta(sidecar(rollouts, "meta"))  # a corrupt meta file is one line, not a traceback
     system = meta.get("system") if meta else None
-    data, report = select(records, cfg, system=system)
+    contaminated, decon_report = None, None
+    if cfg.decontaminate is not None:
+        contaminated, decon_report = contamination(records, cfg.decontaminate, list(held_out or []))
+    labelled, label_report = None, None
+    if cfg.pseudo_label is not None:
+        if tasks_path is None:
+            raise UserError("select.pseudo_label needs the task file the rollouts came from (--tasks)")
+        from mlx_ssp.tasks import load_tasks
+
+        # tasks without an answer are what pseudo-labels are for: do not ask the verifiers for one
+        labelled, label_report = pseudo_labels(records, load_tasks(tasks_path, check_verifiers=False),
+                                               cfg.pseudo_label, skip=set(contaminated or ()))
+    data, report = select(records, cfg, system=system, contaminated=contaminated)
     report["input"] = str(rollouts)
     report["repeated_records_dropped"] = repeated
+    if decon_report is not None:
+        report["decontamination"] = decon_report
+    if label_report is not None:
+        report["pseudo_labels"] = {"output": PSEUDO_LABELS, "written": len(labelled), "domains": label_report}
     names: dict[str, str] = {}
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         for dom, parts in data.items():
@@ -413,6 +605,8 @@ def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, 
                 continue
             write_jsonl_atomic(tmp / name / "train.jsonl", parts["train"])
             write_jsonl_atomic(tmp / name / "valid.jsonl", parts["valid"])
+        if labelled is not None:
+            write_jsonl_atomic(tmp / PSEUDO_LABELS, labelled)
         for dom, row in report["domains"].items():
             row["dir"] = names[dom] if data[dom]["train"] else None
         write_json_atomic(tmp / "spectrum.json", report)
@@ -421,12 +615,29 @@ def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, 
 
 def format_report(report: dict) -> str:
     head = ["domain", "prompts", "no_correct", "distinct/prompt", "selected/prompt", "mean_dist", "train", "valid"]
+    # samples dropped per reason: only in reports made with a quality option (select.repetition ...)
+    drops = any("dropped" in d for d in report["domains"].values())
+    if drops:
+        head += [*DROP_REASONS, "decontaminated"]
     rows = []
     for dom, d in report["domains"].items():
         md = d["mean_pairwise_distance"]
         rows.append([dom, str(d["n_prompts"]), str(d["prompts_no_correct"]), f"{d['mean_distinct_correct_per_prompt']:.2f}",
                      f"{d['mean_selected_per_prompt']:.2f}", "-" if md is None else f"{md:.3f}", str(d["n_train"]),
                      str(d["n_valid"]) + (" (=train)" if d["valid_is_train"] else "")])
+        if drops:
+            dr = d.get("dropped", {})
+            rows[-1] += [str(dr.get(k, 0)) for k in DROP_REASONS]
+            rows[-1].append(f"{dr.get('decontaminated', 0)} ({d.get('decontaminated_prompts', 0)} prompts)")
     w = [max(len(head[i]), *(len(r[i]) for r in rows)) if rows else len(head[i]) for i in range(len(head))]
     fmt = lambda cells: "  ".join(c.ljust(x) if i == 0 else c.rjust(x) for i, (c, x) in enumerate(zip(cells, w)))  # noqa: E731
-    return "\n".join([fmt(head), fmt(["-" * x for x in w]), *(fmt(r) for r in rows)])
+    lines = [fmt(head), fmt(["-" * x for x in w]), *(fmt(r) for r in rows)]
+    pl = report.get("pseudo_labels")
+    if pl:
+        for dom, st in pl["domains"].items():
+            acc = "-" if st["vote_accuracy"] is None else f"{st['vote_accuracy']:.3f}"
+            lines.append(f"pseudo-labels {dom}: {st['written']} written of {st['voted']} voted "
+                         f"({st['below_threshold']} below threshold), mean agreement {st['mean_agreement']:.3f}, "
+                         f"vote = answer on {acc} of {st['with_answer']} labelled")
+        lines.append(f"pseudo-labels: {pl['written']} tasks -> {pl['output']}")
+    return "\n".join(lines)
