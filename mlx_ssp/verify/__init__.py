@@ -3,7 +3,7 @@
 A verifier never raises on model output: malformed output is reward 0 with a reason. A bad
 task (unknown verifier, missing answer) is caught by :func:`check_task` before generation.
 Verifier modules register themselves with :func:`register`; importing this package imports
-them all (``math``, ``reasoning_gym``, ``code``, ``toolcall``, ``bfcl_multi_turn``; a verifier whose optional third-party
+them all (``math``, ``reasoning_gym``, ``code``, ``toolcall``, ``bfcl_multi_turn``, ``instruct``; a verifier whose optional third-party
 package is missing is listed in ``UNAVAILABLE`` with the reason). :func:`verify_many` scores a batch,
 running verifiers marked ``parallel`` (the code sandbox) on worker threads. See docs/tasks.md.
 
@@ -256,6 +256,7 @@ _MODULES = {
     "code": ("mlx_ssp.verify.code", None),
     "toolcall": ("mlx_ssp.verify.toolcall", None),
     "bfcl_multi_turn": ("mlx_ssp.verify.multi_turn", None),
+    "instruct": ("mlx_ssp.verify.instruct", None),
 }
 for _name, (_m, _pip) in _MODULES.items():
     try:
