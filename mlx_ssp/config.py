@@ -217,16 +217,19 @@ def _valid_keys(cls: type[BaseModel], loc: tuple) -> list[str]:
     """Field names of the model found by walking ``loc`` (best effort, for error messages)."""
     node: Any = cls
     for part in loc[:-1]:
+        if isinstance(part, int):  # a list position: the item's model is already ``node``
+            continue
         fields = getattr(node, "model_fields", None)
         if fields is None or part not in fields:
             return []
-        ann = fields[part].annotation
-        # unwrap Optional[X] / X | None / list[X] / dict[str, X]
-        for arg in (ann, *getattr(ann, "__args__", ())):
+        # unwrap Optional[X] / X | None / list[X] / dict[str, X], nested (Optional[list[X]])
+        todo, node = [fields[part].annotation], None
+        while todo and node is None:
+            arg = todo.pop(0)
             if isinstance(arg, type) and issubclass(arg, BaseModel):
                 node = arg
-                break
-        else:
+            todo += list(getattr(arg, "__args__", ()))
+        if node is None:
             return []
     fields = getattr(node, "model_fields", None)
     return sorted(fields) if fields else []

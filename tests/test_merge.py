@@ -552,7 +552,9 @@ def test_config_errors(trio, tmp_path):
     with pytest.raises(UserError, match="no weight given"):
         plan_merge(cfg_of(merge_method="linear", models=[{"model": str(m[1])}]))
     for bad, pat in (({"merge_method": "slerpy"}, "valid methods: linear, task_arithmetic, ties"),
-                     ({"merge_method": "linear", "slices": []}, "unknown key 'slices'"),
+                     ({"merge_method": "linear", "slices": [{"sources": [{"model": "x", "layer_range": [0, 1]}]}]},
+                      "exactly one of models: .* or slices:"),
+                     ({"merge_method": "linear", "modules": {}}, "unknown key 'modules'"),
                      ({"merge_method": "linear", "parameters": {"densty": 0.5}}, "unknown parameter 'densty'.*valid"),
                      ({"merge_method": "ties", "base_model": str(m[0]), "parameters": {"sign_vote": "max"}}, None)):
         p = tmp_path / "c.yml"

@@ -8,8 +8,14 @@ layers get ``t = 0``, as in mergekit), or a list of ``{filter: substring, value:
 wins; ``filter: "*"`` or no filter matches everything). Per-model parameters beat top-level ones;
 a filter list that matches nothing falls through to the next level, then to the method's default.
 
-Deviation from mergekit: ``slices:`` / ``modules:`` (layer surgery) are not supported; unknown keys,
-methods and parameters are errors listing the valid ones.
+The ``slices:`` form (layer surgery, mergekit's "frankenmerges") is read for ``passthrough``: each
+slice has one ``sources`` entry (``model``, ``layer_range: [start, end)``, optional ``parameters``);
+see :mod:`mlx_ssp.merge.slices`. ``out_quantization: {bits, group_size}`` re-quantizes the output
+with mlx's affine quantization (:mod:`mlx_ssp.merge.quant`); it is not a mergekit key.
+
+Deviations from mergekit: ``modules:``, and ``slices:`` with any method but ``passthrough`` (or a
+slice's ``base_model`` / ``residual_weight``), are not supported; unknown keys, methods and
+parameters are errors listing the valid ones.
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from mlx_ssp.config import StrictModel, format_validation_error, read_yaml
 from mlx_ssp.errors import UserError
-from mlx_ssp.merge.methods import METHODS, RESCALE_MODES, SIGN_VOTES
+from mlx_ssp.merge.methods import METHOD_PARAM_TYPES, METHODS, RESCALE_MODES, SIGN_VOTES
+from mlx_ssp.merge.passthrough import SLICE_METHODS
 
 Scalar = Union[bool, int, float, str]
 
@@ -62,23 +69,70 @@ class ModelEntry(StrictModel):
     parameters: Optional[dict[str, Setting]] = None
 
 
-class MergeConfig(StrictModel):
-    """A mergekit YAML file (the ``models:`` form)."""
+class SliceSource(StrictModel):
+    """One input of an output slice: layers ``layer_range[0] .. layer_range[1] - 1`` of ``model``."""
 
-    models: list[ModelEntry]
+    model: str
+    layer_range: tuple[int, int]
+    parameters: Optional[dict[str, Setting]] = None
+
+    @field_validator("layer_range")
+    @classmethod
+    def _range(cls, v):
+        if not 0 <= v[0] < v[1]:
+            raise ValueError(f"layer_range must be [start, end) with 0 <= start < end, got {list(v)}")
+        return v
+
+
+class OutputSlice(StrictModel):
+    """A run of output layers taken from its sources (one source for ``passthrough``)."""
+
+    sources: list[SliceSource]
+    parameters: Optional[dict[str, Setting]] = None
+
+    @field_validator("sources")
+    @classmethod
+    def _nonempty(cls, v):
+        if not v:
+            raise ValueError("sources must list at least one model")
+        return v
+
+
+class OutQuantization(StrictModel):
+    """``out_quantization``: mlx affine quantization of the output's linear and embedding weights."""
+
+    bits: Literal[2, 3, 4, 5, 6, 8] = 4
+    group_size: Literal[32, 64, 128] = 64
+
+
+class MergeConfig(StrictModel):
+    """A mergekit YAML file: the ``models:`` form, or the ``slices:`` form (``passthrough``)."""
+
+    models: Optional[list[ModelEntry]] = None
+    slices: Optional[list[OutputSlice]] = None
     merge_method: Annotated[str, AfterValidator(_known_method("merge_method"))]
     base_model: Optional[str] = None
     parameters: Optional[dict[str, Setting]] = None
     dtype: DType = None
     out_dtype: DType = None
     tokenizer_source: Optional[str] = None
+    out_quantization: Optional[OutQuantization] = None
 
-    @field_validator("models")
+    @field_validator("models", "slices")
     @classmethod
-    def _nonempty(cls, v):
-        if not v:
-            raise ValueError("models must list at least one model")
+    def _nonempty(cls, v, info):
+        if v is not None and not v:
+            raise ValueError(f"{info.field_name} must list at least one {'model' if info.field_name == 'models' else 'slice'}")
         return v
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if (self.models is None) == (self.slices is None):
+            raise ValueError("give exactly one of models: (a merge) or slices: (layer surgery)")
+        if self.slices is not None and self.merge_method not in SLICE_METHODS:
+            raise ValueError(f"slices: works with merge_method {', '.join(SLICE_METHODS)} only, "
+                             f"not {self.merge_method} (use models:)")
+        return self
 
 
 # ------------------------------------------------------------ parameter values
@@ -86,7 +140,9 @@ class MergeConfig(StrictModel):
 PARAM_TYPES: dict[str, type] = {
     "weight": float, "density": float, "gamma": float, "lambda": float,
     "normalize": bool, "rescale": bool, "int8_mask": bool, "sign_vote": str, "rescale_mode": str,
+    "scale": float,
 }
+PARAM_TYPES.update(METHOD_PARAM_TYPES)  # slerp, della, model_stock, ... (methods.py owns them)
 CHOICES = {"sign_vote": SIGN_VOTES, "rescale_mode": RESCALE_MODES}
 
 
@@ -148,13 +204,15 @@ def check_parameter_names(cfg: MergeConfig, source: str) -> None:
     for k in cfg.parameters or {}:
         if k not in valid_top:
             raise UserError(f"{source}: unknown parameter '{k}' for {spec.name}; valid: {', '.join(sorted(valid_top))}")
-    for m in cfg.models:
-        for k in m.parameters or {}:
-            if k not in spec.model_params:
-                raise UserError(
-                    f"{source}: model {m.model}: unknown parameter '{k}' for {spec.name}; "
-                    f"valid per-model parameters: {', '.join(spec.model_params)}"
-                )
+    entries = [(f"model {m.model}", m.parameters, spec.model_params) for m in cfg.models or []]
+    for i, sl in enumerate(cfg.slices or []):
+        entries.append((f"slices[{i}]", sl.parameters, tuple(sorted(valid_top))))
+        entries += [(f"slices[{i}] model {s.model}", s.parameters, spec.model_params) for s in sl.sources]
+    for where, params, valid in entries:
+        for k in params or {}:
+            if k not in valid:
+                raise UserError(f"{source}: {where}: unknown parameter '{k}' for {spec.name}; "
+                                f"valid here: {', '.join(valid) or '(none)'}")
 
 
 def resolve(name: str, scopes: list[Optional[dict]], tensor: str, t: float, default: Any, where: str) -> Any:

@@ -55,13 +55,14 @@ def merge_tensor(job: MergeJob, p: TensorPlan, seed: int) -> list[mx.array]:
     """Merge one planned tensor; returns it in the output dtype, flat, as consecutive slices
     (row-major order: the bytes of the reference's shape, written one slice after the other)."""
     ref_src = job.sources[job.reference]
+    src_name = p.src_name or p.name
     if p.copy:
-        return [ref_src.load(p.name)]
+        return [(job.sources[p.inputs[0]] if p.inputs else ref_src).load(src_name)]
     rows = p.shape[0] if p.shape else 0
 
     def loader(i):
         def f():
-            x = job.sources[i].load(p.name)
+            x = job.sources[i].load(src_name)
             if p.shape and x.shape != p.shape:
                 x = _fit_rows(x, rows, lambda: ref_src.load(p.name))
             return x.reshape(-1)
@@ -70,7 +71,7 @@ def merge_tensor(job: MergeJob, p: TensorPlan, seed: int) -> list[mx.array]:
     base = loader(p.base) if p.base is not None else None
     seeds = [dare_seed(seed, p.name, str(i)) for i in p.inputs]
     inputs = TensorInputs([loader(i) for i in p.inputs], base, p.per_model, p.params, seeds, DTYPES[p.cd],
-                          DTYPES[code_name(p.out)])
+                          DTYPES[code_name(p.out)], shape=p.shape)
     return METHODS[job.cfg.merge_method].run(inputs)
 
 
@@ -157,6 +158,9 @@ def output_config(job: MergeJob) -> dict:
     """The reference's ``config.json`` with ``torch_dtype`` (and ``dtype``, if it has one) set to the
     output dtype when every merged tensor has the same one."""
     conf = dict(job.ref_config)
+    if job.n_layers_out is not None:
+        keys = [k for k in ("num_hidden_layers", "n_layer") if k in conf] or ["num_hidden_layers"]
+        conf.update({k: job.n_layers_out for k in keys})
     out_codes = {p.out for p in job.plans if not p.copy}
     if len(out_codes) == 1:
         dt = code_name(out_codes.pop())

@@ -18,6 +18,7 @@ from mlx_ssp.errors import UserError
 from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.config import MergeConfig, check_parameter_names, layer_index, resolve
 from mlx_ssp.merge.methods import METHODS, MethodSpec
+from mlx_ssp.merge.passthrough import MAX_INPUTS
 from mlx_ssp.merge.sources import Source, open_source, read_model_config
 
 VOCAB_HINTS = ("embed_tokens", "lm_head", "wte", "embed_out", "word_embeddings", "output.weight")
@@ -36,7 +37,8 @@ class TensorPlan:
     out: str  # safetensors dtype code
     params: dict[str, Any] = field(default_factory=dict)
     per_model: list[dict[str, Any]] = field(default_factory=list)
-    copy: bool = False  # non-float tensor: copied from the reference
+    copy: bool = False  # non-float tensor: copied from the reference (``slices:``: from ``inputs[0]``)
+    src_name: Optional[str] = None  # the inputs' tensor name when it is not ``name`` (a renumbered layer)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class MergeJob:
     reference: int
     plans: list[TensorPlan]
     ref_config: dict
+    n_layers_out: Optional[int] = None  # ``slices:``: the output's layer count (else the reference's)
 
 
 def code_name(code: str) -> str:
@@ -68,13 +71,13 @@ def layer_count(src: Source, conf: dict) -> int:
 
 
 def check_layer_counts(sources: list[Source], configs: list[dict]) -> None:
-    """Models with different layer counts cannot be merged tensor by tensor (layer surgery,
-    mergekit's ``slices:``, is not supported): an error naming each count."""
+    """Models with different layer counts cannot be merged tensor by tensor (layer surgery is the
+    ``slices:`` form, :mod:`.slices`): an error naming each count."""
     counts = [layer_count(s, c) for s, c in zip(sources, configs)]
     if len(set(counts)) > 1:
         each = ", ".join(f"{n} in {s.ref}" for s, n in zip(sources, counts))
         raise UserError(f"the models have different layer counts (num_hidden_layers: {each}); only models with "
-                        "the same layers can be merged (slices: is not supported)")
+                        "the same layers can be merged (slices: with passthrough stacks layers)")
 
 
 def _tied(conf: dict) -> bool:
@@ -180,7 +183,7 @@ def resolve_per_model(spec: MethodSpec, scopes: list, name: str, t: float, ref: 
     defaults = dict(spec.defaults)
     mw = f"tensor '{name}' of model {ref}"
     pm = {p: resolve(p, scopes, name, t, defaults.get(p), mw) for p in spec.model_params}
-    if pm.get("weight") is None:
+    if "weight" in spec.model_params and pm.get("weight") is None:
         raise UserError(f"{mw}: no weight given (set parameters.weight for the model or at the top level)")
     if "density" in pm and not (0 < pm["density"] <= 1):
         raise UserError(f"{mw}: density {pm['density']} is outside (0, 1]")
@@ -209,7 +212,7 @@ def plan_tensor(job: MergeJob, spec: MethodSpec, name: str, n_layers: int, vocab
     entry_params = {m.model: m.parameters for m in cfg.models}
     per_model = [resolve_per_model(spec, [entry_params.get(sources[i].ref), top], name, t, sources[i].ref)
                  for i in job.inputs]
-    if shared["normalize"] and abs(sum(pm["weight"] for pm in per_model)) < 1e-8:
+    if shared["normalize"] and "weight" in spec.model_params and abs(sum(pm["weight"] for pm in per_model)) < 1e-8:
         raise UserError(f"tensor '{name}': the weights of models "
                         f"{', '.join(sources[i].ref for i in job.inputs)} sum to zero, so normalize cannot divide "
                         "by them (set normalize: false or change the weights)")
@@ -217,10 +220,18 @@ def plan_tensor(job: MergeJob, spec: MethodSpec, name: str, n_layers: int, vocab
 
 
 def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label: str = "config") -> MergeJob:
-    """Open every model, check every tensor and resolve every parameter; writes nothing."""
+    """Open every model, check every tensor and resolve every parameter; writes nothing. The
+    ``slices:`` form is planned by :func:`.slices.plan_slices`."""
     check_parameter_names(cfg, source_label)
+    if cfg.slices is not None:
+        from mlx_ssp.merge.slices import plan_slices
+
+        return plan_slices(cfg, vocab_mismatch=vocab_mismatch, source_label=source_label)
     spec = METHODS[cfg.merge_method]
     refs, base = _model_refs(cfg, spec, source_label)
+    limit = MAX_INPUTS.get(spec.name)
+    if limit is not None and len(refs) > limit:
+        raise UserError(f"{source_label}: merge_method {spec.name} takes at most {limit} model, got {len(refs)}")
     sources = [open_source(r) for r in refs]
     # task-vector methods take deltas from the base; for linear the base (if any) is just an input
     inputs = [i for i in range(len(refs)) if not (spec.needs_base and i == base)]
