@@ -23,13 +23,15 @@ Deviations (the report gives no numbers or procedure beyond the above; all are c
 - Thresholds are ours: a trace is degenerate when more than half its 8-grams repeat earlier ones, or
   when one copied stretch reaches 200 words. Words are :func:`mlx_ssp.select.words` tokens
   (punctuation counts as a word), so that equations that differ only in their numbers differ.
-- Template text: every task of a run carries the same instruction ("Give your final answer on the
-  last line ..."), long enough to share 13-grams with every held-out prompt. An n-gram found in at
-  least ``boilerplate_fraction`` of all compared prompts (training and reference together, and in at
-  least :data:`MIN_BOILERPLATE_PROMPTS` of them) is template, not contamination, and is ignored.
-  A problem copied into a few prompts is therefore found; one copied into most of them is not.
-- A prompt shorter than n words is one n-gram (all its words): it matches only an identical short
-  prompt, never a longer prompt that contains it.
+- Template text: every task of a domain carries the same instruction ("Give your final answer on
+  the last line ..."), long enough to share 13-grams with every held-out prompt. An n-gram found in
+  at least ``boilerplate_fraction`` (default half, and at least 2) of one domain's training prompts
+  is template, not contamination: its words are cut out of every prompt before comparing, and no
+  compared n-gram straddles a cut. A problem copied into a few prompts is therefore found; one copied
+  into most of a domain's prompts is not, and a domain with one training prompt has no template
+  detection (its instruction alone would match a held-out prompt of the same domain).
+- A prompt (after the cut) shorter than n words is one gram per piece left: it matches only an
+  identical short problem text, never a longer prompt that contains it.
 - Votes: an answer is what the task's verifier would extract (:data:`ANSWER_RULES`, one entry per
   verifier that has a single final answer); two answers are one vote when the verifier would call
   them equal (math: mathematical equivalence, via the math verifier; others: equal after
@@ -45,9 +47,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-#: an n-gram must be in at least this many prompts (as well as in ``boilerplate_fraction`` of them)
-#: to count as template text; below it, two or three prompts sharing a problem are contamination
-MIN_BOILERPLATE_PROMPTS = 3
+#: the default least number of prompts an n-gram must be in to count as template text
+MIN_BOILERPLATE_PROMPTS = 2
 
 _WORD = re.compile(r"\w+|[^\w\s]")  # the tokenisation of mlx_ssp.select.words
 _DECON_WORD = re.compile(r"\w+")
@@ -120,13 +121,33 @@ def prompt_text(prompt: Any) -> str:
     return _content(prompt)
 
 
-def overlap_ngrams(text: str, n: int) -> frozenset:
-    """Lower-cased word n-grams of ``text`` (punctuation and spacing ignored); shorter than n words:
-    the one gram of all its words."""
-    w = _DECON_WORD.findall(text.lower())
-    if len(w) < n:
-        return frozenset([tuple(w)]) if w else frozenset()
-    return frozenset(tuple(w[i : i + n]) for i in range(len(w) - n + 1))
+def _tokens(text: str) -> list[str]:
+    return _DECON_WORD.findall(text.lower())
+
+
+def overlap_ngrams(text: str, n: int, template: frozenset | set = frozenset()) -> frozenset:
+    """Lower-cased word n-grams of ``text`` (punctuation and spacing ignored), template text left out:
+    the words covered by an n-gram of ``template`` are cut out, and n-grams are taken within the
+    pieces left (none straddles a cut). When no piece has n words, each piece is one gram."""
+    w = _tokens(text)
+    keep = [True] * len(w)
+    if template:
+        for i in range(len(w) - n + 1):
+            if tuple(w[i : i + n]) in template:
+                keep[i : i + n] = [False] * n
+    pieces, cur = [], []
+    for t, k in zip(w, keep):
+        if k:
+            cur.append(t)
+        elif cur:
+            pieces.append(cur)
+            cur = []
+    if cur:
+        pieces.append(cur)
+    long = [p for p in pieces if len(p) >= n]
+    if not long:
+        return frozenset(tuple(p) for p in pieces)
+    return frozenset(tuple(p[i : i + n]) for p in long for i in range(len(p) - n + 1))
 
 
 def boilerplate(gram_sets: Sequence[frozenset], fraction: float,
@@ -140,17 +161,29 @@ def boilerplate(gram_sets: Sequence[frozenset], fraction: float,
 
 
 def find_contaminated(train: dict[str, str], reference: Iterable[str], n: int = 13,
-                      boilerplate_fraction: float = 0.5) -> dict[str, str]:
-    """``{train id: one shared n-gram (as text)}`` for every training prompt that shares a non-template
-    n-gram with some reference prompt (held-out, probe, benchmark). Pure; deterministic (the
+                      boilerplate_fraction: float = 0.5, groups: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """``{train id: one shared n-gram (as text)}`` for every training prompt that shares an n-gram
+    with some reference prompt (held-out, probe, benchmark), template text left out. Template: the
+    n-grams in at least ``boilerplate_fraction`` (and 2) of the training prompts of one group
+    (``groups``: id -> domain, since each domain has its own instruction; None: one group), found
+    once on the whole prompts and once more on what is left of them. Pure; deterministic (the
     reported gram is the smallest shared one)."""
-    train_grams = {tid: overlap_ngrams(t, n) for tid, t in train.items()}
-    ref_grams = [overlap_ngrams(t, n) for t in reference]
-    template = boilerplate(list(train_grams.values()) + ref_grams, boilerplate_fraction)
-    ref_all = set().union(*ref_grams) - template if ref_grams else set()
+    by_group: dict[str, list[str]] = {}
+    for tid in train:
+        by_group.setdefault((groups or {}).get(tid, ""), []).append(tid)
+    template: set = set()
+    for ids in by_group.values():
+        template |= boilerplate([overlap_ngrams(train[t], n) for t in ids], boilerplate_fraction, MIN_BOILERPLATE_PROMPTS)
+    grams = {t: overlap_ngrams(text, n, template) for t, text in train.items()}
+    for ids in by_group.values():  # short pieces (prefixes, labels) common to a domain are template too
+        template |= boilerplate([grams[t] for t in ids], boilerplate_fraction, MIN_BOILERPLATE_PROMPTS)
+    ref_all = set()
+    for text in reference:
+        ref_all |= overlap_ngrams(text, n, template)
+    ref_all -= template
     out = {}
-    for tid, grams in train_grams.items():
-        shared = grams & ref_all
+    for tid, g in grams.items():
+        shared = (g - template) & ref_all
         if shared:
             out[tid] = " ".join(min(shared))
     return out

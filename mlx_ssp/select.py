@@ -69,7 +69,7 @@ class DecontaminateConfig(StrictModel):
     n: int = Field(13, ge=1)  # words per n-gram
     #: compare with the run's held-out task files (``mlx_ssp run``: eval and probe; the CLI: --held-out)
     held_out: bool = True
-    #: an n-gram in at least this share of all compared prompts (and 3 of them) is template text
+    #: an n-gram in at least this share of a domain's training prompts (and 2 of them) is template text
     boilerplate_fraction: float = Field(0.5, gt=0.0, le=1.0)
     #: the field of a benchmark row holding its prompt: the first of these that the row has
     fields: list[str] = Field(default_factory=lambda: ["prompt", "question", "problem"], min_length=1)
@@ -478,10 +478,11 @@ def contamination(records: list[dict], cfg: DecontaminateConfig, held_out: list[
         raise UserError("select.decontaminate has nothing to compare with: name benchmark files in "
                         "select.decontaminate.against (or held-out task files: --held-out)")
     ref = reference_prompts(files, cfg.fields)
-    train = {}
+    train, domain = {}, {}
     for r in records:
         train.setdefault(r["task_id"], prompt_text(r.get("prompt")))
-    found = find_contaminated(train, ref, cfg.n, cfg.boilerplate_fraction)
+        domain.setdefault(r["task_id"], r["domain"])
+    found = find_contaminated(train, ref, cfg.n, cfg.boilerplate_fraction, groups=domain)
     return found, {"n": cfg.n, "against": files, "reference_prompts": len(ref), "train_prompts": len(train),
                    "contaminated_prompts": len(found)}
 

@@ -18,12 +18,14 @@ from mlx_ssp.select import DISTANCES, POLICIES
 @click.option("-o", "--output", default=None, help="OUT_DIR for <domain>/train.jsonl, valid.jsonl and spectrum.json.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT_DIR.")
 @click.option("--gold/--no-gold", default=None, help="Episode tasks: also offer each task's gold episode (needs --tasks, --model).")
-@click.option("--tasks", "tasks_path", default=None, type=click.Path(dir_okay=False), help="Task file (for --gold).")
+@click.option("--tasks", "tasks_path", default=None, type=click.Path(dir_okay=False), help="Task file the rollouts came from (for --gold and select.pseudo_label).")
 @click.option("--model", default=None, help="Model whose tokenizer the gold episodes are written in (for --gold).")
+@click.option("--held-out", "held_out", multiple=True, type=click.Path(dir_okay=False),
+              help="Held-out task file whose prompts training must not overlap (turns on select.decontaminate; repeatable).")
 @config_option
 @set_option
 def cli(rollouts, policy, per_prompt, distance, near_duplicate, output, overwrite, gold, tasks_path, model,
-        config_path, overrides):
+        held_out, config_path, overrides):
     """Pick diverse correct solutions from ROLLOUTS.jsonl as mlx-lm chat SFT data, per domain."""
     from mlx_ssp.select import format_report, run_select
     from mlx_ssp.stage_config import load_stage
@@ -44,11 +46,22 @@ def cli(rollouts, policy, per_prompt, distance, near_duplicate, output, overwrit
         from mlx_ssp.tasks import load_tasks
 
         golds = gold_records(load_tasks(tasks_path), load_tokenizer(model))
-    report = run_select(cfg.input, cfg, cfg.output, overwrite=overwrite, gold=golds)
+    if held_out and cfg.decontaminate is None:  # --held-out turns decontamination on, with its defaults
+        from mlx_ssp.select import DecontaminateConfig
+
+        cfg = cfg.model_copy(update={"decontaminate": DecontaminateConfig()})
+    if cfg.pseudo_label is not None and not tasks_path:
+        raise UserError("select.pseudo_label needs --tasks TASKS.jsonl (the tasks the rollouts came from)")
+    report = run_select(cfg.input, cfg, cfg.output, overwrite=overwrite, gold=golds, held_out=list(held_out),
+                        tasks_path=tasks_path if cfg.pseudo_label is not None else None)
     click.echo(format_report(report))
     if report["repeated_records_dropped"]:
         click.echo(f"warning: {report['repeated_records_dropped']} repeated (task, sample) record(s) in {cfg.input} were counted once", err=True)
     empty = [d for d, row in report["domains"].items() if not row["n_train"]]
     if empty:
         click.echo(f"warning: no correct solution selected for domain(s) {', '.join(empty)}: no training data written for them", err=True)
+    decon = report.get("decontamination")
+    if decon:
+        click.echo(f"decontamination: {decon['contaminated_prompts']} of {decon['train_prompts']} training prompts share "
+                   f"a {decon['n']}-gram with {decon['reference_prompts']} reference prompts; left out")
     click.echo(f"-> {cfg.output}")

@@ -51,6 +51,8 @@ from mlx_ssp.tasks.file_sources import (  # noqa: F401  (bfcl_schema, gsm8k_answ
     load_humaneval,
     load_jsonl,
 )
+from mlx_ssp.tasks.instruct import TEMPLATES as INSTRUCT_TEMPLATES
+from mlx_ssp.tasks.instruct import instruct_items
 from mlx_ssp.tasks.item import ORDER, Item  # noqa: F401  (re-exported)
 from mlx_ssp.tasks.multi_turn import SYSTEM_PROMPT as MULTI_TURN_SYSTEM
 from mlx_ssp.tasks.multi_turn import catalogue as multi_turn_catalogue
@@ -106,6 +108,8 @@ SOURCES: dict[str, Source] = {
         Source("bfcl_multi_turn", "bfcl_multi_turn", "", file_items, load_multi_turn,
                help="CATEGORY (base, miss_func, miss_param, long_context)", domain_name=lambda arg: f"bfcl_mt_{arg}",
                catalogue=multi_turn_catalogue, system=MULTI_TURN_SYSTEM),
+        Source("instruct", "instruct", "", instruct_items, default_size=50, arg_required=False,
+               help="[TEMPLATE,...] (default: all)", catalogue=lambda: "instruct templates: " + ", ".join(INSTRUCT_TEMPLATES)),
         Source("jsonl", None, "", file_items, load_jsonl, help="PATH (with params: prompt_field, answer_field...)",
                domain_name=file_stem),
         Source("hf", None, "", file_items, load_hf, help="DATASET (hub id, local builder like json, or saved dir)",
