@@ -62,7 +62,10 @@ import numpy as np
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
+from mlx_ssp.errors import UserError
+from mlx_ssp.merge import interpolate as I
 from mlx_ssp.merge import kernels as K
+from mlx_ssp.merge import selective as S
 from mlx_ssp.merge.kernels import DTYPES, F32, F64, f32, kernel, rnd, scalar  # noqa: F401  (DTYPES: re-export)
 from mlx_ssp.merge.sparsify import SPARSIFIERS, rescale_factor, select_slice
 
@@ -99,6 +102,8 @@ class TensorInputs:
     seeds: list[int]
     cd: Any
     out: Any
+    #: the tensor's shape (None: the engine did not pass it; shape-dependent steps then see one row)
+    shape: Optional[tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,8 @@ class TaskVectorParams:
     lam: float = 1.0
     sign_vote: str = "weighted"
     rescale_mode: str = "l1"
+    epsilons: tuple[float, ...] = ()
+    shape: Optional[tuple[int, ...]] = None
 
     @classmethod
     def of(cls, t: TensorInputs) -> "TaskVectorParams":
@@ -134,7 +141,8 @@ class TaskVectorParams:
         return cls(weights=tuple(m["weight"] for m in pm), densities=tuple(m.get("density", 1.0) for m in pm),
                    gammas=tuple(m.get("gamma", 0.01) for m in pm), seeds=tuple(t.seeds),
                    normalize=sh["normalize"], rescale=bool(sh.get("rescale", False)), lam=sh.get("lambda", 1.0),
-                   sign_vote=sh.get("sign_vote", "weighted"), rescale_mode=sh.get("rescale_mode", "l1"))
+                   sign_vote=sh.get("sign_vote", "weighted"), rescale_mode=sh.get("rescale_mode", "l1"),
+                   epsilons=tuple(m.get("epsilon", 0.15) for m in pm), shape=t.shape)
 
 
 # ---------------------------------------------------------------- linear
@@ -202,7 +210,8 @@ def sparsify_task_vector(d: mx.array, i: int, sparsify: Optional[str], p: TaskVe
     sel, q = None, cd
     sp = SPARSIFIERS[sparsify] if sparsify else None
     if sp is not None:
-        sel, q = sp.select(d, p.densities[i], p.seeds[i], p.gammas[i]), sp.rescale_dtype(cd)
+        eps = p.epsilons[i] if p.epsilons else 0.15
+        sel, q = sp.select(d, p.densities[i], p.seeds[i], p.gammas[i], eps, p.shape, cd), sp.rescale_dtype(cd)
     factor = None
     if sel is not None and p.rescale:
         factor = rescale_factor(d, sel, p.rescale_mode, p.densities[i], q)
@@ -376,6 +385,119 @@ def merge_task_vectors(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
                              consensus=spec.consensus, cd=t.cd, out=t.out, as_parts=True)
 
 
+# ---------------------------------------------------------------- the other methods (mergekit 0.1.5)
+
+
+def _inputs(t: TensorInputs) -> list[mx.array]:
+    """Every non-base input, aligned to the compute dtype as mergekit does."""
+    return [_load(x).astype(t.cd) for x in t.models]
+
+
+def _finish(res: mx.array, t: TensorInputs) -> list[mx.array]:
+    """A float32 result rounded once to the compute dtype, then cast to the output dtype."""
+    out = res.astype(t.cd).astype(t.out)
+    mx.eval(out)
+    return [out]
+
+
+def _count(spec: "MethodSpec", t: TensorInputs, n: Optional[int] = None, at_least: Optional[int] = None) -> None:
+    k = len(t.models)
+    what = "model besides base_model" if spec.needs_base else "model"
+    if n is not None and k != n:
+        raise UserError(f"merge_method {spec.name} takes exactly {n} {what} (got {k})")
+    if at_least is not None and k < at_least:
+        raise UserError(f"merge_method {spec.name} takes at least {at_least} {what}s (got {k})")
+
+
+def _required(spec: "MethodSpec", t: TensorInputs, name: str) -> Any:
+    v = t.shared.get(name)
+    if v is None:
+        raise UserError(f"merge_method {spec.name} needs the parameter {name} (set parameters.{name})")
+    return v
+
+
+def _unit_interval(spec: "MethodSpec", name: str, v: float) -> float:
+    if not 0 <= v <= 1:
+        raise UserError(f"merge_method {spec.name}: {name} {v} is outside [0, 1]")
+    return v
+
+
+def merge_slerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
+    """``slerp``: from the base (t = 0) to the other model (t = 1)."""
+    _count(spec, t, n=1)
+    tt = _unit_interval(spec, "t", _required(spec, t, "t"))
+    return _finish(I.slerp(tt, t.base().astype(t.cd), _inputs(t)[0]), t)
+
+
+def merge_nuslerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
+    """``nuslerp``: two models, ``t = w1 / (w0 + w1)`` (0.5 when the weights cancel)."""
+    _count(spec, t, n=2)
+    w = [pm["weight"] for pm in t.per_model]
+    tt = 0.5 if abs(sum(w)) < 1e-6 else w[1] / sum(w)
+    a, b = _inputs(t)
+    res = I.nuslerp(tt, a, b, t.shape, row_wise=t.shared["nuslerp_row_wise"], flatten=t.shared["nuslerp_flatten"])
+    return _finish(res, t)
+
+
+def merge_multislerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
+    _count(spec, t, at_least=1)
+    try:
+        res = I.multislerp(_inputs(t), [pm["weight"] for pm in t.per_model], t.shared["normalize_weights"],
+                           t.shared["eps"])
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return _finish(res, t)
+
+
+def merge_karcher(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
+    """``karcher``: the equal-weight Karcher mean of every input."""
+    return _finish(I.karcher(_inputs(t), max_iter=int(t.shared["max_iter"]), tol=t.shared["tol"]), t)
+
+
+def merge_model_stock(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
+    _count(spec, t, at_least=2)
+    return _finish(I.model_stock(t.base().astype(t.cd), _inputs(t), t.cd, t.shape, t.shared["filter_wise"]), t)
+
+
+def merge_nearswap(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
+    _count(spec, t, n=1)
+    return _finish(I.nearswap(_required(spec, t, "t"), t.base().astype(t.cd), _inputs(t)[0], t.cd), t)
+
+
+def merge_arcee_fusion(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
+    _count(spec, t, n=1)
+    return _finish(I.arcee_fusion(t.base().astype(t.cd), _inputs(t)[0], t.shape, t.seeds[0], t.cd), t)
+
+
+def _task_vectors(t: TensorInputs) -> tuple[mx.array, list[mx.array]]:
+    base = t.base().astype(t.cd)
+    return base, [task_vector(x, base, t.cd) for x in _inputs(t)]
+
+
+def merge_sce(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
+    base, tvs = _task_vectors(t)
+    if not tvs:
+        return _finish(f32(base), t)
+    return _finish(S.sce(base, tvs, t.shared["select_topk"]), t)
+
+
+def merge_ram(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
+    base, tvs = _task_vectors(t)
+    if not tvs:
+        return _finish(f32(base), t)
+    sh = t.shared
+    plus = spec.name == "ramplus_tl"
+    return _finish(S.ram(base, tvs, sh["epsilon"], plus=plus, r=sh.get("r", 0.1), alpha=sh.get("alpha", 0.2)), t)
+
+
+#: types of the parameters only the methods above take (mlx_ssp.merge.config validates values by them)
+METHOD_PARAM_TYPES: dict[str, type] = {
+    "t": float, "epsilon": float, "filter_wise": bool, "nuslerp_row_wise": bool, "nuslerp_flatten": bool,
+    "normalize_weights": bool, "eps": float, "max_iter": float, "tol": float, "select_topk": float,
+    "r": float, "alpha": float,
+}
+
+
 _TV_DEFAULTS = (("density", 1.0), ("lambda", 1.0), ("int8_mask", False), ("sign_vote", "weighted"),
                 ("rescale_mode", "l1"))
 
@@ -404,6 +526,16 @@ class MethodSpec:
 _BREADCRUMBS = dict(sparsify="outliers", model_params=("weight", "density", "gamma"),
                     defaults=_TV_DEFAULTS + (("gamma", 0.01),))
 
+_DELLA = dict(sparsify="magprune", default_rescale=True, model_params=("weight", "density", "epsilon"),
+             defaults=_TV_DEFAULTS + (("epsilon", 0.15),))
+
+
+def _other(merge, *defaults, weighted: bool = False) -> dict:
+    """A non-task-vector method: its merge function and shared defaults; ``weighted``: it takes
+    mergekit's per-model ``weight`` (required, no default), else no per-model parameter."""
+    return dict(merge=merge, model_params=("weight",) if weighted else (), defaults=tuple(defaults))
+
+
 METHODS: dict[str, MethodSpec] = {
     "linear": MethodSpec("linear", needs_base=False, default_normalize=True, model_params=("weight",),
                          shared_params=("normalize",), defaults=(), merge=merge_linear),
@@ -413,4 +545,22 @@ METHODS: dict[str, MethodSpec] = {
     "dare_ties": MethodSpec("dare_ties", needs_base=True, sparsify="random", consensus=True, default_rescale=True),
     "breadcrumbs": MethodSpec("breadcrumbs", needs_base=True, **_BREADCRUMBS),
     "breadcrumbs_ties": MethodSpec("breadcrumbs_ties", needs_base=True, consensus=True, **_BREADCRUMBS),
+    "della": MethodSpec("della", needs_base=True, consensus=True, default_normalize=True, **_DELLA),
+    "della_linear": MethodSpec("della_linear", needs_base=True, **_DELLA),
+    "sce": MethodSpec("sce", needs_base=True, shared_params=("select_topk", "int8_mask"),
+                      **_other(merge_sce, ("select_topk", 1.0), ("int8_mask", False))),
+    "ram": MethodSpec("ram", needs_base=True, shared_params=("epsilon",), **_other(merge_ram, ("epsilon", 1e-5))),
+    "ramplus_tl": MethodSpec("ramplus_tl", needs_base=True, shared_params=("r", "alpha", "epsilon"),
+                             **_other(merge_ram, ("r", 0.1), ("alpha", 0.2), ("epsilon", 1e-5))),
+    "slerp": MethodSpec("slerp", needs_base=True, shared_params=("t",), **_other(merge_slerp)),
+    "nuslerp": MethodSpec("nuslerp", needs_base=False, shared_params=("nuslerp_row_wise", "nuslerp_flatten"),
+                          **_other(merge_nuslerp, ("nuslerp_row_wise", False), ("nuslerp_flatten", True), weighted=True)),
+    "multislerp": MethodSpec("multislerp", needs_base=False, shared_params=("normalize_weights", "eps"),
+                             **_other(merge_multislerp, ("normalize_weights", True), ("eps", 1e-8), weighted=True)),
+    "karcher": MethodSpec("karcher", needs_base=False, shared_params=("max_iter", "tol"),
+                          **_other(merge_karcher, ("max_iter", 10.0), ("tol", 1e-5))),
+    "model_stock": MethodSpec("model_stock", needs_base=True, shared_params=("filter_wise",),
+                              **_other(merge_model_stock, ("filter_wise", False))),
+    "nearswap": MethodSpec("nearswap", needs_base=True, shared_params=("t",), **_other(merge_nearswap)),
+    "arcee_fusion": MethodSpec("arcee_fusion", needs_base=True, shared_params=(), **_other(merge_arcee_fusion)),
 }

@@ -8,6 +8,13 @@ that scales the survivors back up.
   ``density``, from a PCG64 stream seeded by (seed, tensor name, model) (:func:`dare_seed`).
 - ``outliers`` (model breadcrumbs, Davari & Belilovsky 2023): drop the ``gamma`` largest and the
   smallest magnitudes, keep ``density``.
+- ``magprune`` (DELLA, Deep et al. 2024, section 3 "MagPrune"; mergekit's ``della_magprune``): rank
+  the magnitudes along axis 1 of the tensor (a 1-D tensor is one row), map ranks linearly to keep
+  probabilities in ``[density - epsilon, density + epsilon]`` (the largest magnitude most likely
+  kept) and draw each element from the same seeded PCG64 stream as DARE. The ranks, their
+  normalisation and the probabilities are rounded to the rescale dtype step by step, as mergekit
+  computes them; exact magnitude ties rank by flat index (a stable sort; torch's is unstable), and
+  a row of one element keeps with probability ``density - epsilon`` (mergekit divides 0 by 0).
 - rescale (DARE "rescale"): ``l1`` matches the L1 norm of the unmasked delta (mergekit),
   ``inverse_density`` multiplies by ``1 / density`` (the DARE paper).
 
@@ -27,6 +34,7 @@ import numpy as np
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
+from mlx_ssp.errors import UserError
 from mlx_ssp.merge import kernels as K
 from mlx_ssp.merge.kernels import F32, f32, kernel, rnd, scalar
 
@@ -211,6 +219,67 @@ def bernoulli_mask(size: int, density: float, seed: int) -> Optional[mx.array]:
     return mx.array(mask)
 
 
+def _uniform_stream(size: int, seed: int):
+    """NumPy's float32 uniforms ``(u >> 8) * 2**-24`` of the PCG64 stream seeded by ``seed``, the
+    same words :func:`bernoulli_mask` compares, yielded in chunks as ``(start, stop, uniforms)``."""
+    bg = np.random.PCG64(seed)
+    nraw, step = (size + 1) // 2, max(1, _RNG_CHUNK // 2)
+    for r in range(0, nraw, step):
+        u = bg.random_raw(min(step, nraw - r)).view(np.uint32)
+        i = 2 * r
+        j = min(size, i + u.size)
+        yield i, j, (u[: j - i] >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)
+
+
+def _round_to(x: np.ndarray, dtype) -> np.ndarray:
+    """float32 ``x`` rounded to the MLX dtype ``dtype`` (bf16 / fp16 / f32) and back."""
+    if dtype == F32:
+        return x
+    return np.array(mx.array(x).astype(dtype).astype(F32))
+
+
+def magprune_probabilities(mag: np.ndarray, density: float, epsilon: float, work) -> np.ndarray:
+    """DELLA's keep probabilities of a ``(rows, n)`` magnitude array, per row: rank ``r`` in
+    ``1..n`` (ascending magnitude, ties by position), ``p = (density - epsilon) + norm(r) * 2 *
+    epsilon`` with ``norm(r) = (r - min r) / (max r - min r)`` clipped to [0, 1]; every step rounded
+    to ``work`` (mergekit's work dtype)."""
+    order = np.argsort(mag, axis=1, kind="stable")
+    ranks = np.empty(mag.shape, dtype=np.float32)
+    np.put_along_axis(ranks, order, np.arange(1, mag.shape[1] + 1, dtype=np.float32)[None, :], axis=1)
+    ranks = _round_to(ranks, work)
+    lo, hi = ranks.min(axis=1, keepdims=True), ranks.max(axis=1, keepdims=True)
+    span = _round_to(hi - lo, work)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        norm = _round_to(_round_to(ranks - lo, work) / np.where(span == 0, 1, span), work)
+    norm = np.where(span == 0, 0, np.clip(norm, 0, 1)).astype(np.float32)
+    scaled = _round_to(_round_to(norm * np.float32(2), work) * np.float32(epsilon), work)
+    return _round_to(scaled + np.float32(density - epsilon), work)
+
+
+def magprune_mask(delta: mx.array, density: float, epsilon: float, seed: int, shape: Optional[tuple],
+                  work=F32) -> Optional[mx.array]:
+    """DELLA's MagPrune selection of a flat delta of tensor shape ``shape`` (None: one row): keep
+    each element with its rank-based probability (:func:`magprune_probabilities`; ranks along axis
+    1, as mergekit does), drawn from the PCG64 stream of ``seed``. None means keep all."""
+    if density >= 1:
+        return None
+    if density <= 0:
+        return mx.zeros(delta.shape, dtype=mx.bool_)
+    if density + epsilon >= 1 or density - epsilon <= 0:
+        raise UserError("della: epsilon must be chosen such that density +/- epsilon is in (0, 1) "
+                         f"(density {density}, epsilon {epsilon})")
+    shape = tuple(shape) if shape else (delta.size,)
+    shape = (1,) + shape if len(shape) < 2 else shape
+    mag = np.abs(np.asarray(f32(delta))).reshape(shape)
+    moved = np.moveaxis(mag, 1, -1)  # mergekit ranks along dim 1
+    probs = magprune_probabilities(moved.reshape(-1, shape[1]), density, epsilon, work)
+    probs = np.moveaxis(probs.reshape(moved.shape), -1, 1).reshape(-1)
+    mask = np.empty(delta.size, dtype=bool)
+    for i, j, u in _uniform_stream(delta.size, seed):
+        np.less(u, probs[i:j], out=mask[i:j])
+    return mx.array(mask)
+
+
 #: words per draw: 2 MiB of raw words stay in L2 (4x the chunk was 2x slower per element)
 _RNG_CHUNK = 1 << 18
 
@@ -283,12 +352,12 @@ def rescale_factor(delta: mx.array, sel, mode: str, density: float, cd, eps: flo
 
 @dataclass(frozen=True)
 class Sparsifier:
-    """One way to sparsify a task vector: ``select(delta, density, seed, gamma)`` returns None (keep
-    all), a :class:`MagnitudeCut` or a boolean mask; the rescale factor is rounded to
-    ``rescale_dtype(cd)``."""
+    """One way to sparsify a task vector: ``select(delta, density, seed, gamma, epsilon, shape, cd)``
+    returns None (keep all), a :class:`MagnitudeCut` or a boolean mask; the rescale factor is
+    rounded to ``rescale_dtype(cd)``."""
 
     name: str
-    select: Callable[[mx.array, float, int, float], object]
+    select: Callable[..., object]
     rescale_dtype: Callable[[object], object] = lambda cd: cd
 
 
@@ -298,8 +367,12 @@ def _dare_dtype(cd):
 
 
 SPARSIFIERS: dict[str, Sparsifier] = {
-    "magnitude": Sparsifier("magnitude", lambda d, density, seed, gamma: magnitude_cut(d, density)),
-    "random": Sparsifier("random", lambda d, density, seed, gamma: bernoulli_mask(d.size, density, seed),
+    "magnitude": Sparsifier("magnitude", lambda d, density, seed, gamma, *_: magnitude_cut(d, density)),
+    "random": Sparsifier("random", lambda d, density, seed, gamma, *_: bernoulli_mask(d.size, density, seed),
                          rescale_dtype=_dare_dtype),
-    "outliers": Sparsifier("outliers", lambda d, density, seed, gamma: outlier_mask(d, density, gamma)),
+    "outliers": Sparsifier("outliers", lambda d, density, seed, gamma, *_: outlier_mask(d, density, gamma)),
+    # mergekit works in bf16 for bf16 and in float32 otherwise, as for DARE
+    "magprune": Sparsifier("magprune", lambda d, density, seed, gamma, epsilon, shape, cd:
+                           magprune_mask(d, density, epsilon, seed, shape, _dare_dtype(cd)),
+                           rescale_dtype=_dare_dtype),
 }
