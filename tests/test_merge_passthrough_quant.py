@@ -121,3 +121,147 @@ def test_passthrough_scale_and_errors(tiny, tmp_path):
         p.write_text(yaml.safe_dump({"merge_method": "passthrough", **bad}))
         with pytest.raises(UserError, match=pat):
             load_merge_config(p)
+
+
+# ------------------------------------------------------------------ MLX-quantized inputs and outputs
+
+
+def _mixed_predicate(path, module):
+    """Mixed quantization: layer 1's MLP at 8 bits / group 32, layer 2's q_proj left in float."""
+    if "layers.1.mlp" in path:
+        return {"bits": 8, "group_size": 32}
+    return "layers.2.self_attn.q_proj" not in path
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny):
+    """``a`` quantized by mlx-lm (4 bits, group 64, mixed per-module overrides) and mlx-lm's own
+    dequantized float copy of it."""
+    from mlx_lm import convert
+
+    q, f = tiny["dir"] / "q4", tiny["dir"] / "q4_float"
+    convert(str(tiny["a"]), str(q), quantize=True, q_bits=4, q_group_size=64, quant_predicate=_mixed_predicate)
+    convert(str(q), str(f), dequantize=True)
+    return {"q": q, "f": f}
+
+
+def reference_dequantized(q: Path) -> dict[str, mx.array]:
+    """Every module of a quantized model dequantized with its own bits / group size (read from
+    config.json here, independently of the merge code)."""
+    conf = json.loads((q / "config.json").read_text())["quantization"]
+    w = weights(q)
+    out = {}
+    for k, v in w.items():
+        stem = k.rsplit(".", 1)[0]
+        if k.endswith((".scales", ".biases")):
+            continue
+        if stem + ".scales" in w:
+            own = conf.get(stem, {})
+            v = mx.dequantize(v, w[stem + ".scales"], w[stem + ".biases"],
+                              group_size=own.get("group_size", conf["group_size"]), bits=own.get("bits", conf["bits"]))
+        out[k] = v
+    return out
+
+
+def test_quantized_input_merges_dequantized_and_loads(tiny, quantized, tmp_path):
+    import mlx_lm
+
+    conf = json.loads((quantized["q"] / "config.json").read_text())["quantization"]
+    assert conf["model.layers.1.mlp.up_proj"] == {"bits": 8, "group_size": 32}  # the fixture is mixed
+    deq = reference_dequantized(quantized["q"])
+    assert deq["model.layers.1.mlp.up_proj.weight"].shape == (128, 64)
+    # linear of the quantized model and a float copy of it: the dequantized values exactly
+    out = tmp_path / "m"
+    run_merge(MergeConfig.model_validate({"merge_method": "linear", "models": [
+        {"model": str(quantized["q"]), "parameters": {"weight": 1}},
+        {"model": str(quantized["f"]), "parameters": {"weight": 1}}]}), out, progress=False)
+    got = weights(out)
+    assert sorted(got) == sorted(deq)
+    for k in deq:
+        assert got[k].dtype == mx.float32 and mx.array_equal(got[k], deq[k]).item(), k
+    conf_out = json.loads((out / "config.json").read_text())
+    assert "quantization" not in conf_out and "quantization_config" not in conf_out
+    mlx_lm.load(str(out))
+    # with the original float model: (dequantized + float) / 2 against NumPy
+    out2 = tmp_path / "m2"
+    run_merge(MergeConfig.model_validate({"merge_method": "linear", "models": [
+        {"model": str(quantized["q"]), "parameters": {"weight": 1}},
+        {"model": str(tiny["a"]), "parameters": {"weight": 3}}]}), out2, progress=False)
+    A, got2 = weights(tiny["a"]), weights(out2)
+    k = "model.layers.1.mlp.down_proj.weight"
+    want = (np.asarray(deq[k], np.float64) + 3 * np.asarray(A[k], np.float64)) / 4
+    np.testing.assert_allclose(np.asarray(got2[k]), want, rtol=1e-6, atol=1e-7)
+
+
+def test_out_quantization_round_trip(tiny, quantized, tmp_path):
+    import mlx_lm
+
+    flat, out = tmp_path / "float", tmp_path / "q"
+    models = [{"model": str(quantized["q"]), "parameters": {"weight": 1}},
+              {"model": str(tiny["b"]), "parameters": {"weight": 1}}]
+    run_merge(MergeConfig.model_validate({"merge_method": "linear", "models": models}), flat, progress=False)
+    run_merge(MergeConfig.model_validate({"merge_method": "linear", "models": models,
+                                          "out_quantization": {"bits": 4, "group_size": 128}}), out, progress=False)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["quantization"] == conf["quantization_config"] == {"group_size": 128, "bits": 4, "mode": "affine"}
+    F, got = weights(flat), weights(out)
+    # in = 128 is quantized; q_proj (in = 64) cannot use group 128 and stays float, as mlx-lm decides
+    assert "model.layers.0.self_attn.q_proj.scales" not in got
+    assert mx.array_equal(got["model.layers.0.self_attn.q_proj.weight"], F["model.layers.0.self_attn.q_proj.weight"]).item()
+    k = "model.layers.0.mlp.down_proj"
+    wq, s, b = mx.quantize(F[k + ".weight"], group_size=128, bits=4)
+    assert got[k + ".weight"].dtype == mx.uint32
+    for x, y in ((got[k + ".weight"], wq), (got[k + ".scales"], s), (got[k + ".biases"], b)):
+        assert mx.array_equal(x, y).item()
+    back = mx.dequantize(got[k + ".weight"], got[k + ".scales"], got[k + ".biases"], group_size=128, bits=4)
+    err = np.abs(np.asarray(back - F[k + ".weight"])).reshape(*s.shape, 128)
+    assert (err <= np.abs(np.asarray(got[k + ".scales"]))[..., None] * 1.001).all()  # within a step of its group
+    model, _ = mlx_lm.load(str(out))
+    import mlx.nn as nn
+    assert isinstance(model.model.layers[0].mlp.down_proj, nn.QuantizedLinear)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
+    logits = model(mx.array([[1, 2, 3]]))
+    assert logits.shape[-1] == json.loads((out / "config.json").read_text())["vocab_size"]
+    # a quantized output merged again is read back (quantized in, quantized out)
+    again = tmp_path / "again"
+    run_merge(MergeConfig.model_validate({"merge_method": "passthrough", "models": [{"model": str(out)}],
+                                          "out_quantization": {"bits": 4, "group_size": 128}}), again, progress=False)
+    g2 = weights(again)
+    assert sorted(g2) == sorted(got)
+    for key in (k + ".weight", k + ".scales", k + ".biases", "model.layers.0.self_attn.q_proj.weight"):
+        assert mx.array_equal(g2[key], got[key]).item(), key
+
+
+def test_quantized_input_errors(quantized, tmp_path):
+    from mlx_ssp.merge.quant import dequantized_view
+    from mlx_ssp.merge import safetensors_io as sio
+
+    tensors = sio.scan_model(quantized["q"])
+    conf = json.loads((quantized["q"] / "config.json").read_text())["quantization"]
+    with pytest.raises(UserError, match=r"model q4: quantized module '.*'.*do not match 4 bits with group size 128"):
+        dequantized_view(tensors, {**conf, "group_size": 128}, "q4")
+    with pytest.raises(UserError, match="mode mxfp4 is not supported"):
+        dequantized_view(tensors, {**conf, "mode": "mxfp4"}, "q4")
+    for bad, pat in (({"bits": 7}, "out_quantization.bits"), ({"group": 64}, "unknown key 'out_quantization.group'")):
+        p = tmp_path / "c.yml"
+        p.write_text(yaml.safe_dump({"merge_method": "linear", "models": [{"model": "x"}], "out_quantization": bad}))
+        with pytest.raises(UserError, match=pat):
+            load_merge_config(p)
+
+
+def test_qlora_adapter_on_a_quantized_base(quantized, tmp_path):
+    """``quantized+adapter`` (a QLoRA run, unfused): dequantized, then the LoRA delta added."""
+    ad = tmp_path / "ad"
+    ad.mkdir()
+    rng = np.random.default_rng(0)
+    la, lb = rng.standard_normal((64, 2)).astype(np.float32), rng.standard_normal((2, 64)).astype(np.float32)
+    stem = "model.layers.0.self_attn.q_proj"
+    mx.save_safetensors(str(ad / "adapters.safetensors"), {stem + ".lora_a": mx.array(la), stem + ".lora_b": mx.array(lb)})
+    (ad / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "lora_parameters": {"scale": 2.0}}))
+    out = tmp_path / "m"
+    run_merge(MergeConfig.model_validate({"merge_method": "passthrough",
+                                          "models": [{"model": f"{quantized['q']}+{ad}"}]}), out, progress=False)
+    deq, got = reference_dequantized(quantized["q"]), weights(out)
+    want = np.asarray(deq[stem + ".weight"]) + 2.0 * (lb.T @ la.T)
+    np.testing.assert_allclose(np.asarray(got[stem + ".weight"]), want, rtol=1e-5, atol=1e-6)
+    assert mx.array_equal(got["model.layers.1.mlp.up_proj.weight"], deq["model.layers.1.mlp.up_proj.weight"]).item()

@@ -33,7 +33,9 @@ from mlx_ssp.merge.config import MergeConfig, MergeStageConfig
 from mlx_ssp.merge.methods import DTYPES, METHODS, TensorInputs
 from mlx_ssp.merge.outdir import MARK_KEY, MARK_VALUE, Protected, check_out_dir
 from mlx_ssp.merge.parallel import resolve_workers, run_parallel
-from mlx_ssp.merge.plan import MergeJob, TensorPlan, code_name, plan_merge  # noqa: F401  (plan_merge: re-export)
+from mlx_ssp.merge import quant as Q
+from mlx_ssp.merge.plan import (MergeJob, TensorPlan, base_output_config, code_name,  # noqa: F401
+                                plan_merge)  # (plan_merge: re-export)
 from mlx_ssp.merge.sparsify import dare_seed
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -110,6 +112,7 @@ def input_paths(job: MergeJob, extra: tuple[Path, ...] = ()) -> list[Protected]:
         if s.given is not None:
             items.append(Protected(s.given, f"input model {s.ref}"))
         files = {t.file for t in s.tensors.values()} | {s.path / f for f in ("config.json", *TOKENIZER_FILES)}
+        files |= {t.file for q in (s.quant or {}).values() for t in (q.scales, q.biases)}
         if s.adapter_path is not None:
             items.append(Protected(s.adapter_path, f"the LoRA adapter of model {s.ref}"))
             files |= {t.file for t in (s.adapter or {}).values()}
@@ -139,7 +142,14 @@ def _merge_tensors(job: MergeJob, writer: sio.ShardedWriter, seed: int, n_worker
     def merge_one(p: TensorPlan) -> None:
         parts = merge_tensor(job, p, seed)
         mx.eval(parts)
-        writer.write(p.name, [sio.to_bytes(x) for x in parts])
+        if p.quant is None:
+            writer.write(p.name, [sio.to_bytes(x) for x in parts])
+            return
+        stored = Q.quantize_parts(p.name, parts, p.shape, *p.quant)
+        del parts
+        mx.eval(list(stored.values()))
+        for name, x in stored.items():
+            writer.write(name, [sio.to_bytes(x)])
 
     bar = tqdm(total=len(job.plans), desc=f"merge {job.cfg.merge_method}", unit="tensor", disable=not progress)
     try:
@@ -155,12 +165,13 @@ def _merge_tensors(job: MergeJob, writer: sio.ShardedWriter, seed: int, n_worker
 
 
 def output_config(job: MergeJob) -> dict:
-    """The reference's ``config.json`` with ``torch_dtype`` (and ``dtype``, if it has one) set to the
-    output dtype when every merged tensor has the same one."""
-    conf = dict(job.ref_config)
-    if job.n_layers_out is not None:
-        keys = [k for k in ("num_hidden_layers", "n_layer") if k in conf] or ["num_hidden_layers"]
-        conf.update({k: job.n_layers_out for k in keys})
+    """The reference's ``config.json`` (:func:`.plan.base_output_config`: the output's layer count,
+    no input quantization) with ``torch_dtype`` (and ``dtype``, if it has one) set to the output
+    dtype when every merged tensor has the same one, and the output's ``quantization``."""
+    conf = base_output_config(job)
+    if any(p.quant for p in job.plans):
+        oq = job.cfg.out_quantization
+        conf["quantization"] = conf["quantization_config"] = Q.config_entry(oq.bits, oq.group_size)
     out_codes = {p.out for p in job.plans if not p.copy}
     if len(out_codes) == 1:
         dt = code_name(out_codes.pop())
@@ -194,7 +205,9 @@ def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_sh
     # lexically absolute: a trailing '..' has no name to build the temporary sibling from
     target = Path(os.path.abspath(out_dir))
     shard_bytes = sio.parse_size(out_shard_size)
-    plan = [sio.PlannedTensor(p.name, p.out, p.shape) for p in job.plans]  # a copy's out: the reference's dtype
+    plan = [t for p in job.plans for t in  # a copy's out: the reference's dtype
+            ([sio.PlannedTensor(p.name, p.out, p.shape)] if p.quant is None
+             else Q.packed_tensors(p.name, p.shape, p.out, *p.quant))]
     t0 = time.perf_counter()
     with atomic_dir(target, overwrite=overwrite or overwrite_any) as tmp:
         writer = sio.ShardedWriter(tmp, plan, shard_bytes, metadata={MARK_KEY: MARK_VALUE})

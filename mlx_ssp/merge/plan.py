@@ -39,6 +39,7 @@ class TensorPlan:
     per_model: list[dict[str, Any]] = field(default_factory=list)
     copy: bool = False  # non-float tensor: copied from the reference (``slices:``: from ``inputs[0]``)
     src_name: Optional[str] = None  # the inputs' tensor name when it is not ``name`` (a renumbered layer)
+    quant: Optional[tuple[int, int]] = None  # ``out_quantization``: (bits, group_size) to store it with
 
 
 @dataclass
@@ -53,6 +54,31 @@ class MergeJob:
     plans: list[TensorPlan]
     ref_config: dict
     n_layers_out: Optional[int] = None  # ``slices:``: the output's layer count (else the reference's)
+
+
+def base_output_config(job: MergeJob) -> dict:
+    """The reference's ``config.json`` with the output's layer count and no input quantization."""
+    conf = {k: v for k, v in job.ref_config.items() if k not in ("quantization", "quantization_config")}
+    if job.n_layers_out is not None:
+        keys = [k for k in ("num_hidden_layers", "n_layer") if k in conf] or ["num_hidden_layers"]
+        conf.update({k: job.n_layers_out for k in keys})
+    return conf
+
+
+def mark_out_quantization(job: MergeJob) -> MergeJob:
+    """With ``out_quantization``, the weights mlx-lm would quantize (:func:`.quant.quantized_names`)
+    are stored quantized."""
+    oq = job.cfg.out_quantization
+    if oq is None:
+        return job
+    from mlx_ssp.merge.quant import quantized_names
+
+    names = quantized_names([(p.name, p.shape) for p in job.plans if not p.copy], base_output_config(job),
+                            oq.group_size)
+    for p in job.plans:
+        if p.name in names:
+            p.quant = (oq.bits, oq.group_size)
+    return job
 
 
 def code_name(code: str) -> str:
@@ -243,4 +269,4 @@ def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label:
     n_layers = layer_count(sources[reference], configs[reference])
     job.plans = [plan_tensor(job, spec, name, n_layers, vocab_mismatch)
                  for name in sio.iter_names(sources[reference].tensors)]
-    return job
+    return mark_out_quantization(job)

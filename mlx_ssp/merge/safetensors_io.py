@@ -40,6 +40,7 @@ DTYPES: dict[str, tuple[int, str, str]] = {
     "BF16": (2, "<u2", "bfloat16"),  # carried as uint16, reinterpreted with mx.view
     "F64": (8, "<f8", "float64"),
     "I64": (8, "<i8", "int64"),
+    "U32": (4, "<u4", "uint32"),  # mlx's packed quantized weights (:mod:`.quant`)
     "I32": (4, "<i4", "int32"),
     "I16": (2, "<i2", "int16"),
     "I8": (1, "<i1", "int8"),
@@ -236,7 +237,7 @@ def mx_code(a) -> str:
     name = str(a.dtype).split(".")[-1]
     code = CODE_OF.get(name)
     if code is None:
-        code = {"int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}[name]
+        code = {"int64": "I64", "uint32": "U32", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}[name]
     return code
 
 

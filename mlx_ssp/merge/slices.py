@@ -28,8 +28,8 @@ from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.config import _LAYER, MergeConfig, layer_index
 from mlx_ssp.merge.methods import METHODS
 from mlx_ssp.merge.passthrough import MAX_INPUTS
-from mlx_ssp.merge.plan import (MergeJob, TensorPlan, layer_count, resolve_per_model, resolve_shared,
-                                tensor_dtypes)
+from mlx_ssp.merge.plan import (MergeJob, TensorPlan, layer_count, mark_out_quantization, resolve_per_model,
+                                resolve_shared, tensor_dtypes)
 from mlx_ssp.merge.sources import open_source, read_model_config
 
 #: names of tensors that come before the layers (the input embeddings of the architectures mlx-lm reads)
@@ -136,4 +136,4 @@ def plan_slices(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label
         seen.add(p.name)
     job.plans = plans
     job.n_layers_out = sum(b - a for sl in cfg.slices for a, b in [sl.sources[0].layer_range])
-    return job
+    return mark_out_quantization(job)

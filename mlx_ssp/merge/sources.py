@@ -1,7 +1,8 @@
 """Input models of a merge: a reference (a directory, a hub id, ``demo``, or ``path+adapter_dir``)
 opened as a :class:`Source` whose safetensors headers are scanned (no tensor data is read). A LoRA
 adapter is fused on the fly when a tensor is read (``W + scale * B^T A^T`` in the weight's dtype,
-as ``mlx_lm fuse`` does).
+as ``mlx_lm fuse`` does). An MLX-quantized model (``quantization`` in its ``config.json``) shows
+each quantized module as one float ``.weight``, dequantized when read (:mod:`.quant`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import mlx.core as mx
 
 from mlx_ssp.errors import UserError
 from mlx_ssp.merge import safetensors_io as sio
+from mlx_ssp.merge.quant import QuantTensor, dequantize, dequantized_view
 
 
 @dataclass
@@ -29,9 +31,11 @@ class Source:
     lora_scale: float = 1.0
     adapter_path: Optional[Path] = None
     given: Optional[Path] = None  # the model directory as written (before symlinks are resolved)
+    quant: Optional[dict[str, QuantTensor]] = None  # logical weight name -> its packed parts
 
     def load(self, name: str) -> mx.array:
-        x = sio.read_tensor(self.tensors[name])
+        q = self.quant.get(name) if self.quant else None
+        x = dequantize(q) if q is not None else sio.read_tensor(self.tensors[name])
         if self.adapter is not None and name.endswith(".weight"):
             stem = name[: -len(".weight")]
             a, b = self.adapter.get(stem + ".lora_a"), self.adapter.get(stem + ".lora_b")
@@ -56,6 +60,9 @@ def open_source(ref: str) -> Source:
     given = Path(model_spec).expanduser()
     given = given if given.exists() and given.resolve() == path.resolve() else None  # not 'demo' or a hub id
     src = Source(ref=ref, path=path, tensors=sio.scan_model(path), given=given)
+    qconf = read_model_config(src).get("quantization")
+    if qconf is not None:
+        src.tensors, src.quant = dequantized_view(src.tensors, qconf, ref)
     if adapter_spec:
         attach_adapter(src, Path(adapter_spec).expanduser())
     return src
