@@ -37,6 +37,8 @@ class EvalConfig(StrictModel):
     output: Optional[str] = None
     max_context: Optional[int] = Field(None, ge=2)
     system: Optional[str] = None
+    prefill_batch_size: Optional[int] = Field(None, ge=1)  # sequences prefilled together; None: 1 on CPU, 8 on GPU
+    OMIT_AT_DEFAULT = frozenset({"prefill_batch_size"})  # added in issue 17: old fingerprints kept
 
     @model_validator(mode="after")
     def _n_ge_k(self):

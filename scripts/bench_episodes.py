@@ -7,6 +7,8 @@ Measured side by side in one run, per model, on the same tasks, samples and seed
   ``one at a time``: batch 1, on the first ``--seq-episodes`` of the same episodes (to keep the run
   short). Episodes/s and generated tokens/s; the token ids of every episode run both ways are
   compared (the engine promises batched == one at a time).
+- ``prefill batch``: the batched run at the request's automatic prefill batch (1 on the CPU) vs
+  mlx-lm's default of 8 sequences prefilled together (padded to the longest), same tokens.
 - ``prefill``: the batched run with KV-cache reuse (``reuse_cache=True``) vs re-prefilling the whole
   conversation for every message (``reuse_cache=False``): prompt tokens prefilled per generated
   token, and the ratio.
@@ -101,6 +103,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--tools", choices=["all", "gt", "none"], default="gt")
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--skip-no-reuse", action="store_true", help="skip the re-prefill arm (slow on big models)")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -124,9 +127,9 @@ def main() -> None:
             if sum(map(len, seq_samples.values())) < n_seq:
                 seq_samples.setdefault(t.id, []).append(s)
 
-    def run(model, tok, batch, *, reuse=True, samples=None, task_list=tasks, sampling=sc):
+    def run(model, tok, batch, *, reuse=True, samples=None, task_list=tasks, sampling=sc, prefill=None):
         req = RolloutRequest(tasks=task_list, k=args.k, sampling=sampling, seed=args.seed, batch_size=batch,
-                             progress=False)
+                             progress=False, prefill_batch_size=prefill)
         st = {}
         t0, c0 = time.perf_counter(), time.process_time()
         recs = [r for g in run_episodes(model, tok, req, samples=samples, stats=st, reuse_cache=reuse) for r in g]
@@ -159,16 +162,21 @@ def main() -> None:
         note(f"{spec} batched (batch {args.batch_size}, cache reuse)", b_recs, b_st)
         s_recs, s_st = run(model, tok, 1, samples=seq_samples)
         note(f"{spec} one at a time", s_recs, s_st)
-        n_recs, n_st = run(model, tok, args.batch_size, reuse=False)
-        note(f"{spec} batched, no cache reuse", n_recs, n_st)
+        p_recs, p_st = run(model, tok, args.batch_size, prefill=8)
+        note(f"{spec} batched, prefill batch 8", p_recs, p_st)
+        n_recs = n_st = None
+        if not args.skip_no_reuse:
+            n_recs, n_st = run(model, tok, args.batch_size, reuse=False)
+            note(f"{spec} batched, no cache reuse", n_recs, n_st)
 
         by_key = {(r["task_id"], r["sample"]): r for r in b_recs}
         same_seq = all(r["token_ids"] == by_key[(r["task_id"], r["sample"])]["token_ids"] for r in s_recs)
-        same_nocache = [r["token_ids"] for r in n_recs] == [r["token_ids"] for r in b_recs]
+        same_nocache = None if n_recs is None else [r["token_ids"] for r in n_recs] == [r["token_ids"] for r in b_recs]
+        same_prefill8 = [r["token_ids"] for r in p_recs] == [r["token_ids"] for r in b_recs]
         b_eps, s_eps = len(b_recs) / b_st["wall_s"], len(s_recs) / s_st["wall_s"]
         b_eps_c, s_eps_c = len(b_recs) / b_st["cpu_s"], len(s_recs) / s_st["cpu_s"]
         pf_reuse = b_st["prompt_tokens"] / b_st["gen_tokens"]
-        pf_none = n_st["prompt_tokens"] / n_st["gen_tokens"]
+        pf_none = None if n_st is None else n_st["prompt_tokens"] / n_st["gen_tokens"]
         res = {
             "model": spec,
             "model_path": str(path),
@@ -191,13 +199,18 @@ def main() -> None:
                                    "one_at_a_time": round(s_st["gen_tokens"] / s_st["wall_s"], 1)},
             "speedup_batched": {"wall": round(b_eps / s_eps, 2), "cpu": round(b_eps_c / s_eps_c, 2)},
             "batched_equals_one_at_a_time": same_seq,
+            "prefill_batch": {"auto": RolloutRequest(tasks=tasks, k=1, sampling=sc, batch_size=args.batch_size).prefill_batch(),
+                              "episodes_per_wall_s_at_8": round(len(p_recs) / p_st["wall_s"], 3),
+                              "speedup_auto_over_8": round(b_eps / (len(p_recs) / p_st["wall_s"]), 2),
+                              "same_tokens": same_prefill8},
             "no_reuse_equals_reuse": same_nocache,
-            "prefill_per_gen_token": {"reuse": round(pf_reuse, 2), "no_reuse": round(pf_none, 2)},
-            "prefill_reduction": round(pf_none / pf_reuse, 2),
+            "prefill_per_gen_token": {"reuse": round(pf_reuse, 2), "no_reuse": pf_none and round(pf_none, 2)},
+            "prefill_reduction": pf_none and round(pf_none / pf_reuse, 2),
             "profile_s": {name: {"wall": round(st["wall_s"], 2), "decode": round(st["gen"]["decode_s"], 2),
                                  "prefill": round(st["gen"]["prefill_s"], 2), "decode_steps": st["gen"]["decode_steps"]}
-                          for name, st in (("batched", b_st), ("one_at_a_time", s_st), ("no_reuse", n_st))},
-            "wall_s_no_reuse_over_reuse": round(n_st["wall_s"] / b_st["wall_s"], 2),
+                          for name, st in (("batched", b_st), ("one_at_a_time", s_st), ("prefill_batch_8", p_st),
+                                           ("no_reuse", n_st)) if st is not None},
+            "wall_s_no_reuse_over_reuse": n_st and round(n_st["wall_s"] / b_st["wall_s"], 2),
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
             "load_avg": [round(x, 2) for x in os.getloadavg()],
         }

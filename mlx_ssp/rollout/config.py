@@ -39,3 +39,5 @@ class RolloutConfig(StrictModel):
     max_context: Optional[int] = Field(None, ge=2)  # default: the model's max_position_embeddings
     system: Optional[str] = None  # system prompt added to tasks that have none
     verify_workers: int = Field(4, ge=1)  # threads for sandboxed (parallel) verifiers
+    prefill_batch_size: Optional[int] = Field(None, ge=1)  # sequences prefilled together; None: 1 on CPU, 8 on GPU
+    OMIT_AT_DEFAULT = frozenset({"prefill_batch_size"})  # added in issue 17: old fingerprints kept

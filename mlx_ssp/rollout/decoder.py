@@ -31,7 +31,7 @@ class Decoder:
             max_tokens=s.max_tokens,
             stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
             completion_batch_size=request.batch_size,
-            prefill_batch_size=min(request.batch_size, 8),
+            prefill_batch_size=request.prefill_batch(),
         )
         self.bar = None
         if request.progress:

@@ -28,6 +28,7 @@ class RolloutRequest:
     max_context: Optional[int] = None
     system: Optional[str] = None
     verify_workers: int = 4
+    prefill_batch_size: Optional[int] = None  # None: auto (prefill_batch)
 
     def check(self) -> None:
         """Bad K, no tasks or (when verifying) tasks the verifiers cannot score: a UserError."""
@@ -45,17 +46,29 @@ class RolloutRequest:
         """The sample indices of a task to generate: all K, or (a resume) those ``samples`` names."""
         return list(range(self.k)) if samples is None else sorted(samples.get(task_id, []))
 
+    def prefill_batch(self) -> int:
+        """Sequences prefilled together. Auto: 1 on the CPU, where a prefill of a few hundred tokens
+        already keeps the cores busy, so batching gains nothing and padding rows to the longest
+        prompt and history (up to 2x the attention work, measured on episodes) is pure loss; on a GPU
+        mlx-lm's default (8), where small prefills are latency-bound and batching them is nearly free."""
+        if self.prefill_batch_size is not None:
+            return min(self.prefill_batch_size, self.batch_size)
+        import mlx.core as mx
+
+        return 1 if mx.default_device() == mx.cpu else min(self.batch_size, 8)
+
     def replace(self, **changes: Any) -> RolloutRequest:
         return dataclasses.replace(self, **changes)
 
 
 def stage_settings(cfg) -> dict[str, Any]:
     """The request fields a stage section (``rollout:``, ``eval:``) sets: sampling, seed (None -> 0),
-    batch size, context, system prompt, and verify workers where the section has them."""
+    batch size, context, system prompt, and verify workers and prefill batch where the section has them."""
     from mlx_ssp.stage_config import section_seed  # the seed rule, with no run file's seed to fall back on
 
     out = {"sampling": cfg.sampling, "seed": section_seed(cfg, 0), "batch_size": cfg.batch_size,
            "max_context": cfg.max_context, "system": cfg.system}
-    if hasattr(cfg, "verify_workers"):
-        out["verify_workers"] = cfg.verify_workers
+    for name in ("verify_workers", "prefill_batch_size"):
+        if hasattr(cfg, name):
+            out[name] = getattr(cfg, name)
     return out
