@@ -85,6 +85,10 @@ def test_same_seed_same_samples_whatever_batch_size_or_order(qwen):
 
     a = run(tasks, 1)
     assert a == run(tasks, 4) == run(tasks[::-1], 16)
+    # prefilling 8 prompts together (padded) or one at a time draws the same tokens
+    pb8 = generate_rollouts(model, tok, tasks, k=3, sampling=sc, seed=7, batch_size=16, progress=False,
+                            prefill_batch_size=8)
+    assert {(r["task_id"], r["sample"]): r["token_ids"] for r in pb8} == a
     assert run(tasks[2:3], 2) == {key: v for key, v in a.items() if key[0] == "t2"}
     b = run(tasks, 4, seed=8)
     assert sum(a[key] != b[key] for key in a) >= len(a) - 1  # another seed: other samples
@@ -322,6 +326,14 @@ def test_one_request_from_a_stage_section():
     assert e["seed"] == 5 and "verify_workers" not in e
     req = RolloutRequest(tasks=make_tasks(1), k=2, **e)
     assert req.verify_workers == 4 and req.replace(k=1).k == 1 and req.k == 2
+    # prefill batch: automatic (1 on the CPU these tests run on), capped by the batch; a key that
+    # holds its default stays out of the dump, so runs made before it keep their fingerprints
+    assert req.prefill_batch() == (1 if mx.default_device() == mx.cpu else 8)
+    assert req.replace(prefill_batch_size=8, batch_size=3).prefill_batch() == 3
+    assert "prefill_batch_size" not in RolloutConfig().model_dump() and "prefill_batch_size" not in EvalConfig().model_dump()
+    assert stage_settings(RolloutConfig(prefill_batch_size=4))["prefill_batch_size"] == 4
+    with pytest.raises(ValueError, match="prefill_batch_size"):
+        RolloutConfig(prefill_batch_size=0)
     with pytest.raises(UserError, match="k must be"):
         req.replace(k=0).check()
     with pytest.raises(UserError, match="no tasks"):
