@@ -7,6 +7,8 @@ Measured side by side in one run, per model, on the same tasks, samples and seed
   ``one at a time``: batch 1, on the first ``--seq-episodes`` of the same episodes (to keep the run
   short). Episodes/s and generated tokens/s; the token ids of every episode run both ways are
   compared (the engine promises batched == one at a time).
+- ``--ceiling``: the bare forward pass at batch 1 and 16 (decode step, 64-token prefill over a
+  1,000-token cache) and one float32 exp: per-row gains that bound what any engine can get here.
 - ``prefill batch``: the batched run at the request's automatic prefill batch (1 on the CPU) vs
   mlx-lm's default of 8 sequences prefilled together (padded to the longest), same tokens.
 - ``prefill``: the batched run with KV-cache reuse (``reuse_cache=True``) vs re-prefilling the whole
@@ -73,6 +75,51 @@ def profile_generator() -> None:
     BatchGenerator.close = closing
 
 
+def forward_ceiling(model, history: int = 1000, delta: int = 64, batches=(1, 16)) -> dict:
+    """What batching can buy on this machine, from the model's forward pass alone (no engine):
+    one decode step and one ``delta``-token prefill over a ``history``-token cache, at each batch
+    size (ms per call and per row), and the cost of one float32 exp (MLX's CPU exp dominates
+    attention's softmax on small models). Batched/alone per-row ratios bound the engine's gain."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import BatchKVCache
+
+    def timed(fn, n=10):
+        mx.eval(fn())
+        t0 = time.perf_counter()
+        for _ in range(n):
+            mx.eval(fn())
+        return (time.perf_counter() - t0) / n * 1000
+
+    out = {"history": history, "delta": delta}
+    for b in batches:
+        x = mx.random.randint(0, 256, (b, history))
+        cache = [BatchKVCache([0] * b) for _ in make_prompt_cache(model)]
+        model(x, cache=cache)
+        mx.eval([c.state for c in cache])
+        state = [(c.offset, c._idx) for c in cache]
+
+        def run(tokens):
+            def f():
+                y = model(tokens, cache=cache)[:, -1]
+                for c, (off, idx) in zip(cache, state):  # rewind: every call sees the same history
+                    c.offset, c._idx = off, idx
+                return y
+            return f
+
+        dec = timed(run(mx.random.randint(0, 256, (b, 1))))
+        pre = timed(run(mx.random.randint(0, 256, (b, delta))), n=3)
+        out[f"batch_{b}"] = {"decode_ms": round(dec, 2), "decode_ms_per_row": round(dec / b, 3),
+                             "prefill_ms": round(pre, 1), "prefill_ms_per_row": round(pre / b, 2)}
+    lo, hi = out[f"batch_{batches[0]}"], out[f"batch_{batches[-1]}"]
+    out["decode_gain_per_row"] = round(lo["decode_ms_per_row"] / hi["decode_ms_per_row"], 2)
+    out["prefill_gain_per_row"] = round(lo["prefill_ms_per_row"] / hi["prefill_ms_per_row"], 2)
+    e = mx.random.normal((1 << 20,))
+    out["exp_ns_per_element"] = round(timed(lambda: mx.exp(e)) * 1e6 / (1 << 20), 2)
+    out["add_ns_per_element"] = round(timed(lambda: e + 1.0) * 1e6 / (1 << 20), 2)
+    return out
+
+
 def episode_tasks(backend: str, turns: int, n: int, tools: str):
     from mlx_ssp.agents.calls import parse_ground_truth
     from mlx_ssp.tasks import export_source
@@ -103,6 +150,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--tools", choices=["all", "gt", "none"], default="gt")
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also time the bare forward pass (decode / 64-token prefill over a 1000-token cache, batch 1 vs 16)")
     ap.add_argument("--skip-no-reuse", action="store_true", help="skip the re-prefill arm (slow on big models)")
     args = ap.parse_args()
 
@@ -152,6 +201,9 @@ def main() -> None:
         else:
             mspec = spec
         model, tok, path = load_model(mspec)
+        ceiling = forward_ceiling(model) if args.ceiling else None
+        if ceiling:
+            print("# forward-pass ceiling:", json.dumps(ceiling), file=sys.stderr, flush=True)
         prompt_lens = [len(render_prompt(tok, t)) for t in tasks]
         # warm-up: one short episode, batched and alone
         warm = sc.model_copy(update={"max_tokens": 2})
@@ -211,6 +263,7 @@ def main() -> None:
                           for name, st in (("batched", b_st), ("one_at_a_time", s_st), ("prefill_batch_8", p_st),
                                            ("no_reuse", n_st)) if st is not None},
             "wall_s_no_reuse_over_reuse": n_st and round(n_st["wall_s"] / b_st["wall_s"], 2),
+            "forward_ceiling": ceiling,
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
             "load_avg": [round(x, 2) for x in os.getloadavg()],
         }
