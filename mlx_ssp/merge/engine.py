@@ -106,8 +106,13 @@ def input_paths(job: MergeJob, extra: tuple[Path, ...] = ()) -> list[Protected]:
     """Every path the merge reads, for :func:`check_out_dir`: each model directory (as given and
     as resolved), its adapter directory, the directories its files really live in (a hub cache's
     blobs), and ``extra`` files (the merge config)."""
+    return source_paths(job.sources, extra)
+
+
+def source_paths(sources, extra: tuple[Path, ...] = ()) -> list[Protected]:
+    """:func:`input_paths` of a list of :class:`.sources.Source`."""
     items = [Protected(Path(f), "the merge config", is_dir=False) for f in extra]
-    for s in job.sources:
+    for s in sources:
         items.append(Protected(s.path, f"input model {s.ref}"))
         if s.given is not None:
             items.append(Protected(s.given, f"input model {s.ref}"))
