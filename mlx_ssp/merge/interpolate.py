@@ -152,32 +152,29 @@ def multislerp(xs: Sequence[mx.array], weights: Sequence[float], normalize_weigh
 def karcher(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = None, max_iter: int = 10,
             tol: float = 1e-5) -> mx.array:
     """mergekit's weighted Karcher mean of flat tensors on the unit sphere (equal weights by
-    default), scaled by ``sum alpha_i |x_i|``. Inputs with norm <= tol are left out of the mean."""
-    X = [f32(x) for x in xs]
+    default), scaled by ``sum alpha_i |x_i|``. Inputs with norm <= tol are left out of the mean.
+    Each fixed-point step is two matrix-vector products over the stacked unit vectors: the dots
+    with the mean, and the tangent ``sum_i c_i (u_i - dot_i m)`` as ``c^T U - (c . dot) m``."""
+    X = [f32(x).reshape(-1) for x in xs]
     if len(X) == 1:
         return X[0]
     alphas = [1.0 / len(X)] * len(X) if alphas is None else list(alphas)
     norms = [_item(_norm(x)) for x in X]
-    units = [x / _s(n) if n != 0 else mx.zeros_like(x) for x, n in zip(X, norms)]
     valid = [i for i, n in enumerate(norms) if n > tol]
     if not valid:
         return mx.zeros_like(X[0])
     a_sum = sum(alphas[i] for i in valid)
-    al = [alphas[i] / a_sum for i in valid]
-    us = [units[i] for i in valid]
-    mean = _s(al[0]) * us[0]
-    for a, u in zip(al[1:], us[1:]):
-        mean = mean + _s(a) * u
+    al = np.array([alphas[i] / a_sum for i in valid], dtype=np.float64)
+    U = mx.stack([X[i] / _s(norms[i]) for i in valid])
+    mean = mx.array(al.astype(np.float32)) @ U
     mn = _item(_norm(mean))
-    mean = us[0] if mn < tol else mean / _s(mn)
+    mean = U[0] if mn < tol else mean / _s(mn)
     for _ in range(max_iter):
-        tangent = mx.zeros_like(mean)
-        for a, u in zip(al, us):
-            dot = np.clip(_item(mx.sum(mean * u)), np.float32(-1), np.float32(1))
-            theta = np.arccos(dot)
-            if theta < tol:
-                continue
-            tangent = tangent + _s(a * theta / np.sin(theta)) * (u - _s(dot) * mean)
+        dots = np.clip(np.array(U @ mean, dtype=np.float64), -1.0, 1.0)
+        theta = np.arccos(dots)
+        moving = theta >= tol  # mergekit skips inputs already at the mean
+        c = np.where(moving, al * theta / np.where(moving, np.sin(theta), 1.0), 0.0)
+        tangent = mx.array(c.astype(np.float32)) @ U - _s(np.dot(c, dots)) * mean
         tn = _item(_norm(tangent))
         if tn < tol:
             break

@@ -34,6 +34,20 @@ function; a method's parameters for one tensor are one :class:`LinearParams` or
   delta's L1 norm is unchanged; then linear or TIES combination. ``normalize`` default false.
 - ``breadcrumbs`` / ``breadcrumbs_ties`` (Davari & Belilovsky 2023): drop the ``gamma`` fraction of
   largest magnitudes and the smallest ones, keeping ``density``.
+- ``della`` / ``della_linear`` (Deep et al. 2024, section 3): MagPrune (:mod:`.sparsify`: keep
+  probabilities from magnitude ranks per row, ``density +- epsilon``, per-model ``epsilon`` default
+  0.15), L1 rescale (``rescale`` default true), then TIES consensus (``della``, ``normalize`` default
+  true) or the plain sum (``della_linear``, ``normalize`` default false).
+
+The other methods are pure functions in :mod:`.interpolate` (``slerp`` with ``t``, ``nuslerp``,
+``multislerp``, ``karcher``, ``model_stock``, ``nearswap``, ``arcee_fusion``) and :mod:`.selective`
+(``sce``, ``ram``, ``ramplus_tl``), wrapped here (``merge_*``) to check the input count and read the
+parameters: mergekit's names and defaults, listed per method in :data:`METHODS`. They work on the
+whole tensor at a time (their statistics are whole-tensor or per row, as mergekit's), need the
+tensor's shape only for per-row variants (``TensorInputs.shape``), and compute in float32 (see those
+modules for where mergekit rounds intermediates and they do not). A required parameter (``t``) or a
+wrong number of models is reported when the first tensor is merged (the output directory is never
+created).
 
 Deviations (each an explicit option; the defaults are mergekit 0.1.5's):
 
@@ -44,7 +58,10 @@ Deviations (each an explicit option; the defaults are mergekit 0.1.5's):
 - DARE's L1 norms are summed in float32 over rows of 1024 elements and in float64 across rows
   (torch's float32 cascade sum is about as accurate; a plain float32 sum over tens of millions of
   elements is not).
-- DARE masks come from a PCG64 stream seeded by a hash of (seed, tensor name, model), not from a
+- nuslerp and multislerp take no base model (a ``base_model`` is merged as one more input; mergekit
+  would interpolate the task vectors from it): the planner does not tell the method which input
+  is an optional base.
+- DARE (and DELLA) masks come from a PCG64 stream seeded by a hash of (seed, tensor name, model), not from a
   process-global generator, so the output does not depend on tensor order or sharding; the kept
   elements therefore differ from mergekit's (the distribution is the same).
 - Ties among exactly equal magnitudes at the TIES threshold keep the lowest flat indices; torch's
@@ -416,17 +433,10 @@ def _required(spec: "MethodSpec", t: TensorInputs, name: str) -> Any:
     return v
 
 
-def _unit_interval(spec: "MethodSpec", name: str, v: float) -> float:
-    if not 0 <= v <= 1:
-        raise UserError(f"merge_method {spec.name}: {name} {v} is outside [0, 1]")
-    return v
-
-
 def merge_slerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
     """``slerp``: from the base (t = 0) to the other model (t = 1)."""
     _count(spec, t, n=1)
-    tt = _unit_interval(spec, "t", _required(spec, t, "t"))
-    return _finish(I.slerp(tt, t.base().astype(t.cd), _inputs(t)[0]), t)
+    return _finish(I.slerp(_required(spec, t, "t"), t.base().astype(t.cd), _inputs(t)[0]), t)
 
 
 def merge_nuslerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:

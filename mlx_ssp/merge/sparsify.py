@@ -238,22 +238,33 @@ def _round_to(x: np.ndarray, dtype) -> np.ndarray:
     return np.array(mx.array(x).astype(dtype).astype(F32))
 
 
-def magprune_probabilities(mag: np.ndarray, density: float, epsilon: float, work) -> np.ndarray:
-    """DELLA's keep probabilities of a ``(rows, n)`` magnitude array, per row: rank ``r`` in
-    ``1..n`` (ascending magnitude, ties by position), ``p = (density - epsilon) + norm(r) * 2 *
-    epsilon`` with ``norm(r) = (r - min r) / (max r - min r)`` clipped to [0, 1]; every step rounded
-    to ``work`` (mergekit's work dtype)."""
-    order = np.argsort(mag, axis=1, kind="stable")
-    ranks = np.empty(mag.shape, dtype=np.float32)
-    np.put_along_axis(ranks, order, np.arange(1, mag.shape[1] + 1, dtype=np.float32)[None, :], axis=1)
-    ranks = _round_to(ranks, work)
-    lo, hi = ranks.min(axis=1, keepdims=True), ranks.max(axis=1, keepdims=True)
-    span = _round_to(hi - lo, work)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        norm = _round_to(_round_to(ranks - lo, work) / np.where(span == 0, 1, span), work)
-    norm = np.where(span == 0, 0, np.clip(norm, 0, 1)).astype(np.float32)
+def magprune_table(n: int, density: float, epsilon: float, work) -> np.ndarray:
+    """DELLA's keep probability of each rank ``1..n`` of a row of ``n`` elements (ascending
+    magnitude): ``p = (density - epsilon) + norm(r) * 2 * epsilon`` with ``norm(r) = (r - min r) /
+    (max r - min r)`` clipped to [0, 1], every step rounded to ``work`` as mergekit computes it.
+    The ranks of a row are a permutation of ``1..n``, so one table serves every row."""
+    ranks = _round_to(np.arange(1, n + 1, dtype=np.float32), work)
+    lo, hi = ranks[0], ranks[-1]
+    span = _round_to(np.asarray(hi - lo, np.float32), work)
+    if span == 0:  # one element per row: mergekit divides 0 by 0
+        norm = np.zeros(n, np.float32)
+    else:
+        norm = np.clip(_round_to(_round_to(ranks - lo, work) / span, work), 0, 1).astype(np.float32)
     scaled = _round_to(_round_to(norm * np.float32(2), work) * np.float32(epsilon), work)
     return _round_to(scaled + np.float32(density - epsilon), work)
+
+
+def magprune_probabilities(mag: np.ndarray, density: float, epsilon: float, work) -> np.ndarray:
+    """The keep probability of every element of a ``(rows, n)`` array of magnitudes (non-negative
+    floats, or their raw bits as unsigned integers, which sort the same): each element's rank in its
+    row (ascending, ties by position: a stable sort, a radix sort for 16-bit keys) looked up in
+    :func:`magprune_table`."""
+    if mag.dtype.kind == "f":
+        mag = mag.view(np.uint32 if mag.dtype.itemsize == 4 else np.uint16)
+    order = np.argsort(mag, axis=1, kind="stable")
+    probs = np.empty(mag.shape, dtype=np.float32)
+    np.put_along_axis(probs, order, magprune_table(mag.shape[1], density, epsilon, work)[None, :], axis=1)
+    return probs
 
 
 def magprune_mask(delta: mx.array, density: float, epsilon: float, seed: int, shape: Optional[tuple],
@@ -267,10 +278,11 @@ def magprune_mask(delta: mx.array, density: float, epsilon: float, seed: int, sh
         return mx.zeros(delta.shape, dtype=mx.bool_)
     if density + epsilon >= 1 or density - epsilon <= 0:
         raise UserError("della: epsilon must be chosen such that density +/- epsilon is in (0, 1) "
-                         f"(density {density}, epsilon {epsilon})")
+                        f"(density {density}, epsilon {epsilon})")
     shape = tuple(shape) if shape else (delta.size,)
     shape = (1,) + shape if len(shape) < 2 else shape
-    mag = np.abs(np.asarray(f32(delta))).reshape(shape)
+    raw, width = _raw_bits(delta)
+    mag = np.bitwise_and(raw, raw.dtype.type((1 << (width - 1)) - 1)).reshape(shape)  # |delta| as bits
     moved = np.moveaxis(mag, 1, -1)  # mergekit ranks along dim 1
     probs = magprune_probabilities(moved.reshape(-1, shape[1]), density, epsilon, work)
     probs = np.moveaxis(probs.reshape(moved.shape), -1, 1).reshape(-1)
