@@ -360,3 +360,17 @@ def test_extract_lora_rank_r_is_near_the_optimum(tiny, tuned, tmp_path):
         run_extract(str(tiny["a"]), str(tuned), other, 2, overwrite=True)
     with pytest.raises(UserError, match="OUT_DIR"):
         run_extract(str(tiny["a"]), str(tuned), tuned, 2, overwrite=True)
+
+
+def test_pipeline_merge_section_out_quantization(quantized, tiny, tmp_path):
+    """The run file's merge: section takes out_quantization too (and leaves old dumps unchanged)."""
+    from mlx_ssp.merge.config import MergeStageConfig
+    from mlx_ssp.merge.engine import merge_models
+
+    assert "out_quantization" not in MergeStageConfig().model_dump()
+    out = tmp_path / "p"
+    merge_models([quantized["q"], tiny["b"]], None, MergeStageConfig(out_quantization={"bits": 8, "group_size": 32}),
+                 out, progress=False)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    assert weights(out)["model.layers.0.mlp.up_proj.weight"].shape == (128, 16)

@@ -273,3 +273,7 @@ class MergeStageConfig(StrictModel):
     copy_tokenizer: bool = True
     #: tensors merged side by side (None: 2 on the CPU, 1 on a GPU); the output does not depend on it
     workers: Optional[int] = Field(default=None, ge=1)
+    #: store the merged model MLX-quantized (``{bits, group_size}``); None: float
+    out_quantization: Optional[OutQuantization] = None
+
+    OMIT_AT_DEFAULT = frozenset({"out_quantization"})  # added in issue 22: old fingerprints kept

@@ -272,6 +272,8 @@ def stage_to_config(models: list[Path], base: Optional[Path], stage: MergeStageC
     spec = METHODS[stage.method]
     data = {"models": entries, "merge_method": stage.method, "parameters": dict(stage.parameters) or None,
             "dtype": stage.dtype, "out_dtype": stage.out_dtype}
+    if stage.out_quantization is not None:
+        data["out_quantization"] = stage.out_quantization.model_dump()
     if spec.needs_base:
         if base is None:
             raise UserError(f"merge method {stage.method} needs a base model")
