@@ -9,9 +9,10 @@ the format the stage writes on its own:
 3. ``select``  diversity-exploring selection of correct solutions -> per-domain SFT data.
 4. ``sft``     one LoRA specialist per domain, checkpoint chosen by Pass@K on the probe split, fused.
 5. ``merge``   parameter merge of the specialists (VibeThinker: the plain average; any method).
-6. ``rl``      MGPO-weighted GRPO on the merged model (VibeThinker-1.5B section 3.4).
+6. ``rl``      MGPO-weighted GRPO on the merged model (VibeThinker-1.5B section 3.4); with ``rl.phases``
+               sequential phases, each from the previous one's model (VibeThinker-3B section 2.2.2).
 7. ``eval``    pass@1 / pass@k on the held-out split for the base model, every specialist, the merged
-               model and the RL model, printed as one table.
+               model and the RL model (one row per RL phase), printed as one table.
 
 Resumability: every stage records a fingerprint of its resolved config (defaults filled in) chained
 with the fingerprint of the stage before it, and marks itself complete at the end. A rerun skips
@@ -207,7 +208,8 @@ def stage_select(run: Run) -> dict:
         if cfg.gold:  # episodes: the ground truth played through the environment, in the student's tokens
             gold = gold_records(train, student)
     report = run_select(run.stage_dir("rollout") / "rollouts.jsonl", cfg, run.stage_dir("select"), overwrite=True,
-                        gold=gold)
+                        gold=gold, held_out=[run.tasks_path("eval"), run.tasks_path("probe")],  # select.decontaminate
+                        tasks_path=run.tasks_path("train") if cfg.pseudo_label is not None else None)
     return {"spectrum": report}
 
 
@@ -233,6 +235,8 @@ def sft_config(run: Run):
                          "probe_domains": [d for d in filled if d != BLEND]}
     raw["domains"] = filled
     raw.setdefault("out_dir", str(run.stage_dir("sft")))
+    if isinstance(raw.get("curriculum"), dict):  # stage 2's reference: the teacher's K rollouts of this run
+        raw["curriculum"] = {"reference": str(run.stage_dir("rollout") / "rollouts.jsonl"), **raw["curriculum"]}
     from mlx_ssp.config import validate
 
     return validate(SFTConfig, raw, source=run.source, prefix="sft")
@@ -289,9 +293,11 @@ def stage_merge(run: Run) -> dict:
 
 def stage_rl(run: Run) -> dict:
     """MGPO-GRPO on the merged model (resuming from the last RL checkpoint), then fuse the
-    adapters into ``rl/model`` so that eval and later users load one plain model directory."""
+    adapters into ``rl/model`` so that eval and later users load one plain model directory.
+    With ``rl.phases``: the phases in order (:func:`mlx_ssp.rl.phases.run_phases`), each fused into
+    ``rl/phases/<name>/model``; finished phases are not rerun."""
     from mlx_ssp.models import ModelConfig
-    from mlx_ssp.rl.loop import load_and_train
+    from mlx_ssp.rl.phases import run_phases, train_one
     from mlx_ssp.finetune.fuse import fuse_and_save
     from mlx_ssp.tasks import load_tasks
 
@@ -300,20 +306,34 @@ def stage_rl(run: Run) -> dict:
     tasks = load_tasks(cfg.tasks) if cfg.tasks else load_tasks(run.tasks_path("train"))
     out = run.stage_dir("rl")
     merged = ModelConfig(path=str(run.stage_dir("merge") / "model"))
-    summary, model, tokenizer, path = load_and_train(merged, tasks, cfg, out, seed=seed)
+    if cfg.phases:
+        summary = run_phases(merged, tasks, cfg, out, seed=seed, echo=partial(print, flush=True))
+        return {
+            "steps": summary["steps"], "skipped_total": summary["skipped_total"],
+            "last_reward_mean": (summary.get("last") or {}).get("reward_mean"), "model": summary["model"],
+            "phases": [{k: p.get(k) for k in ("name", "steps", "model", "tasks", "prompt_filter")}
+                       | {m: (p.get("last") or {}).get(m) for m in ("reward_mean", "pass@1", "correct_len_mean")}
+                       for p in summary["phases"]],
+        }
+    summary, model, tokenizer, path = train_one(merged, tasks, cfg, out, seed=seed, resume=True)
     fuse_and_save(model, tokenizer, Path(path), out / "model", dequantize=False, overwrite=True)
     last = summary.get("last") or {}
-    return {
+    res = {
         "steps": summary.get("steps"),
         "skipped_total": summary.get("skipped_total"),
         "last_reward_mean": last.get("reward_mean"),
         "model": str(out / "model"),
     }
+    if summary.get("prompt_filter") is not None:
+        res["prompt_filter"] = summary["prompt_filter"]
+    return res
 
 
 def eval_models(run: Run) -> dict[str, str]:
-    """Every model the loop produced, in table order: base, specialists, the blend (if trained), merged, RL."""
+    """Every model the loop produced, in table order: base, specialists, the blend (if trained), merged,
+    RL (with ``rl.phases``: one row ``rl:<phase>`` per phase, in phase order)."""
     from mlx_ssp.models import resolve_model
+    from mlx_ssp.rl.phases import phase_models
 
     models = {"base": str(resolve_model(run.section("model").path))}
     for d, p in run.specialists().items():
@@ -321,6 +341,11 @@ def eval_models(run: Run) -> dict[str, str]:
     if run.blend() is not None:
         models[BLEND] = str(run.blend())
     models["merged"] = str(run.stage_dir("merge") / "model")
+    rl_cfg = run.section("rl")
+    if rl_cfg.phases:
+        for name, p in phase_models(run.stage_dir("rl"), rl_cfg).items():
+            models[f"rl:{name}"] = p
+        return models
     rl_model = run.stage_dir("rl") / "model"
     if rl_model.exists():
         models["rl"] = str(rl_model)
@@ -450,7 +475,8 @@ STAGE_REGISTRY: dict[str, Stage] = {
         Stage("select", ("select",), stage_select, "spectrum: per-domain selection report"),
         Stage("sft", ("model", "sft", "sandbox"), stage_sft, "summary: per-domain chosen step and specialist"),
         Stage("merge", ("merge",), stage_merge, "models: the merged specialists; result: the merge report"),
-        Stage("rl", ("rl", "sandbox"), stage_rl, "steps, skipped_total, last_reward_mean, model"),
+        Stage("rl", ("rl", "sandbox"), stage_rl,
+              "steps, skipped_total, last_reward_mean, model; prompt_filter (counts) when set; phases (per phase)"),
         Stage("eval", ("model", "eval", "sandbox"), stage_eval, "table: pass@1 / pass@k per model and domain"),
     )
 }

@@ -19,7 +19,8 @@ def cli(config_path, restart, overrides):
     """MGPO-weighted GRPO with verifiable rewards on the run file's model.
 
     CONFIG_PATH is a run YAML with model:, rl: and tasks: (or rl.tasks) sections; --set rl.steps=10
-    etc. override it. Rerunning resumes from the last checkpoint."""
+    etc. override it. Rerunning resumes from the last checkpoint. With rl.phases the phases run in
+    order, each from the previous one's model; finished phases are skipped."""
     from mlx_ssp import distributed as dist
     from mlx_ssp.rl.stage import run
 
@@ -29,7 +30,16 @@ def cli(config_path, restart, overrides):
     if not dist.is_main():  # rank 0 reports for all ranks
         return
     last = summary.get("last") or {}
-    click.echo(json.dumps({
+    line = {
         "steps": summary["steps"], "skipped": summary["skipped_total"], "checkpoint": summary["checkpoint"],
         "reward_mean": last.get("reward_mean"), "out_dir": summary["out_dir"],
-    }))
+    }
+    for key in ("prompt_filter", "model"):  # set by the 0/1 filter and by phases only
+        if summary.get(key) is not None:
+            line[key] = summary[key]
+    if summary.get("phases"):
+        line["phases"] = [{"name": p["name"], "steps": p["steps"], "model": p["model"],
+                           "pass@1": (p.get("last") or {}).get("pass@1"),
+                           "correct_len_mean": (p.get("last") or {}).get("correct_len_mean"),
+                           "prompt_filter": p.get("prompt_filter")} for p in summary["phases"]]
+    click.echo(json.dumps(line))

@@ -2,13 +2,20 @@
 
 Neither VibeThinker paper gives lambda, the clip range, G or the temperature; the defaults below
 are common GRPO/DAPO choices, not the paper's. See docs/rl.md for what each key does.
+
+Issue 19 (VibeThinker-3B report, arXiv:2606.16140, section 2.2.2) adds three keys, each left out of
+dumps while unset so that earlier runs keep their fingerprints: ``long2short`` (reward shaping,
+:mod:`mlx_ssp.rl.shaping`), ``prompt_filter`` (drop the prompts the starting policy always or never
+solves, :mod:`mlx_ssp.rl.prompt_filter`) and ``phases`` (sequential RL phases, each a set of
+overrides of the other keys, :mod:`mlx_ssp.rl.phases`). The report gives lambda = 0.2; it gives no K
+for the 0/1 filter (default 8 here).
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, ValidationError, create_model, field_validator, model_serializer, model_validator
 
 from mlx_ssp.config import StrictModel
 from mlx_ssp.finetune.lora import LoRAConfig
@@ -26,8 +33,28 @@ class RLLoRAConfig(LoRAConfig):
     num_layers: int = -1
 
 
+class Long2ShortConfig(StrictModel):
+    """``rl.long2short``: shift rewards among a group's correct trajectories by brevity (1/L)."""
+
+    # "lambda" is a Python keyword: the field is lambda_, read and written as "lambda"
+    model_config = ConfigDict(validate_by_alias=True, validate_by_name=False, serialize_by_alias=True)
+    lambda_: float = Field(0.2, ge=0.0, alias="lambda")
+
+
+class PromptFilterConfig(StrictModel):
+    """``rl.prompt_filter``: before training, K rollouts per prompt from the starting policy; the
+    prompts whose accuracy is exactly 0 or exactly 1 are removed."""
+
+    k: int = Field(8, ge=1)
+    # default: rl.sampling (the policy's own sampling, as the phase will sample)
+    sampling: Optional[SamplingConfig] = None
+
+
 class RLConfig(StrictModel):
     """MGPO-GRPO training (``mlx_ssp rl``)."""
+
+    # keys added after runs existed (issue 19): left out of dumps while unset, so fingerprints hold
+    OMIT_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset({"long2short", "prompt_filter", "phases"})
 
     # data
     tasks: Optional[str] = None  # task JSONL; default: the run file's tasks: section, split "train"
@@ -71,6 +98,11 @@ class RLConfig(StrictModel):
     chunk_size: Optional[int] = Field(None, ge=1)  # tokens per log-prob chunk (None: ~64 MB of logits)
     kernels: Optional[Literal["auto", "reference", "metal", "cuda"]] = None  # default: $MLX_SSP_KERNELS / auto
 
+    # issue 19: reward shaping, the 0/1 prompt filter, sequential phases
+    long2short: Optional[Long2ShortConfig] = None
+    prompt_filter: Optional[PromptFilterConfig] = None
+    phases: Optional[list["RLPhaseConfig"]] = Field(None, min_length=1)
+
     # robustness
     checkpoint_every: int = Field(10, ge=1)
     max_bad_steps: int = Field(3, ge=1)  # consecutive non-finite steps before the run stops
@@ -80,4 +112,95 @@ class RLConfig(StrictModel):
     def _check(self) -> "RLConfig":
         if self.sampling.temperature <= 0:
             raise ValueError("sampling.temperature must be > 0 for RL (greedy samples have no ratio to clip)")
+        if self.phases is not None:
+            names = [p.name for p in self.phases]
+            if len(set(names)) != len(names):
+                raise ValueError(f"phases: names must differ (they name the phases' directories); got {names}")
+            self.resolved_phases()  # every phase's merged settings validate at load time
         return self
+
+    def resolved_phases(self) -> list[tuple["RLPhaseConfig", "RLConfig"]]:
+        """(phase, its full RLConfig) for every phase: the phase's keys deep-merged over this
+        section's (phases left out). Raises ValueError naming ``phases.N.key`` on a bad value."""
+        if not self.phases:
+            return []
+        base = self.model_dump(mode="json", exclude={"phases"})
+        out = []
+        for i, ph in enumerate(self.phases):
+            merged = _deep_merge(base, ph.overrides())
+            try:
+                out.append((ph, RLConfig.model_validate(merged)))
+            except ValidationError as e:
+                from mlx_ssp.config import format_validation_error
+
+                raise ValueError(format_validation_error(e, RLConfig, "", prefix=f"phases.{i}")) from None
+        return out
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    """``base`` with ``over``'s keys set; mappings merge key by key (``sampling: {max_tokens: 512}``
+    keeps the rest of ``sampling``), anything else (``null`` included) replaces."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+#: rl: keys a phase cannot override: phases do not nest, and each phase's output is its own directory
+NOT_PER_PHASE = ("phases", "output")
+
+
+class _PhaseBase(StrictModel):
+    """One entry of ``rl.phases``: a name, which tasks, an optional verifier for all of them, and any
+    other rl: key as an override of the section's value (validated on the merged settings)."""
+
+    name: str
+    domains: Optional[list[str]] = None  # keep only train tasks of these domains
+    verifier: Optional[str] = None  # score every task of the phase with this verifier
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        import re
+
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", v or ""):
+            raise ValueError("must be letters, digits, '_', '.' or '-' (it names the phase's directory)")
+        return v
+
+    @field_validator("domains")
+    @classmethod
+    def _some_domains(cls, v):
+        if v is not None and not v:
+            raise ValueError("must name at least one domain (leave it out for every domain)")
+        return v
+
+    @field_validator("verifier")
+    @classmethod
+    def _known_verifier(cls, v):
+        if v is not None:
+            from mlx_ssp.verify import VERIFIERS
+
+            if v not in VERIFIERS:
+                raise ValueError(f"unknown verifier {v!r}; valid: {', '.join(sorted(VERIFIERS))}")
+        return v
+
+    @model_serializer(mode="wrap")
+    def _omit_new_defaults(self, handler):  # replaces StrictModel's: a phase dumps only what it sets
+        data = handler(self)
+        return {k: v for k, v in data.items() if k == "name" or k in self.model_fields_set}
+
+    def overrides(self) -> dict[str, Any]:
+        """The rl: keys this phase sets (explicit nulls included: ``long2short: null`` turns it off)."""
+        return self.model_dump(mode="json", exclude_unset=True, exclude={"name", "domains", "verifier"})
+
+
+RLPhaseConfig = create_model(
+    "RLPhaseConfig",
+    __base__=_PhaseBase,
+    __doc__=_PhaseBase.__doc__,
+    **{k: (Optional[Any], None) for k in RLConfig.model_fields if k not in NOT_PER_PHASE},
+)
+RLConfig.model_rebuild()

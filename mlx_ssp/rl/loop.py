@@ -58,6 +58,7 @@ from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.logprobs import head_of, token_logprobs
 from mlx_ssp.rl.loss import aggregation_units, finalize_totals, merge_totals, policy_loss, token_totals
 from mlx_ssp.rl.kernels import grouped_advantages
+from mlx_ssp.rl.shaping import apply_shapings, correct_length_metrics
 from mlx_ssp.tasks import Task, render_prompt
 
 ADAPTER_FILE = ckpts.ADAPTER_FILE
@@ -326,7 +327,7 @@ class Trainer:
         advantages -> ``mu`` inner updates -> metrics."""
         t_step, cpu_step = time.perf_counter(), time.process_time()
         groups, info, sampled = self._sample()
-        rec: dict = {"step": self.step_no + 1, **reward_metrics(sampled)}
+        rec: dict = {"step": self.step_no + 1, **reward_metrics(sampled), **correct_length_metrics(sampled)}
         rec.update(info)
         if not groups:
             rec.update(skipped=True, reason="no informative groups", step_s=time.perf_counter() - t_step)
@@ -361,6 +362,11 @@ class Trainer:
         recs = [r for g in groups for r in g]
         gids = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
         rewards = np.array([float(r["reward"]) for r in recs], np.float32)
+        if cfg.long2short is not None:  # reward shaping (issue 19): zero-sum within each group's correct set
+            lengths = np.array([float(r["num_tokens"]) for r in recs], np.float64)
+            shaped = apply_shapings(cfg, rewards, lengths, gids)
+            rec["shaping_abs_mean"] = float(np.abs(shaped - rewards).mean())
+            rewards = shaped.astype(np.float32)
         # the one-pass kernel on Metal/CUDA, the plain-MLX reference (mgpo_advantages) elsewhere
         adv = grouped_advantages(rewards, gids, lam=cfg.mgpo_lambda, scale_rewards=cfg.scale_rewards, eps=cfg.adv_eps,
                                  num_groups=len(groups))
@@ -648,11 +654,10 @@ def _checkpoint_or_stop(tr: Trainer) -> None:
         tr.save_checkpoint()
 
 
-def load_and_train(model_cfg, tasks: list[Task], cfg: RLConfig, out_dir: str | Path, *, seed: int = 0,
-                   resume: bool = True):
+def load_policy(model_cfg, cfg: RLConfig, seed: int = 0):
     """Load the policy (plus a frozen reference copy only for full fine-tuning with a KL term: with
-    LoRA the reference is the same model with adapters off), set it up and train.
-    Returns ``(summary, model, tokenizer, model_path)`` so callers can fuse or save the result."""
+    LoRA the reference is the same model with adapters off) and set it up.
+    Returns ``(model, tokenizer, model_path, ref_model)``."""
     from mlx_ssp.models import load_model
 
     model, tokenizer, path = load_model(model_cfg)
@@ -663,6 +668,14 @@ def load_and_train(model_cfg, tasks: list[Task], cfg: RLConfig, out_dir: str | P
         if (dt := resolve_train_dtype(cfg)) is not None:
             ref.set_dtype(dt)
     setup_model(model, cfg, seed)
+    return model, tokenizer, path, ref
+
+
+def load_and_train(model_cfg, tasks: list[Task], cfg: RLConfig, out_dir: str | Path, *, seed: int = 0,
+                   resume: bool = True):
+    """:func:`load_policy`, then :func:`train`.
+    Returns ``(summary, model, tokenizer, model_path)`` so callers can fuse or save the result."""
+    model, tokenizer, path, ref = load_policy(model_cfg, cfg, seed)
     summary = train(model, tokenizer, tasks, cfg, out_dir, seed=seed, resume=resume, ref_model=ref,
                     model_path=str(path))
     return summary, model, tokenizer, path

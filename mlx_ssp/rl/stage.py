@@ -6,6 +6,9 @@ and, when ``rl.tasks`` is not set, the ``tasks:`` section's ``train`` split. Wri
 ``rl.output`` (default ``<run_dir>/rl``): metrics.jsonl, checkpoints/step_N/, and the latest
 adapters.safetensors + adapter_config.json (fuse with ``mlx_lm fuse --adapter-path``). Rerunning
 resumes from the last checkpoint; ``restart`` starts afresh.
+
+With ``rl.phases`` (issue 19) the phases run one after another in ``<output>/phases/<name>/``
+(:func:`mlx_ssp.rl.phases.run_phases`), each fused into its own ``model/``; a rerun skips the finished ones.
 """
 
 from __future__ import annotations
@@ -48,7 +51,12 @@ def run(config_path, overrides=(), *, restart: bool = False) -> dict:
     data, cfg, mcfg, seed, out = load_config(config_path, overrides)
     source = str(config_path or "--set")
     tasks = load_train_tasks(data, cfg, source)
-    from mlx_ssp.rl.loop import load_and_train
+    from mlx_ssp.rl.phases import run_phases, train_one
 
-    summary, *_ = load_and_train(mcfg, tasks, cfg, out, seed=seed, resume=not restart)
+    if cfg.phases:
+        import sys
+
+        return run_phases(mcfg, tasks, cfg, out, seed=seed, resume=not restart,
+                          echo=lambda m: print(m, file=sys.stderr, flush=True))
+    summary, *_ = train_one(mcfg, tasks, cfg, out, seed=seed, resume=not restart)
     return summary
