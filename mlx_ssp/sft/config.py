@@ -10,6 +10,7 @@ from mlx_ssp.config import StrictModel
 from mlx_ssp.finetune.lora import LoRAConfig  # the shared config; SFT uses its defaults (16 blocks)
 from mlx_ssp.finetune.optim import OPTIMIZERS  # noqa: F401  (re-exported: the names sft.optimizer takes)
 from mlx_ssp.rollout import SamplingConfig
+from mlx_ssp.sft.curriculum import CurriculumConfig
 
 
 class ScheduleConfig(StrictModel):
@@ -68,7 +69,7 @@ class DomainSpec(StrictModel):
 class SFTConfig(StrictModel):
     """The ``sft:`` section."""
 
-    OMIT_AT_DEFAULT = frozenset({"blend"})  # added for episodes (issue 18)
+    OMIT_AT_DEFAULT = frozenset({"blend", "curriculum"})  # added for episodes (issue 18), curriculum (19)
 
     #: required by the command; the pipeline fills it from the tasks section when empty
     domains: dict[str, DomainSpec] = Field(default_factory=dict)
@@ -97,6 +98,8 @@ class SFTConfig(StrictModel):
     #: `mlx_ssp run`: also train one LoRA on every domain's data mixed (the blend the merge is compared
     #: with: issue 18's negative-transfer experiment); evaluated, never merged
     blend: bool = False
+    #: curriculum stage 2 of every specialist (mlx_ssp.sft.curriculum); null = one stage
+    curriculum: Optional[CurriculumConfig] = None
 
     @field_validator("domains", mode="before")
     @classmethod

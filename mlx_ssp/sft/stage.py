@@ -155,7 +155,9 @@ class _DomainRun:
         ckpts.load_adapter_weights(self.model, ckpt)
 
     # -- the whole domain -----------------------------------------------------------------
-    def train(self, callbacks: list) -> dict:
+    def train(self, callbacks: list, init_adapter: Optional[Path] = None) -> dict:
+        """Train to ``cfg.iters`` (resuming from the last checkpoint; a fresh start from
+        ``init_adapter`` when given: curriculum stage 2 starts from stage 1's last checkpoint)."""
         import mlx.core as mx
         from mlx_lm.tuner.trainer import TrainingArgs, train
 
@@ -171,6 +173,8 @@ class _DomainRun:
         if done:
             start = ckpts.step_of(done[-1].name)
             self.load_adapter(done[-1])
+        elif init_adapter is not None:
+            self.load_adapter(init_adapter)
         self.optimizer = build_optimizer(cfg)
         if start and start < cfg.iters:
             ckpts.load_optimizer_state(self.optimizer, self.model, done[-1], hint="pass --overwrite")
@@ -244,6 +248,12 @@ def train_specialist(
         if chosen is None:  # pragma: no cover - every run ends with a probed checkpoint
             raise UserError(f"{ddir}: no probed checkpoint to choose from")
         ckpt = ckpts.find_checkpoint(ddir / "checkpoints", chosen["step"])  # also an earlier run's name
+        curriculum = None
+        if cfg.curriculum is not None:
+            curriculum, stage2 = _curriculum_stage(cfg, plan, run, tokenizer, model_path, ddir, seed, probe_fn, callbacks)
+            if stage2 is not None:  # stage 2 ran: the specialist is its pick
+                curriculum["stage1_chosen_step"] = chosen["step"]
+                chosen, ckpt = stage2
         # rank 0 fuses and saves while the others wait (an error there stops them all)
         with dist.main_first(f"sft {plan.name}: fuse the specialist") as do_it:
             if do_it:
@@ -252,6 +262,8 @@ def train_specialist(
                 shutil.copyfile(ckpt / "adapters.safetensors", ddir / "adapters.safetensors")
                 fuse_and_save(model, tokenizer, model_path, spec_dir, dequantize=cfg.dequantize, overwrite=True)
         result = _result(cfg, plan, chosen, ckpt, spec_dir, times)
+        if curriculum is not None:
+            result["curriculum"] = curriculum
         if not dist.is_main():
             return result
         write_json_atomic(ddir / "result.json", result)
@@ -259,6 +271,68 @@ def train_specialist(
         return result
     finally:
         restore_base(model)
+
+
+def record_length(rec: dict, tokenizer) -> int:
+    """Tokens of one SFT record as trained on (whole conversation; the report's trace length)."""
+    if "token_ids" in rec:
+        return len(rec["token_ids"])
+    if "messages" in rec:
+        kw = {"tools": rec["tools"]} if rec.get("tools") else {}
+        return len(tokenizer.apply_chat_template(rec["messages"], tokenize=True, **kw))
+    return len(tokenizer.encode(str(rec.get("prompt", "")) + str(rec.get("completion", ""))))
+
+
+def _curriculum_stage(cfg: SFTConfig, plan: DomainPlan, stage1: "_DomainRun", tokenizer, model_path: Path, ddir: Path,
+                      seed: int, probe_fn: ProbeFn, callbacks: Optional[list]) -> tuple[dict, Optional[tuple]]:
+    """Curriculum stage 2 (:mod:`mlx_ssp.sft.curriculum`) in ``DDIR/stage2``: the hard subset of the
+    domain's records, trained from stage 1's last checkpoint, probed and chosen by the same rule.
+    Returns what it did and ``(chosen, checkpoint)``, or None in its place when the subset is empty."""
+    import dataclasses
+
+    from mlx_ssp.io import write_jsonl_atomic
+    from mlx_ssp.sft import curriculum as C
+    from mlx_ssp.sft.data import _read_records, load_sft_file
+
+    cc = cfg.curriculum
+    if cc.reference is None:
+        raise UserError("sft.curriculum.reference: name the reference model's rollouts JSONL "
+                        "(`mlx_ssp run` uses its rollout stage)")
+    ddir2 = ddir / "stage2"
+    recs = [r for _, r in _read_records(plan.train_path)]
+    rates = C.error_rates(C.read_rollouts(Path(cc.reference)))
+    lengths = [record_length(r, tokenizer) for r in recs]
+    keep, dropped = C.hard_subset(lengths, [rates.get(C.record_key(r)) for r in recs], min_tokens=cc.min_tokens,
+                                  min_error_rate=cc.min_error_rate)
+    info = {"records": len(recs), "kept": len(keep), "dropped": dropped, **cc.model_dump(mode="json")}
+    if not keep:
+        info["skipped"] = "the hard subset is empty (see dropped); stage 1's checkpoint is the specialist"
+        print(f"[sft {plan.name}] curriculum stage 2 skipped: no record is at least {cc.min_tokens} tokens long "
+              f"with a reference error rate >= {cc.min_error_rate} ({dropped})", file=sys.stderr)
+        if dist.is_main():
+            write_json_atomic(ddir2 / "curriculum.json", info)
+        return info, None
+    subset = ddir2 / "train.jsonl"
+    if dist.is_main():
+        write_jsonl_atomic(subset, [recs[i] for i in keep])
+    dist.barrier("sft: curriculum subset written")
+    ds, stats = load_sft_file(subset, tokenizer, mask_prompt=cfg.mask_prompt, max_seq_length=cfg.max_seq_length)
+    plan2 = dataclasses.replace(plan, name=f"{plan.name}/stage2", train_path=subset, train_set=ds, stats=stats)
+    cfg2 = cfg.model_copy(update={"iters": C.stage2_iters(cc, stats["records"], cfg.batch_size)})
+    last1 = ckpts.list_checkpoints(ddir / "checkpoints")[-1]
+    fp = {**fingerprint(cfg2, seed, model_path, plan2), "curriculum": cc.model_dump(mode="json"), "from": last1.name}
+    if (ddir2 / "sft_config.json").is_file():
+        ckpts.check_fingerprint(json.loads((ddir2 / "sft_config.json").read_text()), fp, where=ddir2,
+                                hint="pass --overwrite (or sft.overwrite=true) to start this domain again")
+    elif dist.is_main():
+        write_json_atomic(ddir2 / "sft_config.json", fp)
+    info.update(iters=cfg2.iters, from_checkpoint=last1.name)
+    run2 = _DomainRun(cfg2, plan2, stage1.model, tokenizer, model_path, ddir2, seed, probe_fn)
+    info["times"] = run2.train(callbacks or [], init_adapter=last1)
+    chosen = dist.run_on_main(lambda: write_curve(ddir2, plan2.name, cfg.select), what="sft: choose the stage 2 checkpoint")
+    if dist.is_main():
+        write_json_atomic(ddir2 / "curriculum.json", info)
+    return info, (chosen, ckpts.find_checkpoint(ddir2 / "checkpoints", chosen["step"]))
 
 
 def _open_domain_dir(cfg: SFTConfig, plan: DomainPlan, model_path: Path, ddir: Path, spec_dir: Path,
