@@ -84,6 +84,7 @@ def train_one(model_cfg, tasks: list, cfg, out: Path, *, seed: int, resume: bool
     summary = train(model, tokenizer, tasks, cfg, out, seed=seed, resume=resume, ref_model=ref, model_path=str(path))
     if report is not None:
         summary["prompt_filter"] = report["counts"]
+        summary["tasks"] = len(tasks)  # the prompts trained on, after the filter
     return summary, model, tokenizer, path
 
 
@@ -116,7 +117,8 @@ def run_phases(model_cfg, tasks: list, cfg, out: Path, *, seed: int, resume: boo
                                                   where=f"rl.phases '{phase.name}'")
             fuse_and_save(model, tok, Path(path), d / "model", dequantize=False, overwrite=True)
             del model
-            entry = {"name": phase.name, "start": str(start.path), "model": str(d / "model"), "tasks": len(ptasks),
+            entry = {"name": phase.name, "start": str(start.path), "model": str(d / "model"),
+                     "tasks": summary.get("tasks", len(ptasks)),
                      **{k: summary.get(k) for k in ("steps", "skipped_total", "last", "checkpoint", "out_dir",
                                                      "prompt_filter")}}
             write_json_atomic(d / PHASE_FILE, {"fingerprint": fp, "complete": True, "summary": entry})
