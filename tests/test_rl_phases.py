@@ -257,3 +257,26 @@ def test_eval_models_one_row_per_phase(tiny_qwen3, tmp_path):
     assert "rl" not in pipeline.eval_models(run)
     (tmp_path / "rl" / "model").mkdir()
     assert list(pipeline.eval_models(run))[-1] == "rl"
+
+
+def test_pipeline_rl_stage_with_phases(tiny_qwen3, tmp_path):
+    """The pipeline's rl stage: phases from the merged model, one metrics entry per phase, and the
+    eval rows of their models."""
+    from mlx_ssp import pipeline
+
+    rl = {"steps": 1, "batch_size": 2, "group_size": 2, "progress": False, "sampling": {"max_tokens": 3},
+          "phases": [{"name": "p1", "domains": ["b"]}, {"name": "p2", "long2short": {"lambda": 0.2}}]}
+    run = pipeline.Run(run_dir=tmp_path, data={"model": str(tiny_qwen3), "rl": rl}, source="t", seed=0,
+                       progress=False)
+    write_tasks(run.tasks_path("train"), _tasks())
+    (tmp_path / "merge").mkdir()
+    (tmp_path / "merge" / "model").symlink_to(tiny_qwen3)
+    m = pipeline.stage_rl(run)
+    assert [p["name"] for p in m["phases"]] == ["p1", "p2"] and m["steps"] == 2
+    assert m["phases"][0]["tasks"] == 3 and m["phases"][1]["tasks"] == 6
+    assert m["model"] == str(tmp_path / "rl" / "phases" / "p2" / "model")
+    assert all(p["pass@1"] is not None for p in m["phases"])
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "summary.json").write_text(json.dumps({"domains": {}}))
+    assert list(pipeline.eval_models(run))[-2:] == ["rl:p1", "rl:p2"]
+    assert not (tmp_path / "rl" / "model").exists()  # no single-run model beside the phases

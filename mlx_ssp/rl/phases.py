@@ -93,6 +93,7 @@ def run_phases(model_cfg, tasks: list, cfg, out: Path, *, seed: int, resume: boo
     """Every phase of ``cfg.phases`` in order (see the module docstring); each one's fused model is
     ``phases/<name>/model``. Returns the stage summary: the last phase's ``last``/``checkpoint``, the
     total ``steps``/``skipped_total`` and ``phases`` (one entry per phase)."""
+    from mlx_ssp import distributed as dist
     from mlx_ssp.finetune.fuse import fuse_and_save
     from mlx_ssp.stage_config import section_seed
 
@@ -115,13 +116,16 @@ def run_phases(model_cfg, tasks: list, cfg, out: Path, *, seed: int, resume: boo
             ptasks = phase_tasks(tasks, phase, pcfg)
             summary, model, tok, path = train_one(start, ptasks, pcfg, d, seed=pseed, resume=resume,
                                                   where=f"rl.phases '{phase.name}'")
-            fuse_and_save(model, tok, Path(path), d / "model", dequantize=False, overwrite=True)
-            del model
             entry = {"name": phase.name, "start": str(start.path), "model": str(d / "model"),
                      "tasks": summary.get("tasks", len(ptasks)),
                      **{k: summary.get(k) for k in ("steps", "skipped_total", "last", "checkpoint", "out_dir",
                                                      "prompt_filter")}}
-            write_json_atomic(d / PHASE_FILE, {"fingerprint": fp, "complete": True, "summary": entry})
+            # rank 0 writes the next phase's starting model; the other ranks wait for it (issue 10)
+            with dist.main_first(f"rl: fuse phase {phase.name}") as do_it:
+                if do_it:
+                    fuse_and_save(model, tok, Path(path), d / "model", dequantize=False, overwrite=True)
+                    write_json_atomic(d / PHASE_FILE, {"fingerprint": fp, "complete": True, "summary": entry})
+            del model
         done.append(entry)
         previous, start = fp, model_cfg.model_copy(update={"path": str(d / "model"), "revision": None})
     last = done[-1]
