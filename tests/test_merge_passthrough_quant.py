@@ -374,3 +374,26 @@ def test_pipeline_merge_section_out_quantization(quantized, tiny, tmp_path):
     conf = json.loads((out / "config.json").read_text())
     assert conf["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
     assert weights(out)["model.layers.0.mlp.up_proj.weight"].shape == (128, 16)
+
+
+def test_slices_rebuild_layer_types_and_check_vocabularies(tiny, tmp_path):
+    import shutil
+
+    srcs = []
+    for name, kinds in (("a", ["full", "sliding", "full"]), ("b", ["x0", "x1", "x2"])):
+        d = tmp_path / name
+        shutil.copytree(tiny[name], d)
+        conf = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**conf, "layer_types": kinds}))
+        srcs.append(d)
+    out = tmp_path / "out"
+    res = run_merge(passthrough([(srcs[0], (1, 3)), (srcs[1], (0, 2))], out_quantization={"bits": 4, "group_size": 64}),
+                    out, progress=False)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["layer_types"] == ["sliding", "full", "x0", "x1"] and conf["num_hidden_layers"] == 4
+    assert res["quantized"] == 4 * 7 + 1  # every layer linear and the (tied) embeddings
+    # untied models with different vocabularies: embeddings from one, LM head from the other
+    c = make_tiny_model(tmp_path / "c", num_layers=1, vocab_size=300, tie_word_embeddings=False)
+    d = make_tiny_model(tmp_path / "d", num_layers=1, vocab_size=512, tie_word_embeddings=False, seed=3)
+    with pytest.raises(UserError, match="different vocabularies.*lm_head.weight.*model.embed_tokens.weight"):
+        plan_merge(passthrough([(c, (0, 1)), (d, (0, 1))]))

@@ -225,8 +225,11 @@ def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_sh
             raise
         _write_side_files(job, tmp, tok_src, config_text)
     elapsed = time.perf_counter() - t0
-    return {"out_dir": str(out_dir), "tensors": len(job.plans), "bytes": writer.total_bytes,
-            "shards": len(writer.names), "workers": n_workers, "seconds": round(elapsed, 3)}
+    res = {"out_dir": str(out_dir), "tensors": len(job.plans), "bytes": writer.total_bytes,
+           "shards": len(writer.names), "workers": n_workers, "seconds": round(elapsed, 3)}
+    if job.cfg.out_quantization is not None:
+        res["quantized"] = sum(p.quant is not None for p in job.plans)  # 0 would mean mlx-lm's names did not match
+    return res
 
 
 def run_merge(cfg: MergeConfig, out_dir: Path, *, overwrite: bool = False, out_shard_size: int | str = "5GB",

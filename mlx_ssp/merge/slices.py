@@ -9,13 +9,15 @@ the layers come, as in mergekit, from the *first* slice's source when they prece
 input embeddings) and from the *last* slice's source when they follow them (final norm, LM head).
 Gradients run over each slice (``t = j / (n - 1)``, ``t = 1`` for a one-layer slice); tensors
 outside the layers get ``t = 0``. Parameters: the source's, then the slice's, then the top level.
-``config.json`` is the base model's when ``base_model`` is given, else the first slice source's.
+``config.json`` is the base model's when ``base_model`` is given, else the first slice source's;
+its per-layer lists (:data:`PER_LAYER_KEYS`) are rebuilt from the slices. The vocabulary-sized
+tensors (embeddings from the first slice, LM head from the last) must have the same rows.
 
 Deviations from mergekit: it reads the pre/post split from per-architecture JSON files; here a
 tensor outside the layers is "pre" when its name contains an input-embedding name
 (:data:`PRE_HINTS`), else "post". mergekit takes ``config.json`` from an unordered set of the
-models when no ``base_model`` is given; here it is the first slice's. Per-layer lists in
-``config.json`` (e.g. ``layer_types``) are not rebuilt.
+models when no ``base_model`` is given; here it is the first slice's. mergekit neither rebuilds
+``layer_types`` nor checks the vocabularies.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.config import _LAYER, MergeConfig, layer_index
 from mlx_ssp.merge.methods import METHODS
 from mlx_ssp.merge.passthrough import MAX_INPUTS
-from mlx_ssp.merge.plan import (MergeJob, TensorPlan, layer_count, mark_out_quantization, resolve_per_model,
+from mlx_ssp.merge.plan import (VOCAB_HINTS, MergeJob, TensorPlan, layer_count, mark_out_quantization, resolve_per_model,
                                 resolve_shared, tensor_dtypes)
 from mlx_ssp.merge.sources import open_source, read_model_config
 
@@ -134,6 +136,28 @@ def plan_slices(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label
         if p.name in seen:  # two names mapping to one output (a layer pattern this module misreads)
             raise UserError(f"tensor '{p.name}' would be written twice; the layer names are not understood")
         seen.add(p.name)
+    rows = {(p.name, p.shape[0]) for p in plans
+            if p.shape and layer_index(p.name) is None and any(h in p.name for h in VOCAB_HINTS)}
+    if len({r for _, r in rows}) > 1:
+        each = ", ".join(f"{n}: {r}" for n, r in sorted(rows))
+        raise UserError(f"the vocabulary-sized tensors come from models with different vocabularies ({each}); "
+                        "the first and last slices' models must share a vocabulary")
     job.plans = plans
     job.n_layers_out = sum(b - a for sl in cfg.slices for a, b in [sl.sources[0].layer_range])
+    job.ref_config = _per_layer_lists(job.ref_config, cfg, by_ref, configs)
     return mark_out_quantization(job)
+
+
+#: ``config.json`` keys holding one entry per layer, rebuilt from the slices
+PER_LAYER_KEYS = ("layer_types",)
+
+
+def _per_layer_lists(conf: dict, cfg: MergeConfig, by_ref: dict, configs: list[dict]) -> dict:
+    """``conf`` with each :data:`PER_LAYER_KEYS` list rebuilt from the slices' ranges (left as it is
+    when some slice's model lacks it)."""
+    conf = dict(conf)
+    for key in PER_LAYER_KEYS:
+        lists = [configs[by_ref[sl.sources[0].model]].get(key) for sl in cfg.slices]
+        if key in conf and all(isinstance(v, list) for v in lists):
+            conf[key] = [x for v, sl in zip(lists, cfg.slices) for x in v[slice(*sl.sources[0].layer_range)]]
+    return conf
