@@ -58,6 +58,7 @@ SECTIONS: dict[str, str] = {
     "rl": "mlx_ssp.rl.config:RLConfig",
     "distributed": "mlx_ssp.distributed:DistributedConfig",
     "sandbox": "mlx_ssp.sandbox_policy:SandboxPolicy",
+    "distill": "mlx_ssp.distill:DistillConfig",
 }
 #: Scalar keys allowed at the top of a run file.
 TOP_LEVEL = {"run_dir": "directory for every stage's outputs", "seed": "global seed", "name": "run name"}
