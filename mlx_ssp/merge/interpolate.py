@@ -1,7 +1,11 @@
 """Interpolating merge methods, one tensor at a time, with mergekit 0.1.5's semantics and defaults.
 
-Each function is pure: float inputs (already aligned to the compute dtype by the caller) in, a
-float32 result out; the caller rounds it to the compute dtype once.
+Each function is pure: float inputs (already aligned to the compute dtype ``cd`` by the caller) in,
+a float32 array out, which the caller rounds to ``cd`` once more (a no-op where the last step
+already rounded). Every intermediate that mergekit holds in ``cd`` is rounded to it (:func:`rnd`:
+torch computes a bf16 op in float32 and rounds the result), so bf16 outputs equal mergekit's bit for
+bit in the parity test (slerp, nuslerp, multislerp, model_stock, nearswap, arcee_fusion); slerp
+works in float32 throughout, as mergekit does.
 
 - :func:`slerp` (Shoemake 1985; mergekit ``slerp``): spherical interpolation between the base
   ``v0`` and ``v1`` by ``t``, the whole tensor as one vector; norms and dot in float32; linear
@@ -22,15 +26,15 @@ float32 result out; the caller rounds it to the compute dtype once.
   importance ``|x - b| * KL(softmax(x) || softmax(b))`` (rows on the last axis) reaches
   ``median + 1.5 IQR``.
 
-Deviations from mergekit 0.1.5 (all numerical, none in the semantics):
+Deviations from mergekit 0.1.5 (numerical only):
 
-- Arithmetic runs in float32 with one rounding to the compute dtype at the end; mergekit rounds
-  each bf16 / fp16 intermediate of nuslerp, multislerp, karcher, model_stock and arcee_fusion (slerp
-  computes in float32 there too; :func:`nearswap` and :func:`model_stock` round op by op like
-  mergekit). In bf16 results can differ by an ulp or two of bf16.
-- Reductions (norms, dots) sum in MLX's float32 order, not torch's (last-bit float32 differences).
+- Reductions (norms, dots) sum in MLX's float32 order, not torch's: float32 results differ in the
+  last bits (1e-6 relative in the parity test), and a bf16 result can now and then round the other
+  way (slerp: single elements by one ulp). karcher's iterations amplify this: in bf16 about 60% of its
+  elements are bit-identical to mergekit's, the rest within two ulps.
 - arcee_fusion's quantiles of a tensor over 10^6 elements come from a sample drawn with a PCG64
   stream seeded by (seed, tensor name, model) instead of torch's global generator.
+- nuslerp and multislerp take no base model here (see :mod:`.methods`).
 """
 
 from __future__ import annotations
@@ -102,87 +106,102 @@ def _unvectors(v: mx.array, shape: Optional[tuple], row_wise: bool, flatten: boo
 
 
 def nuslerp(t: float, v0: mx.array, v1: mx.array, shape: Optional[tuple] = None, row_wise: bool = False,
-            flatten: bool = True, eps: float = 1e-8) -> mx.array:
+            flatten: bool = True, eps: float = 1e-8, cd=F32) -> mx.array:
     """mergekit's nuslerp of two flat tensors of shape ``shape``: per vector (see
     :func:`_vectors`), ``(sin((1 - t) th) v0 + sin(t th) v1) / sin th``, linear where
-    ``1 - cos^2 <= eps^2``. Returns the flat float32 result."""
+    ``1 - cos^2 <= eps^2``; each step rounded to ``cd`` as mergekit computes it. Returns the flat
+    float32 result."""
+    r = lambda x: rnd(x, cd)  # noqa: E731
     a = _vectors(f32(v0), shape, row_wise, flatten)
     b = _vectors(f32(v1), shape, row_wise, flatten)
-    au = a / mx.maximum(_norm(a, axis=-1, keepdims=True), 1e-7)
-    bu = b / mx.maximum(_norm(b, axis=-1, keepdims=True), 1e-7)
-    cos = mx.clip(mx.sum(au * bu, axis=-1, keepdims=True), -1.0, 1.0)
-    colinear = (1 - mx.square(cos)) <= eps ** 2
-    theta = mx.arccos(mx.where(colinear, 0.0, cos))
-    s = mx.sin(theta)
-    sph = (mx.sin((1 - t) * theta) * a + mx.sin(t * theta) * b) / mx.where(colinear, 1.0, s)
-    res = mx.where(colinear, (1 - t) * a + t * b, sph)
+    au = r(a / mx.maximum(r(_norm(a, axis=-1, keepdims=True)), 1e-7))
+    bu = r(b / mx.maximum(r(_norm(b, axis=-1, keepdims=True)), 1e-7))
+    cos = mx.clip(r(mx.sum(r(au * bu), axis=-1, keepdims=True)), -1.0, 1.0)
+    colinear = r(1 - r(mx.square(cos))) <= eps ** 2
+    theta = r(mx.arccos(mx.where(colinear, 0.0, cos)))
+    s = r(mx.sin(theta))
+    num = r(r(r(mx.sin(r((1 - t) * theta))) * a) + r(r(mx.sin(r(t * theta))) * b))
+    sph = r(num / mx.where(colinear, 1.0, s))
+    res = mx.where(colinear, r(r((1 - t) * a) + r(t * b)), sph)
     return _unvectors(res, shape, row_wise, flatten)
 
 
 def multislerp(xs: Sequence[mx.array], weights: Sequence[float], normalize_weights: bool = True,
-               eps: float = 1e-8) -> mx.array:
+               eps: float = 1e-8, cd=F32) -> mx.array:
     """mergekit's multislerp of flat tensors: barycentric interpolation on the hypersphere (tangent
     space at the weighted mean of the unit vectors, exponential map back), scaled by the weighted
-    mean norm. Two antipodal inputs whose weighted mean vanishes fall back to the linear
-    combination; more than two raise ``ValueError``."""
+    mean norm; each step rounded to ``cd`` as mergekit computes it (the weights too). Two antipodal
+    inputs whose weighted mean vanishes fall back to the linear combination; more than two raise
+    ``ValueError``."""
     if len(xs) == 1:
         return f32(xs[0])
-    w = np.asarray(weights, dtype=np.float32)
+    r = lambda x: rnd(x, cd)  # noqa: E731
+    W = r(mx.array(np.asarray(weights, dtype=np.float32)))
     if normalize_weights:
-        w = w / w.sum()
+        W = r(W / r(mx.sum(W)))
+    W = W.reshape(-1, 1)
     X = mx.stack([f32(x) for x in xs])
-    W = mx.array(w).reshape(-1, 1)
-    norms = _norm(X, axis=-1, keepdims=True)
-    units = X / (norms + eps)
-    mean = mx.sum(units * W, axis=0)
-    mean_norm = _item(_norm(mean))
-    if mean_norm < eps:
+    norms = r(_norm(X, axis=-1, keepdims=True))
+    units = r(X / r(norms + eps))
+    mean = r(mx.sum(r(units * W), axis=0))
+    mean_norm = r(_norm(mean))
+    if _item(mean_norm) < eps:
         if len(xs) == 2:
-            return X[0] * W[0] + X[1] * W[1]
+            return r(r(X[0] * W[0]) + r(X[1] * W[1]))
         raise ValueError("multislerp: the weighted sum of the input tensors is zero (antipodal inputs with "
                          "balancing weights); use different weights")
-    mean = mean / _s(mean_norm)
-    dots = mx.sum(units * mean, axis=-1, keepdims=True)
-    tangent = mx.sum((units - dots * mean) * W, axis=0)
-    tn = _norm(tangent) + eps
-    res = mean * mx.cos(tn) + tangent * (mx.sin(tn) / tn)
-    return res * mx.sum(norms.reshape(-1) * W.reshape(-1))
+    mean = r(mean / mean_norm)
+    dots = r(mx.sum(r(units * mean), axis=-1, keepdims=True))
+    tangent = r(mx.sum(r(r(units - r(dots * mean)) * W), axis=0))
+    tn = r(r(_norm(tangent)) + eps)
+    res = r(r(mean * r(mx.cos(tn))) + r(tangent * r(r(mx.sin(tn)) / tn)))
+    return r(res * r(mx.sum(r(norms.reshape(-1) * W.reshape(-1)))))
 
 
 def karcher(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = None, max_iter: int = 10,
-            tol: float = 1e-5) -> mx.array:
+            tol: float = 1e-5, cd=F32) -> mx.array:
     """mergekit's weighted Karcher mean of flat tensors on the unit sphere (equal weights by
-    default), scaled by ``sum alpha_i |x_i|``. Inputs with norm <= tol are left out of the mean.
-    Each fixed-point step is two matrix-vector products over the stacked unit vectors: the dots
-    with the mean, and the tangent ``sum_i c_i (u_i - dot_i m)`` as ``c^T U - (c . dot) m``."""
+    default), scaled by ``sum alpha_i |x_i|``; inputs with norm <= tol are left out of the mean.
+    Norms are float32; the unit vectors, the mean and the tangent are held in ``cd`` (each step
+    rounded), as mergekit holds them in the input dtype."""
+    r = lambda x: rnd(x, cd)  # noqa: E731
     X = [f32(x).reshape(-1) for x in xs]
     if len(X) == 1:
         return X[0]
     alphas = [1.0 / len(X)] * len(X) if alphas is None else list(alphas)
     norms = [_item(_norm(x)) for x in X]
+    units = [r(x / _s(n)) if n != 0 else mx.zeros_like(x) for x, n in zip(X, norms)]
     valid = [i for i, n in enumerate(norms) if n > tol]
     if not valid:
         return mx.zeros_like(X[0])
     a_sum = sum(alphas[i] for i in valid)
-    al = np.array([alphas[i] / a_sum for i in valid], dtype=np.float64)
-    U = mx.stack([X[i] / _s(norms[i]) for i in valid])
-    mean = mx.array(al.astype(np.float32)) @ U
+    al = [alphas[i] / a_sum for i in valid]
+    us = [units[i] for i in valid]
+    mean = r(_s(al[0]) * us[0])
+    for a, u in zip(al[1:], us[1:]):
+        mean = r(mean + r(_s(a) * u))
     mn = _item(_norm(mean))
-    mean = U[0] if mn < tol else mean / _s(mn)
+    mean = us[0] if mn < tol else r(mean / _s(mn))
     for _ in range(max_iter):
-        dots = np.clip(np.array(U @ mean, dtype=np.float64), -1.0, 1.0)
-        theta = np.arccos(dots)
-        moving = theta >= tol  # mergekit skips inputs already at the mean
-        c = np.where(moving, al * theta / np.where(moving, np.sin(theta), 1.0), 0.0)
-        tangent = mx.array(c.astype(np.float32)) @ U - _s(np.dot(c, dots)) * mean
+        tangent = None
+        for a, u in zip(al, us):
+            dot = mx.clip(r(mx.sum(mean * u)), -1.0, 1.0)
+            theta = r(mx.arccos(dot))
+            if theta.item() < tol:  # already at the mean
+                continue
+            coef = r(a * r(theta / r(mx.sin(theta))))
+            step = r(coef * r(u - r(dot * mean)))
+            tangent = step if tangent is None else r(tangent + step)
+        if tangent is None:
+            break
         tn = _item(_norm(tangent))
         if tn < tol:
             break
-        mean = _s(np.cos(tn)) * mean + _s(np.sin(tn)) * (tangent / _s(tn))
+        mean = r(r(_s(np.cos(tn)) * mean) + r(_s(np.sin(tn)) * r(tangent / _s(tn))))
         un = _item(_norm(mean))
         if un > tol:
-            mean = mean / _s(un)
-    return _s(sum(a * n for a, n in zip(alphas, norms))) * mean
+            mean = r(mean / _s(un))
+    return r(_s(sum(np.float32(a) * n for a, n in zip(alphas, norms))) * mean)
 
 
 def model_stock(base: mx.array, xs: Sequence[mx.array], cd, shape: Optional[tuple] = None,
@@ -220,41 +239,46 @@ def nearswap(t: float, a: mx.array, b: mx.array, cd) -> mx.array:
     """NearSwap: per element, ``w = clamp(t / max(|a - b|, 1e-6), 0, 1)`` and ``w b + (1 - w) a``
     (``a`` the base); rounded to ``cd`` op by op as mergekit computes it."""
     a, b = f32(a), f32(b)
-    diff = mx.maximum(mx.abs(rnd(a - b, cd)), 1e-6)
-    w = mx.clip(rnd(t / diff, cd), 0.0, 1.0)
+    diff = mx.maximum(mx.abs(rnd(a - b, cd)), rnd(mx.array(1e-6, dtype=F32), cd))
+    # torch computes ``scalar / tensor`` as ``reciprocal(tensor) * scalar``: two roundings
+    w = mx.clip(rnd(rnd(1 / diff, cd) * t, cd), 0.0, 1.0)
     return rnd(rnd(w * b, cd) + rnd(rnd(1 - w, cd) * a, cd), cd)
 
 
-def fusion_importance(x: mx.array, base: mx.array, width: int) -> mx.array:
+def fusion_importance(x: mx.array, base: mx.array, width: int, cd) -> mx.array:
     """arcee_fusion's importance ``|x - b| * KL(softmax(x) || softmax(b))``, softmax and KL over
-    rows of ``width`` elements (the tensor's last axis); flat, float32."""
+    rows of ``width`` elements (the tensor's last axis); flat, float32 holding ``cd`` values (each
+    step rounded to ``cd`` as mergekit computes it, so the threshold sees the same values)."""
     xr, br = f32(x).reshape(-1, width), f32(base).reshape(-1, width)
-    p = mx.softmax(xr, axis=-1) + 1e-8
-    q = mx.softmax(br, axis=-1) + 1e-8
-    kl = mx.sum(p * mx.log(p / q), axis=-1, keepdims=True)
-    return (mx.abs(xr - br) * kl).reshape(-1)
+    p = rnd(rnd(mx.softmax(xr, axis=-1), cd) + 1e-8, cd)
+    q = rnd(rnd(mx.softmax(br, axis=-1), cd) + 1e-8, cd)
+    kl = rnd(mx.sum(rnd(p * rnd(mx.log(rnd(p / q, cd)), cd), cd), axis=-1, keepdims=True), cd)
+    return rnd(mx.abs(rnd(xr - br, cd)) * kl, cd).reshape(-1)
 
 
 #: arcee_fusion estimates its quantiles from this many samples (with replacement) of larger tensors
 QUANTILE_SAMPLE = 1_000_000
 
 
-def fusion_threshold(importance: mx.array, seed: int) -> float:
-    """``median + 1.5 (q3 - q1)`` of the importance, each quantile the sorted element at
-    ``floor(q (n - 1))`` (of a seeded sample of QUANTILE_SAMPLE when larger, as mergekit does)."""
+def fusion_threshold(importance: mx.array, seed: int, cd) -> float:
+    """``median + 1.5 (q3 - q1)`` of the importance (rounded to ``cd`` step by step), each quantile
+    the sorted element at ``floor(q (n - 1))`` (of a seeded sample of QUANTILE_SAMPLE when larger,
+    as mergekit does)."""
     v = np.asarray(importance)
     if v.size > QUANTILE_SAMPLE:
         v = v[np.random.Generator(np.random.PCG64(seed)).integers(0, v.size, QUANTILE_SAMPLE)]
     s = np.sort(v)
     q1, med, q3 = (s[int(np.float32(q) * np.float32(s.size - 1))] for q in (0.25, 0.5, 0.75))
-    return float(np.float32(med) + np.float32(1.5) * np.float32(q3 - q1))
+    r = lambda y: rnd(mx.array(y, dtype=F32), cd)  # noqa: E731
+    return float(r(med + r(1.5 * r(q3 - q1).item()).item()).item())
 
 
 def arcee_fusion(base: mx.array, x: mx.array, shape: Optional[tuple], seed: int, cd) -> mx.array:
     """Arcee Fusion: ``b + (x - b) * [importance >= threshold]`` (see :func:`fusion_importance`,
-    :func:`fusion_threshold`); the change ``x - b`` is rounded to ``cd`` as mergekit computes it."""
+    :func:`fusion_threshold`); the change ``x - b`` is rounded to ``cd`` and the sum kept in float32
+    (mergekit's mask is float32) until the caller's one rounding."""
     width = shape[-1] if shape else x.size
     b32, x32 = f32(base).reshape(-1), f32(x).reshape(-1)
-    imp = fusion_importance(x32, b32, max(1, width))
-    keep = imp >= fusion_threshold(imp, seed)
+    imp = fusion_importance(x32, b32, max(1, width), cd)
+    keep = imp >= fusion_threshold(imp, seed, cd)
     return b32 + rnd(rnd(x32 - b32, cd) * keep, cd)

@@ -44,8 +44,8 @@ The other methods are pure functions in :mod:`.interpolate` (``slerp`` with ``t`
 (``sce``, ``ram``, ``ramplus_tl``), wrapped here (``merge_*``) to check the input count and read the
 parameters: mergekit's names and defaults, listed per method in :data:`METHODS`. They work on the
 whole tensor at a time (their statistics are whole-tensor or per row, as mergekit's), need the
-tensor's shape only for per-row variants (``TensorInputs.shape``), and compute in float32 (see those
-modules for where mergekit rounds intermediates and they do not). A required parameter (``t``) or a
+tensor's shape only for per-row variants (``TensorInputs.shape``), and round every intermediate
+mergekit holds in the compute dtype, as above (see those modules for what still differs). A required parameter (``t``) or a
 wrong number of models is reported when the first tensor is merged (the output directory is never
 created).
 
@@ -445,7 +445,8 @@ def merge_nuslerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
     w = [pm["weight"] for pm in t.per_model]
     tt = 0.5 if abs(sum(w)) < 1e-6 else w[1] / sum(w)
     a, b = _inputs(t)
-    res = I.nuslerp(tt, a, b, t.shape, row_wise=t.shared["nuslerp_row_wise"], flatten=t.shared["nuslerp_flatten"])
+    res = I.nuslerp(tt, a, b, t.shape, row_wise=t.shared["nuslerp_row_wise"], flatten=t.shared["nuslerp_flatten"],
+                    cd=t.cd)
     return _finish(res, t)
 
 
@@ -453,7 +454,7 @@ def merge_multislerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
     _count(spec, t, at_least=1)
     try:
         res = I.multislerp(_inputs(t), [pm["weight"] for pm in t.per_model], t.shared["normalize_weights"],
-                           t.shared["eps"])
+                           t.shared["eps"], cd=t.cd)
     except ValueError as e:
         raise UserError(str(e)) from None
     return _finish(res, t)
@@ -461,7 +462,7 @@ def merge_multislerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
 
 def merge_karcher(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
     """``karcher``: the equal-weight Karcher mean of every input."""
-    return _finish(I.karcher(_inputs(t), max_iter=int(t.shared["max_iter"]), tol=t.shared["tol"]), t)
+    return _finish(I.karcher(_inputs(t), max_iter=int(t.shared["max_iter"]), tol=t.shared["tol"], cd=t.cd), t)
 
 
 def merge_model_stock(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
@@ -488,7 +489,7 @@ def merge_sce(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
     base, tvs = _task_vectors(t)
     if not tvs:
         return _finish(f32(base), t)
-    return _finish(S.sce(base, tvs, t.shared["select_topk"]), t)
+    return _finish(S.sce(base, tvs, t.shared["select_topk"], t.cd), t)
 
 
 def merge_ram(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
@@ -497,7 +498,8 @@ def merge_ram(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
         return _finish(f32(base), t)
     sh = t.shared
     plus = spec.name == "ramplus_tl"
-    return _finish(S.ram(base, tvs, sh["epsilon"], plus=plus, r=sh.get("r", 0.1), alpha=sh.get("alpha", 0.2)), t)
+    return _finish(S.ram(base, tvs, sh["epsilon"], plus=plus, r=sh.get("r", 0.1), alpha=sh.get("alpha", 0.2),
+                         cd=t.cd), t)
 
 
 #: types of the parameters only the methods above take (mlx_ssp.merge.config validates values by them)

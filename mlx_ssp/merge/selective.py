@@ -11,9 +11,10 @@
   ``1 + r * clamp(shared / unique, 0, alpha)`` (its counts of shared and unique elements in this
   tensor).
 
-Deviations: arithmetic in float32 from the task vectors rounded to the compute dtype, one rounding
-at the end (mergekit rounds each bf16 intermediate); exact ties of the variance at SCE's top-k
-threshold keep the lowest flat indices (torch.topk's pick is implementation-defined).
+Each step is rounded to the compute dtype where mergekit holds it in that dtype (sums and means
+accumulate in float32 in both). Deviations: the order of float32 sums; exact ties of the (rounded)
+variance at SCE's top-k threshold keep the lowest flat indices (torch.topk's pick among ties is
+implementation-defined, and in bf16 ties are common, so a few selected elements can differ).
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ import numpy as np
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
-from mlx_ssp.merge.kernels import F32, f32
+from mlx_ssp.merge.kernels import F32, f32, rnd
 
 
-def topk_variance_mask(tvs: mx.array, density: float) -> mx.array:
+def topk_variance_mask(tvs: mx.array, density: float, cd=F32) -> mx.array:
     """SCE "select": True at the ``int(nonzero * density)`` elements with the largest variance across
-    the task vectors (population variance; ties to the lowest index)."""
-    var = np.asarray(mx.var(tvs, axis=0))
+    the task vectors (population variance rounded to ``cd``; ties to the lowest index)."""
+    var = np.asarray(rnd(mx.var(tvs, axis=0), cd))
     if density >= 1:
         return mx.ones(var.shape, dtype=mx.bool_)
     k = int(np.count_nonzero(var) * density) if density > 0 else 0
@@ -41,35 +42,42 @@ def topk_variance_mask(tvs: mx.array, density: float) -> mx.array:
     return mx.array(mask)
 
 
-def sce(base: mx.array, tvs: Sequence[mx.array], select_topk: float = 1.0) -> mx.array:
-    """SCE merge of task vectors (float32, cd-rounded) onto ``base``; float32 result."""
+def sce(base: mx.array, tvs: Sequence[mx.array], select_topk: float = 1.0, cd=F32) -> mx.array:
+    """SCE merge of task vectors (cd-rounded) onto ``base``; flat float32 holding ``cd`` values, each
+    step rounded to ``cd`` as mergekit computes it."""
     T = mx.stack([f32(t).reshape(-1) for t in tvs])
     if select_topk < 1:
-        T = T * topk_variance_mask(T, select_topk)
-    sign = mx.sign(T)
+        T = T * topk_variance_mask(T, select_topk, cd)
     majority = mx.where(mx.sum(T, axis=0) >= 0, 1.0, -1.0)
-    erase = (sign == majority).astype(F32)
-    w = np.asarray(mx.mean(mx.square(T).reshape(T.shape[0], -1), axis=1), dtype=np.float32)
-    total = float(w.sum())
-    w = np.full(w.shape, 1.0 / w.size, np.float32) if abs(total) < 1e-6 else (w / np.float32(total))
+    erase = (mx.sign(T) == majority).astype(F32)
+    w = np.asarray(rnd(mx.mean(rnd(mx.square(T), cd), axis=1), cd), dtype=np.float32)
+    total = float(np.asarray(rnd(mx.array(w.sum(dtype=np.float32)), cd)))
+    if abs(total) < 1e-6:
+        w = np.asarray(rnd(mx.full(w.shape, 1.0 / w.size), cd))
+    else:
+        w = np.asarray(rnd(mx.array(w) / total, cd))
     ew = mx.array(w).reshape(-1, 1) * erase
-    merged = mx.sum(T * ew, axis=0) / mx.maximum(mx.sum(ew, axis=0), 1e-6)
-    return f32(base).reshape(-1) + merged
+    merged = rnd(mx.sum(rnd(T * ew, cd), axis=0), cd)
+    den = mx.maximum(rnd(mx.sum(ew, axis=0), cd), 1e-6)
+    return rnd(f32(base).reshape(-1) + rnd(merged / den, cd), cd)
 
 
 def ram(base: mx.array, tvs: Sequence[mx.array], epsilon: float = 1e-5, plus: bool = False, r: float = 0.1,
-        alpha: float = 0.2) -> mx.array:
-    """RAM (``plus``: RAM+ tensor-local) merge of flat task vectors onto ``base``; float32 result."""
+        alpha: float = 0.2, cd=F32) -> mx.array:
+    """RAM (``plus``: RAM+ tensor-local) merge of task vectors (cd-rounded) onto ``base``; flat
+    float32. Rounded to ``cd`` where mergekit's tensors are in it: RAM throughout, RAM+ only the
+    shared part (its ``lambda`` is float32, so torch promotes the rest)."""
     T = mx.stack([f32(t).reshape(-1) for t in tvs])
     nz = mx.abs(T) > epsilon
     counts = mx.sum(nz, axis=0, keepdims=True)
     overlap, unique = counts > 1, counts == 1
     Tz = T * nz
-    uniq_part = Tz * unique
+    shared = rnd(Tz * overlap / mx.maximum(counts, 1).astype(F32), cd)
+    uniq = Tz * unique
     if plus:
         shared_n = mx.sum(nz & overlap, axis=1).astype(F32)
         unique_n = mx.sum(nz & unique, axis=1).astype(F32)
         lam = 1 + r * mx.clip(shared_n / mx.maximum(unique_n, epsilon), 0.0, alpha)
-        uniq_part = uniq_part * lam.reshape(-1, 1)
-    merged = mx.sum(uniq_part + Tz * overlap / mx.maximum(counts, 1).astype(F32), axis=0)
-    return f32(base).reshape(-1) + merged
+        return f32(base).reshape(-1) + mx.sum(uniq * lam.reshape(-1, 1) + shared, axis=0)
+    merged = rnd(mx.sum(rnd(uniq + shared, cd), axis=0), cd)
+    return rnd(f32(base).reshape(-1) + merged, cd)
