@@ -398,6 +398,35 @@ def test_della_end_to_end_matches_reference_given_masks(models, tmp_path, dt, me
         np.testing.assert_array_equal(got[n], again[n])
 
 
+def test_cli_merges_slerp_and_della(models, tmp_path):
+    """``mlx_ssp merge CONFIG OUT`` (in process) with slerp and della: the outputs are the library's."""
+    from click.testing import CliRunner
+
+    from mlx_ssp.cli import main
+
+    m = models["bfloat16"]
+    configs = {
+        "slerp": {"merge_method": "slerp", "base_model": m[0], "models": [{"model": m[1]}],
+                  "parameters": {"t": [0.0, 0.5, 1.0]}},
+        "della": {"merge_method": "della", "base_model": m[0], "models": [
+            {"model": m[i], "parameters": {"weight": 0.5, "density": 0.6, "epsilon": 0.2}} for i in (1, 2)]},
+    }
+    for name, c in configs.items():
+        cfg = tmp_path / f"{name}.yml"
+        cfg.write_text(yaml.safe_dump(c))
+        r = CliRunner().invoke(main, ["merge", str(cfg), str(tmp_path / f"cli_{name}"), "--quiet", "--seed", "4"])
+        assert r.exit_code == 0, r.output
+        lib = run(tmp_path, f"lib_{name}", seed=4, **c)
+        got = load_out(tmp_path / f"cli_{name}")
+        assert set(got) == set(SHAPES)
+        for n in SHAPES:
+            np.testing.assert_array_equal(got[n], lib[n], err_msg=f"{name} {n}")
+    # della merged: not the base, and its TIES step at density 0.6 left some elements at the base
+    n = "model.layers.0.mlp.down_proj.weight"
+    base = R(models["arrays"][0][n], "bfloat16")
+    assert 0.05 < np.mean(got[n] == base) < 0.6
+
+
 @pytest.mark.parametrize("dt", DTS)
 def test_model_stock_and_karcher_of_identical_models_return_it(models, tmp_path, dt):
     m = models[dt]
