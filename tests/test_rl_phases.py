@@ -134,7 +134,7 @@ def test_phase_config_merges_and_validates():
     c = load_section({"rl": {"steps": 5, "sampling": {"max_tokens": 32}, "phases": [
         {"name": "math", "domains": ["addition"]},
         {"name": "short", "long2short": {"lambda": 0.3}, "sampling": {"max_tokens": 16}, "steps": 2}]}}, "rl")
-    (p1, c1), (p2, c2) = c.resolved_phases()
+    (_, c1), (_, c2) = c.resolved_phases()
     assert (c1.steps, c1.sampling.max_tokens, c1.long2short) == (5, 32, None)
     assert (c2.steps, c2.sampling.max_tokens, c2.long2short.lambda_) == (2, 16, 0.3)
     assert c2.sampling.temperature == 1.0  # deep merge: the rest of rl.sampling is kept

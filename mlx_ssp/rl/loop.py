@@ -8,7 +8,9 @@ Each step (VibeThinker-1.5B section 3.4; GRPO, DeepSeekMath arXiv:2402.03300 sec
    verifier rewards); with ``dynamic_sampling`` (DAPO) groups whose rewards are all equal (p in
    {0, 1} for binary rewards: no learning signal) are dropped and more prompts are sampled, at
    most ``max_refill_rounds`` extra rounds;
-3. MGPO advantages A' = w(p) * A (:func:`mlx_ssp.rl.mgpo.mgpo_advantages`, or its kernel twin);
+3. with ``long2short`` set, the kept groups' rewards are shaped first (:mod:`mlx_ssp.rl.shaping`:
+   zero-sum among each group's correct samples, so p(q) is unchanged; VibeThinker-3B section 2.2.2);
+   MGPO advantages A' = w(p) * A (:func:`mlx_ssp.rl.mgpo.mgpo_advantages`, or its kernel twin);
 4. ``mu`` inner updates on the whole batch (micro-batches of ``micro_batch_size`` sequences,
    gradients accumulated so the loss is exactly the full batch's): the forward runs on
    prompt + completion, the completion mask selects the tokens (an episode's: the model's own
@@ -22,7 +24,7 @@ Each step (VibeThinker-1.5B section 3.4; GRPO, DeepSeekMath arXiv:2402.03300 sec
    inner updates already applied are undone from a snapshot); ``max_bad_steps`` in a row stop
    the run with a checkpoint of the last good state.
 
-Metrics (one JSON line per step in ``metrics.jsonl``; token statistics are exact whole-batch
+Metrics (one JSON line per step in ``metrics.jsonl``, ``pass@1`` and ``correct_len_mean`` among them; token statistics are exact whole-batch
 values: sums and counts over micro-batches, inner updates and ranks, divided once), checkpoints
 every ``checkpoint_every`` steps in ``checkpoints/step_NNNNNNN`` (adapters or weights, optimizer
 state, RNG and stream state) and a resumable run directory. Deviations: no prefix sharing between the G samples of a prompt

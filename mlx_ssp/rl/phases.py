@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import write_json_atomic
@@ -147,6 +147,6 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def _say(echo: Optional[callable], msg: str) -> None:
+def _say(echo: Optional[Callable[[str], None]], msg: str) -> None:
     if echo is not None:
         echo(msg)
