@@ -178,13 +178,16 @@ def stage_tasks(run: Run) -> dict:
 
 def stage_rollout(run: Run) -> dict:
     from mlx_ssp.rollout import run_rollouts
+    from mlx_ssp.rollout.endpoint import is_endpoint
 
     cfg = with_seed(run.section("rollout"), run.seed)
     teacher = run.section("teacher") or run.section("model")
+    if is_endpoint(teacher) and teacher.tokenizer is None:  # token ids in the student's tokens (rollout.endpoint)
+        teacher = teacher.model_copy(update={"tokenizer": run.section("model").path})
     summary = run_rollouts(
         teacher, run.tasks_path("train"), cfg, run.stage_dir("rollout") / "rollouts.jsonl", progress=run.progress
     )
-    return {"summary": summary, "teacher": teacher.path}
+    return {"summary": summary, "teacher": teacher.label() if is_endpoint(teacher) else teacher.path}
 
 
 def stage_select(run: Run) -> dict:
@@ -491,6 +494,14 @@ def _resolved(name: str) -> Callable[[Run], Any]:
     return lambda run: _dump(run.section(name))
 
 
+def _check_teacher(run: Run) -> Any:
+    """A local model or, with an ``endpoint`` key, a server (mlx_ssp.rollout.endpoint); cached for run.section."""
+    from mlx_ssp.rollout.endpoint import teacher_section
+
+    run.sections["teacher"] = teacher_section(run.data, run.source)
+    return run.sections["teacher"]
+
+
 def _check_sft(run: Run) -> None:
     if run.data.get("tasks") is None:
         raise UserError(f"{run.source}: a run needs a tasks: section with at least one domain")
@@ -503,7 +514,7 @@ SECTIONS: dict[str, Section] = {
     sec.name: sec
     for sec in (
         Section("model", _section("model"), _resolved("model")),
-        Section("teacher", _section("teacher")),  # kept as written (absent: the model itself)
+        Section("teacher", _check_teacher),  # kept as written (absent: the model itself)
         Section("tasks", _section("tasks"), _resolved("tasks")),
         Section("rollout", _section("rollout"), _resolved("rollout")),
         Section("select", _section("select"), _resolved("select")),

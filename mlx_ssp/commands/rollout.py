@@ -1,4 +1,7 @@
-"""``mlx_ssp rollout``: a task file rolled out into ROLLOUTS.jsonl (resumed if it exists) and its summary."""
+"""``mlx_ssp rollout``: a task file rolled out into ROLLOUTS.jsonl (resumed if it exists) and its summary.
+With ``--endpoint URL --model NAME`` the completions are asked of an OpenAI-compatible server
+instead (:mod:`mlx_ssp.rollout.endpoint`; a ``teacher: {endpoint: ...}`` section of ``--config``
+supplies its other settings)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,12 @@ from mlx_ssp.commands.options import config_option, load_task_stage, sampling_fl
 
 
 @click.command("rollout")
-@click.option("--model", "model", default=None, help="Model: a directory, a Hugging Face id, or 'demo'.")
+@click.option("--model", "model", default=None,
+              help="Model: a directory, a Hugging Face id, or 'demo'; with --endpoint, the server's model name.")
+@click.option("--endpoint", default=None, help="OpenAI-compatible server URL (e.g. http://127.0.0.1:8080) to ask instead.")
+@click.option("--api-key-env", default=None, metavar="VAR", help="With --endpoint: environment variable holding the API key.")
+@click.option("--concurrency", type=int, default=None, help="With --endpoint: requests in flight. Default 4.")
+@click.option("--tokenizer", default=None, help="With --endpoint: the student's tokenizer, for token ids in the records.")
 @click.option("--tasks", "tasks_path", default=None, help="Task JSONL file.")
 @click.option("--k", "k", type=int, default=None, help="Samples per task. Default 8.")
 @sampling_options
@@ -18,7 +26,8 @@ from mlx_ssp.commands.options import config_option, load_task_stage, sampling_fl
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @config_option
 @set_option
-def cli(model, tasks_path, k, system, output, overwrite, no_progress, config_path, overrides, **kw):
+def cli(model, endpoint, api_key_env, concurrency, tokenizer, tasks_path, k, system, output, overwrite, no_progress,
+        config_path, overrides, **kw):
     """Sample K completions per task with behaviour log-probs and verifier rewards.
 
     Writes ROLLOUTS.jsonl (one record per completion; rerunning resumes it) and
@@ -28,8 +37,16 @@ def cli(model, tasks_path, k, system, output, overwrite, no_progress, config_pat
     from mlx_ssp.rollout.summary import format_table
 
     flags = {"k": k, "tasks": tasks_path, "output": output, "system": system, **sampling_flags(kw)}
+    teacher_flags = {"endpoint": endpoint, "api_key_env": api_key_env, "concurrency": concurrency, "tokenizer": tokenizer}
+    teacher = endpoint_teacher(config_path, overrides, {**teacher_flags, "model": model})
+    if teacher is not None:
+        model = None  # --model named the server's model
+    elif any(v is not None for v in teacher_flags.values()):
+        from mlx_ssp.errors import UserError
+
+        raise UserError("--api-key-env, --concurrency and --tokenizer go with --endpoint URL")
     mcfg, cfg = load_task_stage(config_path, overrides, "rollout", flags, model, "ROLLOUTS.jsonl")
-    summary = run_rollouts(mcfg, cfg.tasks, cfg, cfg.output, overwrite=overwrite, progress=not no_progress)
+    summary = run_rollouts(teacher or mcfg, cfg.tasks, cfg, cfg.output, overwrite=overwrite, progress=not no_progress)
     if not dist.is_main():  # rank 0 reports for all ranks
         return
     click.echo(format_table(summary))
@@ -46,3 +63,24 @@ def cli(model, tasks_path, k, system, output, overwrite, no_progress, config_pat
         f"{run['samples']} new samples, {run['gen_tokens']} tokens in {run['gen_s']}s "
         f"({run['tokens_per_s']} tok/s), verification {run['verify_s']}s -> {cfg.output}"
     )
+
+
+def endpoint_teacher(config_path, overrides, flags: dict):
+    """The endpoint teacher of this command when ``--endpoint`` is given (None otherwise; like a local
+    ``teacher:``, the section alone does not switch the command off the ``model:`` it rolls out): the
+    flags set over the config's ``teacher: {endpoint: ...}`` section when it has one (its retries,
+    sampling, extra_body...)."""
+    from mlx_ssp.config import load_file, validate
+    from mlx_ssp.rollout.endpoint import EndpointTeacherConfig
+
+    data = load_file(config_path, overrides) if config_path or overrides else {}
+    raw = data.get("teacher")
+    raw = dict(raw) if isinstance(raw, dict) and "endpoint" in raw else {}
+    if flags.get("endpoint") is None:
+        return None
+    if not raw and flags.get("model") is None:
+        from mlx_ssp.errors import UserError
+
+        raise UserError("--endpoint needs --model NAME: the model name the server knows")
+    raw.update({key: v for key, v in flags.items() if v is not None})
+    return validate(EndpointTeacherConfig, raw, source=str(config_path or "--endpoint"), prefix="teacher")
