@@ -113,14 +113,55 @@ def test_passthrough_scale_and_errors(tiny, tmp_path):
                       "unknown key 'slices.0.sources.0.rng'; valid keys: .*layer_range"),
                      ({"slices": [{"sources": [{"model": "x", "layer_range": [0, 1]}], "base_model": "x"}]},
                       "unknown key 'slices.0.base_model'; valid keys: .*sources"),
-                     ({"slices": [{"sources": [{"model": "x", "layer_range": [0, 1]}]}], "merge_method": "ties"},
-                      "slices: works with merge_method passthrough only"),
                      ({"slices": [{"sources": [{"model": "x", "layer_range": [0, 1], "parameters": {"weight": 1}}]}]},
                       "unknown parameter 'weight' for passthrough; valid here: scale")):
         p = tmp_path / "c.yml"
         p.write_text(yaml.safe_dump({"merge_method": "passthrough", **bad}))
         with pytest.raises(UserError, match=pat):
             load_merge_config(p)
+
+
+def test_slices_with_other_methods_equal_the_models_form(tiny, tmp_path):
+    """One slice over the full range of each model is the models: form, byte for byte (linear, and
+    dare_ties, whose seeds depend on the model's position); ranges at an offset merge layer j of
+    one model with layer j + 1 of the other."""
+    a, b = str(tiny["a"]), str(tiny["b"])
+    cases = {"linear": ({"models": [{"model": a, "parameters": {"weight": 0.3}}, {"model": b, "parameters": {"weight": [1, 2]}}]},
+                        [{"model": a, "layer_range": [0, 3], "parameters": {"weight": 0.3}},
+                         {"model": b, "layer_range": [0, 3], "parameters": {"weight": [1, 2]}}]),
+             "dare_ties": ({"base_model": a, "models": [{"model": b, "parameters": {"weight": 0.7, "density": 0.5}}]},
+                           [{"model": b, "layer_range": [0, 3], "parameters": {"weight": 0.7, "density": 0.5}},
+                            {"model": a, "layer_range": [0, 3]}])}
+    for method, (models_form, sources) in cases.items():
+        extra = {"base_model": a} if method != "linear" else {}
+        run_merge(MergeConfig.model_validate({"merge_method": method, **models_form}), tmp_path / f"m_{method}",
+                  progress=False, seed=3)
+        run_merge(MergeConfig.model_validate({"merge_method": method, "slices": [{"sources": sources}], **extra}),
+                  tmp_path / f"s_{method}", progress=False, seed=3)
+        m, sl = weights(tmp_path / f"m_{method}"), weights(tmp_path / f"s_{method}")
+        assert sorted(m) == sorted(sl)
+        for k in m:
+            assert raw_bytes(m[k]) == raw_bytes(sl[k]), (method, k)
+    out = tmp_path / "offset"
+    run_merge(MergeConfig.model_validate({"merge_method": "linear", "slices": [{"sources": [
+        {"model": a, "layer_range": [0, 2]}, {"model": b, "layer_range": [1, 3]}]}], "parameters": {"weight": 1}}),
+        out, progress=False)
+    A, B, got = weights(tiny["a"]), weights(tiny["b"]), weights(out)
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    for j in range(2):
+        k = f"model.layers.{j}.mlp.gate_proj.weight"
+        kb = f"model.layers.{j + 1}.mlp.gate_proj.weight"
+        np.testing.assert_allclose(np.asarray(got[k]), (np.asarray(A[k]) + np.asarray(B[kb])) / 2, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got["model.embed_tokens.weight"]),
+                               (np.asarray(A["model.embed_tokens.weight"]) + np.asarray(B["model.embed_tokens.weight"])) / 2,
+                               rtol=1e-6)
+    for bad, pat in (({"merge_method": "ties", "base_model": a, "slices": [{"sources": [{"model": b, "layer_range": [0, 3]}]}]},
+                      "base_model .* is not among the slice's sources"),
+                     ({"merge_method": "linear", "slices": [{"sources": [{"model": a, "layer_range": [0, 3]},
+                                                                          {"model": b, "layer_range": [1, 3]}]}]},
+                      "every source must span the same number of layers")):
+        with pytest.raises(UserError, match=pat):
+            plan_merge(MergeConfig.model_validate(bad))
 
 
 # ------------------------------------------------------------------ MLX-quantized inputs and outputs

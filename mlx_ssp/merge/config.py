@@ -8,14 +8,14 @@ layers get ``t = 0``, as in mergekit), or a list of ``{filter: substring, value:
 wins; ``filter: "*"`` or no filter matches everything). Per-model parameters beat top-level ones;
 a filter list that matches nothing falls through to the next level, then to the method's default.
 
-The ``slices:`` form (layer surgery, mergekit's "frankenmerges") is read for ``passthrough``: each
-slice has one ``sources`` entry (``model``, ``layer_range: [start, end)``, optional ``parameters``);
-see :mod:`mlx_ssp.merge.slices`. ``out_quantization: {bits, group_size}`` re-quantizes the output
-with mlx's affine quantization (:mod:`mlx_ssp.merge.quant`); it is not a mergekit key.
+The ``slices:`` form (mergekit's layer ranges: "frankenmerges" with ``passthrough``, or any method
+over ranges of several models): each slice lists ``sources`` (``model``, ``layer_range: [start,
+end)``, optional ``parameters``) and optional ``parameters``; see :mod:`mlx_ssp.merge.slices`.
+``out_quantization: {bits, group_size}`` re-quantizes the output with mlx's affine quantization
+(:mod:`mlx_ssp.merge.quant`); it is not a mergekit key.
 
-Deviations from mergekit: ``modules:``, and ``slices:`` with any method but ``passthrough`` (or a
-slice's ``base_model`` / ``residual_weight``), are not supported; unknown keys, methods and
-parameters are errors listing the valid ones.
+Deviations from mergekit: ``modules:`` and a slice's own ``base_model`` / ``residual_weight`` are
+not supported; unknown keys, methods and parameters are errors listing the valid ones.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from mlx_ssp.config import StrictModel, format_validation_error, read_yaml
 from mlx_ssp.errors import UserError
 from mlx_ssp.merge.methods import METHOD_PARAM_TYPES, METHODS, RESCALE_MODES, SIGN_VOTES
-from mlx_ssp.merge.passthrough import SLICE_METHODS
+import mlx_ssp.merge.passthrough  # noqa: F401  (registers passthrough in METHODS)
 
 Scalar = Union[bool, int, float, str]
 
@@ -85,7 +85,7 @@ class SliceSource(StrictModel):
 
 
 class OutputSlice(StrictModel):
-    """A run of output layers taken from its sources (one source for ``passthrough``)."""
+    """A run of output layers merged from its sources' layer ranges (one source for ``passthrough``)."""
 
     sources: list[SliceSource]
     parameters: Optional[dict[str, Setting]] = None
@@ -106,7 +106,7 @@ class OutQuantization(StrictModel):
 
 
 class MergeConfig(StrictModel):
-    """A mergekit YAML file: the ``models:`` form, or the ``slices:`` form (``passthrough``)."""
+    """A mergekit YAML file: the ``models:`` form, or the ``slices:`` form (layer ranges)."""
 
     models: Optional[list[ModelEntry]] = None
     slices: Optional[list[OutputSlice]] = None
@@ -129,9 +129,6 @@ class MergeConfig(StrictModel):
     def _one_form(self):
         if (self.models is None) == (self.slices is None):
             raise ValueError("give exactly one of models: (a merge) or slices: (layer surgery)")
-        if self.slices is not None and self.merge_method not in SLICE_METHODS:
-            raise ValueError(f"slices: works with merge_method {', '.join(SLICE_METHODS)} only, "
-                             f"not {self.merge_method} (use models:)")
         return self
 
 

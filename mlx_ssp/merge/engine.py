@@ -57,14 +57,14 @@ def merge_tensor(job: MergeJob, p: TensorPlan, seed: int) -> list[mx.array]:
     """Merge one planned tensor; returns it in the output dtype, flat, as consecutive slices
     (row-major order: the bytes of the reference's shape, written one slice after the other)."""
     ref_src = job.sources[job.reference]
-    src_name = p.src_name or p.name
+    names = p.src_names or {}
     if p.copy:
-        return [(job.sources[p.inputs[0]] if p.inputs else ref_src).load(src_name)]
+        return [job.sources[p.inputs[0]].load(names.get(p.inputs[0], p.name)) if p.inputs else ref_src.load(p.name)]
     rows = p.shape[0] if p.shape else 0
 
     def loader(i):
         def f():
-            x = job.sources[i].load(src_name)
+            x = job.sources[i].load(names.get(i, p.name))
             if p.shape and x.shape != p.shape:
                 x = _fit_rows(x, rows, lambda: ref_src.load(p.name))
             return x.reshape(-1)

@@ -15,8 +15,7 @@ import mlx.core as mx
 
 from mlx_ssp.merge.methods import METHODS, MethodSpec, TensorInputs
 
-#: methods that read the ``slices:`` form, and the most inputs each takes per tensor
-SLICE_METHODS = ("passthrough",)
+#: the most inputs a method takes per tensor (checked when planning, both config forms)
 MAX_INPUTS = {"passthrough": 1}
 
 

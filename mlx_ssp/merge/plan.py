@@ -38,7 +38,8 @@ class TensorPlan:
     params: dict[str, Any] = field(default_factory=dict)
     per_model: list[dict[str, Any]] = field(default_factory=list)
     copy: bool = False  # non-float tensor: copied from the reference (``slices:``: from ``inputs[0]``)
-    src_name: Optional[str] = None  # the inputs' tensor name when it is not ``name`` (a renumbered layer)
+    #: source index -> its tensor's name, where it is not ``name`` (``slices:``: a renumbered layer)
+    src_names: Optional[dict[int, str]] = None
     quant: Optional[tuple[int, int]] = None  # ``out_quantization``: (bits, group_size) to store it with
 
 
@@ -191,11 +192,14 @@ def layer_position(name: str, n_layers: int) -> float:
     return li / (n_layers - 1) if n_layers > 1 else 1.0
 
 
-def resolve_shared(spec: MethodSpec, top: dict, name: str, t: float) -> dict[str, Any]:
-    """The method's shared parameters for one tensor (top level, else the defaults)."""
+def resolve_shared(spec: MethodSpec, top: dict, name: str, t: float,
+                   scopes: Optional[list] = None) -> dict[str, Any]:
+    """The method's shared parameters for one tensor (``scopes``, by default the top level; else
+    the defaults)."""
     defaults = dict(spec.defaults)
     where = f"tensor '{name}'"
-    shared = {p: resolve(p, [top], name, t, defaults.get(p), where) for p in spec.shared_params}
+    scopes = [top] if scopes is None else scopes
+    shared = {p: resolve(p, scopes, name, t, defaults.get(p), where) for p in spec.shared_params}
     if shared.get("normalize") is None:
         shared["normalize"] = spec.default_normalize
     if shared.get("rescale") is None and "rescale" in spec.shared_params:
@@ -218,6 +222,13 @@ def resolve_per_model(spec: MethodSpec, scopes: list, name: str, t: float, ref: 
     return pm
 
 
+def check_weight_sum(spec: MethodSpec, shared: dict, per_model: list[dict], name: str, refs: list[str]) -> None:
+    """normalize divides by the weights' sum: a zero sum is an error naming the models."""
+    if shared["normalize"] and "weight" in spec.model_params and abs(sum(pm["weight"] for pm in per_model)) < 1e-8:
+        raise UserError(f"tensor '{name}': the weights of models {', '.join(refs)} sum to zero, so normalize cannot "
+                        "divide by them (set normalize: false or change the weights)")
+
+
 def plan_tensor(job: MergeJob, spec: MethodSpec, name: str, n_layers: int, vocab_mismatch: str) -> TensorPlan:
     """Check and resolve one tensor (see the module docstring); a non-float tensor is copied from
     the reference."""
@@ -238,10 +249,7 @@ def plan_tensor(job: MergeJob, spec: MethodSpec, name: str, n_layers: int, vocab
     entry_params = {m.model: m.parameters for m in cfg.models}
     per_model = [resolve_per_model(spec, [entry_params.get(sources[i].ref), top], name, t, sources[i].ref)
                  for i in job.inputs]
-    if shared["normalize"] and "weight" in spec.model_params and abs(sum(pm["weight"] for pm in per_model)) < 1e-8:
-        raise UserError(f"tensor '{name}': the weights of models "
-                        f"{', '.join(sources[i].ref for i in job.inputs)} sum to zero, so normalize cannot divide "
-                        "by them (set normalize: false or change the weights)")
+    check_weight_sum(spec, shared, per_model, name, [sources[i].ref for i in job.inputs])
     return TensorPlan(name, job.inputs, base, rinfo.shape, cd, out, shared, per_model)
 
 

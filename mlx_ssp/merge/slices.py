@@ -1,14 +1,18 @@
-"""The ``slices:`` form: layer surgery ("frankenmerges") as mergekit 0.1.5's ``MergePlanner`` plans
-it (``plan.py``: ``plan_module`` / ``plan_slice`` / ``plan_layer``), for ``passthrough``.
+"""The ``slices:`` form: layer ranges as mergekit 0.1.5's ``MergePlanner`` plans them (``plan.py``:
+``plan_module`` / ``plan_slice`` / ``plan_layer``): "frankenmerges" with ``passthrough``, or any
+method over ranges of several models (the form most SLERP recipes on the hub are written in).
 
-Each output slice takes layers ``layer_range = [start, end)`` from its source; the output's layers
-are the slices' layers in order, renumbered from 0 (``model.layers.{start + j}.*`` of slice k
-becomes ``model.layers.{offset_k + j}.*``), and ``num_hidden_layers`` in ``config.json`` is their
-total. Slices may overlap and may come from different models (same hidden sizes). Tensors outside
-the layers come, as in mergekit, from the *first* slice's source when they precede the layers (the
-input embeddings) and from the *last* slice's source when they follow them (final norm, LM head).
-Gradients run over each slice (``t = j / (n - 1)``, ``t = 1`` for a one-layer slice); tensors
-outside the layers get ``t = 0``. Parameters: the source's, then the slice's, then the top level.
+Each output slice merges, layer by layer, its sources' ``layer_range = [start, end)`` (all of the
+same length; the base among them for a task-vector method); the output's layers are the slices'
+layers in order, renumbered from 0 (``model.layers.{start + j}.*`` of a source of slice k feeds
+``model.layers.{offset_k + j}.*``), and ``num_hidden_layers`` in ``config.json`` is their total.
+Slices may overlap and may come from different models (same layer shapes). Tensors outside the
+layers are merged, as in mergekit, from the *first* slice's sources when they precede the layers
+(the input embeddings) and from the *last* slice's sources when they follow them (final norm, LM
+head). Gradients run over each slice (``t = j / (n - 1)``, ``t = 1`` for a one-layer slice);
+tensors outside the layers get ``t = 0``. Parameters: the source's, then the slice's, then the top
+level (shared ones: the slice's, then the top level). One slice over every model's full range is
+the ``models:`` form, byte for byte (the models in the same order).
 ``config.json`` is the base model's when ``base_model`` is given, else the first slice source's;
 its per-layer lists (:data:`PER_LAYER_KEYS`) are rebuilt from the slices. The vocabulary-sized
 tensors (embeddings from the first slice, LM head from the last) must have the same rows.
@@ -17,7 +21,8 @@ Deviations from mergekit: it reads the pre/post split from per-architecture JSON
 tensor outside the layers is "pre" when its name contains an input-embedding name
 (:data:`PRE_HINTS`), else "post". mergekit takes ``config.json`` from an unordered set of the
 models when no ``base_model`` is given; here it is the first slice's. mergekit neither rebuilds
-``layer_types`` nor checks the vocabularies.
+``layer_types`` nor checks the vocabularies. A slice's own ``base_model`` / ``residual_weight`` and
+``--vocab-mismatch`` are not supported here (every source's tensors must have the same shape).
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.config import _LAYER, MergeConfig, layer_index
 from mlx_ssp.merge.methods import METHODS
 from mlx_ssp.merge.passthrough import MAX_INPUTS
-from mlx_ssp.merge.plan import (VOCAB_HINTS, MergeJob, TensorPlan, layer_count, mark_out_quantization, resolve_per_model,
-                                resolve_shared, tensor_dtypes)
+from mlx_ssp.merge.plan import (VOCAB_HINTS, MergeJob, TensorPlan, check_weight_sum, layer_count,
+                                mark_out_quantization, resolve_per_model, resolve_shared, tensor_dtypes)
 from mlx_ssp.merge.sources import open_source, read_model_config
 
 #: names of tensors that come before the layers (the input embeddings of the architectures mlx-lm reads)
@@ -69,19 +74,35 @@ def _layer_names(tensors: dict) -> dict[int, list[str]]:
     return by
 
 
+def _check_slices(cfg: MergeConfig, spec, source_label: str) -> None:
+    """Per slice: at most the method's input count, each model once, equal layer counts, and the
+    base among the sources when the method takes task vectors from it."""
+    limit = MAX_INPUTS.get(spec.name)
+    if spec.needs_base and not cfg.base_model:
+        raise UserError(f"{source_label}: merge_method {spec.name} needs base_model (one of each slice's sources)")
+    for i, sl in enumerate(cfg.slices):
+        where = f"{source_label}: slices[{i}]"
+        models = [s.model for s in sl.sources]
+        if limit is not None and len(models) > limit:
+            raise UserError(f"{where}: {spec.name} takes {limit} source per slice, got {len(models)}")
+        if len(set(models)) < len(models):
+            raise UserError(f"{where}: a model is listed twice among the sources")
+        if len({b - a for a, b in (s.layer_range for s in sl.sources)}) > 1:
+            raise UserError(f"{where}: every source must span the same number of layers, got "
+                            f"{', '.join(f'{s.model} {list(s.layer_range)}' for s in sl.sources)}")
+        if spec.needs_base and cfg.base_model not in models:
+            raise UserError(f"{where}: base_model {cfg.base_model} is not among the slice's sources "
+                            f"({', '.join(models)})")
+
+
 def plan_slices(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label: str = "config") -> MergeJob:
-    """Open every slice's source, check the ranges and plan every output tensor (see the module
+    """Open every slice's sources, check the ranges and plan every output tensor (see the module
     docstring); writes nothing."""
     spec = METHODS[cfg.merge_method]
-    limit = MAX_INPUTS.get(spec.name)
+    _check_slices(cfg, spec, source_label)
     refs: list[str] = []
-    for i, sl in enumerate(cfg.slices):
-        if limit is not None and len(sl.sources) > limit:
-            raise UserError(f"{source_label}: slices[{i}]: {spec.name} takes {limit} source per slice, "
-                            f"got {len(sl.sources)}")
-        for s in sl.sources:
-            if s.model not in refs:
-                refs.append(s.model)
+    for sl in cfg.slices:
+        refs += [s.model for s in sl.sources if s.model not in refs]
     if cfg.base_model and cfg.base_model not in refs:
         refs.append(cfg.base_model)
     sources = [open_source(r) for r in refs]
@@ -96,43 +117,61 @@ def plan_slices(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label
                 raise UserError(f"{source_label}: slices[{i}]: layer_range {list(s.layer_range)} of model {s.model} "
                                 f"goes past its {n} layers")
     reference = by_ref[cfg.base_model] if cfg.base_model else by_ref[cfg.slices[0].sources[0].model]
-    job = MergeJob(cfg, sources, None, [], reference, [], configs[reference])
+    base = by_ref[cfg.base_model] if spec.needs_base else None
+    job = MergeJob(cfg, sources, base, [], reference, [], configs[reference])
     top = cfg.parameters or {}
 
-    def plan(out_name: str, si: int, in_name: str, t: float, scopes: list[Optional[dict]]) -> TensorPlan:
-        info = sources[si].tensors.get(in_name)
-        if info is None:
-            raise UserError(f"tensor '{in_name}' is missing from model {refs[si]}")
-        if info.dtype not in sio.FLOAT_CODES:
-            return TensorPlan(out_name, [si], None, info.shape, "float32", info.dtype, copy=True, src_name=in_name)
-        cd, out = tensor_dtypes([info.dtype], cfg)
-        shared = resolve_shared(spec, top, out_name, t)
-        pm = resolve_per_model(spec, [*scopes, top], out_name, t, refs[si])
-        return TensorPlan(out_name, [si], None, info.shape, cd, out, shared, [pm], src_name=in_name)
+    def plan(out_name: str, sl, names: list[str], t: float) -> TensorPlan:
+        """One output tensor from tensor ``names[j]`` of the slice's source j."""
+        members = [by_ref[s.model] for s in sl.sources]
+        infos = []
+        for si, n in zip(members, names):
+            info = sources[si].tensors.get(n)
+            if info is None:
+                raise UserError(f"tensor '{n}' is missing from model {refs[si]}")
+            if info.shape != sources[members[0]].tensors[names[0]].shape:
+                raise UserError(f"tensor '{n}': shape {list(info.shape)} in model {refs[si]} does not match "
+                                f"{list(sources[members[0]].tensors[names[0]].shape)} of '{names[0]}' in "
+                                f"{refs[members[0]]}")
+            infos.append(info)
+        src_names = {si: n for si, n in zip(members, names) if n != out_name} or None
+        first = infos[members.index(base)] if base is not None else infos[0]
+        if not all(i.dtype in sio.FLOAT_CODES for i in infos):  # copied from the base, else the first source
+            si = base if base is not None else members[0]
+            return TensorPlan(out_name, [si], None, first.shape, "float32", first.dtype, copy=True, src_names=src_names)
+        cd, out = tensor_dtypes([i.dtype for i in infos], cfg)
+        shared = resolve_shared(spec, top, out_name, t, scopes=[sl.parameters, top])
+        inputs = [si for si in members if si != base]
+        params = {by_ref[s.model]: s.parameters for s in sl.sources}
+        per_model = [resolve_per_model(spec, [params[si], sl.parameters, top], out_name, t, refs[si]) for si in inputs]
+        check_weight_sum(spec, shared, per_model, out_name, [refs[si] for si in inputs])
+        return TensorPlan(out_name, inputs, base, first.shape, cd, out, shared, per_model, src_names=src_names)
 
     first, last = cfg.slices[0], cfg.slices[-1]
-    f_src, l_src = by_ref[first.sources[0].model], by_ref[last.sources[0].model]
-    outside = lambda si: [n for n in sio.iter_names(sources[si].tensors) if layer_index(n) is None]  # noqa: E731
-    plans = [plan(n, f_src, n, 0.0, [first.sources[0].parameters, first.parameters])
-             for n in outside(f_src) if is_pre(n)]
+    outside = lambda sl: [n for n in sio.iter_names(sources[by_ref[sl.sources[0].model]].tensors)  # noqa: E731
+                          if layer_index(n) is None]
+    plans = [plan(n, first, [n] * len(first.sources), 0.0) for n in outside(first) if is_pre(n)]
     for k, li, lo, t in slice_layout([tuple(sl.sources[0].layer_range) for sl in cfg.slices]):
         sl = cfg.slices[k]
-        si = by_ref[sl.sources[0].model]
-        names = layers[si].get(li)
-        if not names:
-            raise UserError(f"model {refs[si]} has no tensors for layer {li} (slices[{k}])")
-        plans += [plan(rename_layer(n, lo), si, n, t, [sl.sources[0].parameters, sl.parameters]) for n in names]
-    plans += [plan(n, l_src, n, 0.0, [last.sources[0].parameters, last.parameters])
-              for n in outside(l_src) if not is_pre(n)]
+        offset = li - sl.sources[0].layer_range[0]
+        si0 = by_ref[sl.sources[0].model]
+        names0 = layers[si0].get(li)
+        if not names0:
+            raise UserError(f"model {refs[si0]} has no tensors for layer {li} (slices[{k}])")
+        for n in names0:
+            per_source = [rename_layer(n, s.layer_range[0] + offset) for s in sl.sources]
+            plans.append(plan(rename_layer(n, lo), sl, per_source, t))
+    plans += [plan(n, last, [n] * len(last.sources), 0.0) for n in outside(last) if not is_pre(n)]
     ref_shapes = {rename_layer(n, 0): sources[reference].tensors[n].shape
                   for n in layers[reference].get(min(layers[reference], default=0), [])}
     seen: set[str] = set()
     for p in plans:
         key = rename_layer(p.name, 0) if layer_index(p.name) is not None else None
         if key in ref_shapes and ref_shapes[key] != p.shape:
-            raise UserError(f"tensor '{p.src_name}' of model {refs[p.inputs[0]]} has shape {list(p.shape)}, the "
-                            f"layers of {refs[reference]} have {list(ref_shapes[key])}: slices must come from models "
-                            "with the same layer shapes")
+            src = p.inputs[0] if p.inputs else p.base
+            raise UserError(f"tensor '{(p.src_names or {}).get(src, p.name)}' of model {refs[src]} has shape "
+                            f"{list(p.shape)}, the layers of {refs[reference]} have {list(ref_shapes[key])}: slices "
+                            "must come from models with the same layer shapes")
         if p.name in seen:  # two names mapping to one output (a layer pattern this module misreads)
             raise UserError(f"tensor '{p.name}' would be written twice; the layer names are not understood")
         seen.add(p.name)
