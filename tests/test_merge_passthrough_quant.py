@@ -386,7 +386,7 @@ def test_extract_lora_rank_r_is_near_the_optimum(tiny, tuned, tmp_path):
         d = np.asarray(T[mod + ".weight"], np.float64) - np.asarray(A[mod + ".weight"], np.float64)
         s = np.linalg.svd(d, compute_uv=False)
         best = np.sqrt((s[2:] ** 2).sum() / (s ** 2).sum())
-        assert best <= by[mod] <= best * 1.02, (mod, by[mod], best)
+        assert best * (1 - 1e-5) <= by[mod] <= best * 1.02, (mod, by[mod], best)
     ad = weights(out)
     assert ad["model.layers.0.mlp.up_proj.lora_a"].shape == (64, 2)
     assert ad["model.layers.0.mlp.up_proj.lora_b"].shape == (2, 128)

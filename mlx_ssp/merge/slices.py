@@ -27,8 +27,6 @@ models when no ``base_model`` is given; here it is the first slice's. mergekit n
 
 from __future__ import annotations
 
-import re
-from typing import Optional
 
 from mlx_ssp.errors import UserError
 from mlx_ssp.merge import safetensors_io as sio
