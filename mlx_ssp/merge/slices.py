@@ -27,7 +27,6 @@ models when no ``base_model`` is given; here it is the first slice's. mergekit n
 
 from __future__ import annotations
 
-
 from mlx_ssp.errors import UserError
 from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.config import _LAYER, MergeConfig, layer_index
