@@ -198,7 +198,7 @@ def sampling_body(s: SamplingConfig) -> dict:
     return body
 
 
-class _Tokens:
+class StudentTokens:
     """The student's token view of endpoint records (or none, without a tokenizer)."""
 
     def __init__(self, tokenizer, request: RolloutRequest):
@@ -234,7 +234,7 @@ class EndpointRollout:
         self.cfg, self.request, self.stats = cfg, request, stats
         self.client = ChatClient(cfg.endpoint, cfg.model, read_api_key(cfg), cfg.timeout_s, cfg.max_retries,
                                  cfg.backoff_s)
-        self.tokens = _Tokens(tokenizer, request)
+        self.tokens = StudentTokens(tokenizer, request)
         self.todo: deque[tuple[int, list[int]]] = deque()
         for ti, task in enumerate(request.tasks):
             wanted = request.wanted(task.id, samples)

@@ -44,6 +44,14 @@ class LocalSource:
             self.model, self.tokenizer, _ = load_model(self.mcfg)
         return iter_sharded(self.model, self.tokenizer, request, missing, stats=stats, round_size=round_size)
 
+    def student_tokenizer(self):
+        """The tokenizer imported traces are tokenized with: the model's (weights not loaded for it)."""
+        if self.tokenizer is None:
+            from mlx_ssp.models import load_tokenizer
+
+            self.tokenizer = load_tokenizer(str(self.mcfg.path))
+        return self.tokenizer
+
 
 class EndpointSource:
     """Samples asked of an OpenAI-compatible server (:mod:`.endpoint`); ``tokenizer``: the student's,
@@ -55,11 +63,29 @@ class EndpointSource:
     def groups(self, request: RolloutRequest, missing: dict[str, list[int]], stats: dict, round_size: int):
         from mlx_ssp.rollout.endpoint import iter_endpoint_rollouts
 
+        return iter_endpoint_rollouts(self.cfg, request, samples=missing, stats=stats,
+                                      tokenizer=self.student_tokenizer())
+
+    def student_tokenizer(self):
         if self.tokenizer is None and self.cfg.tokenizer is not None:
             from mlx_ssp.models import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.cfg.tokenizer)
-        return iter_endpoint_rollouts(self.cfg, request, samples=missing, stats=stats, tokenizer=self.tokenizer)
+        return self.tokenizer
+
+
+def iter_sources(source, request: RolloutRequest, missing: dict[str, list[int]], stats: dict, round_size: int):
+    """The missing samples' task groups: tasks with imported completions (:mod:`.imported`) from
+    those, the rest from ``source`` (which is not started when nothing is left for it)."""
+    from mlx_ssp.rollout.imported import has_imported, iter_imported
+
+    imported = [t for t in request.tasks if has_imported(t) and missing.get(t.id)]
+    rest = [t for t in request.tasks if not has_imported(t) and missing.get(t.id)]
+    if rest:
+        yield from source.groups(request.replace(tasks=rest), {t.id: missing[t.id] for t in rest}, stats, round_size)
+    if imported:  # after the source: its stats start from zero, the imported pass adds to them
+        yield from iter_imported(request.replace(tasks=imported), samples={t.id: missing[t.id] for t in imported},
+                                 stats=stats, tokenizer=source.student_tokenizer())
 
 
 def run_rollouts(model_spec, tasks_path: str | Path, cfg: RolloutConfig, out: str | Path, *,
@@ -153,7 +179,7 @@ def _append_missing(source, request: RolloutRequest, missing: dict[str, list[int
     # several ranks: rounds of 8 batches per rank, each round appended whole by rank 0
     round_size = 8 * request.batch_size * dist.size()
     with (JsonlAppender(out, background=True) if dist.is_main() else contextlib.nullcontext()) as app:
-        for group in source.groups(request, missing, stats, round_size):
+        for group in iter_sources(source, request, missing, stats, round_size):
             for r in group:
                 r["task_fingerprint"] = fingerprints[r["task_id"]]
                 r["run_fingerprint"] = run_fp

@@ -1,5 +1,10 @@
 """File sources: GSM8K, HumanEval, BFCL, JSONL with a field mapping and Hugging Face datasets.
 
+``jsonl:``/``hf:`` rows may also carry existing traces (``params.completions_field``: a list of
+completions per row, e.g. several generations of a strong model): they are kept in the task's
+metadata under :data:`IMPORTED`, and the rollout stage verifies them instead of sampling
+(:mod:`mlx_ssp.rollout.imported`; VibeThinker-1.5B section 3.2 distils such multi-trace data).
+
 Each loader reads every row of its source once (``load(ARG, params) -> [Item]``); :func:`file_items`
 deduplicates them by prompt, shuffles them with ``Random(f"{seed}:{domain}")`` and cuts the splits in
 :data:`~mlx_ssp.tasks.item.ORDER` (eval first, so the eval set does not change when train grows).
@@ -129,7 +134,22 @@ def load_bfcl(arg: str, params: dict) -> list[Item]:
 
 _PROMPT_FIELDS = ("prompt", "question", "problem", "input", "messages")
 _ANSWER_FIELDS = ("answer", "solution", "output", "target")
-_MAP_KEYS = {"prompt_field", "answer_field", "id_field", "answer_after", "metadata_fields"}
+_MAP_KEYS = {"prompt_field", "answer_field", "id_field", "answer_after", "metadata_fields", "completions_field"}
+#: the task metadata key that holds a row's imported completions (``completions_field``); the
+#: rollout stage uses them instead of sampling (:mod:`mlx_ssp.rollout.imported`)
+IMPORTED = "imported_completions"
+
+
+def imported_completions(value: Any, where: str) -> list:
+    """A row's list of completions as kept in task metadata: each a string, or a message-like
+    mapping with a string ``content`` (and optionally ``reasoning_content`` / ``reasoning``)."""
+    if not isinstance(value, list) or not value:
+        raise UserError(f"{where}: the completions field must be a non-empty list (got {type(value).__name__})")
+    for j, c in enumerate(value):
+        ok = isinstance(c, str) or (isinstance(c, dict) and isinstance(c.get("content"), str))
+        if not ok:
+            raise UserError(f"{where}: completion {j} is neither a string nor a mapping with a string 'content'")
+    return list(value)
 
 
 def _map_rows(rows: list[dict], params: dict, where: str) -> list[Item]:
@@ -137,11 +157,14 @@ def _map_rows(rows: list[dict], params: dict, where: str) -> list[Item]:
     if bad:
         raise UserError(f"{where}: unknown params {', '.join(bad)}; valid: {', '.join(sorted(_MAP_KEYS))}")
     first = rows[0]
-    if not params and {"id", "prompt", "verifier"} <= set(first):
+    cf = params.get("completions_field")
+    if set(params) <= {"completions_field"} and {"id", "prompt", "verifier"} <= set(first):
         items = []  # rows are task records already
-        for r in rows:
+        for i, r in enumerate(rows):
             md = dict(r.get("metadata") or {})
             md["verifier"] = r["verifier"]
+            if cf:
+                md[IMPORTED] = imported_completions(r.get(cf), f"{where}: row {i + 1}")
             items.append(Item(str(r["id"]), r["prompt"], r.get("answer"), md))
         return items
 
@@ -164,7 +187,10 @@ def _map_rows(rows: list[dict], params: dict, where: str) -> list[Item]:
                 raise UserError(f"{where}: row {i + 1}: answer has no '{after}'")
             ans = str(ans).rsplit(after, 1)[1].strip()
         key = str(r[idf]) if idf else str(i)
-        items.append(Item(key, r[pf], ans, {f: r.get(f) for f in mfields}))
+        md = {f: r.get(f) for f in mfields}
+        if cf:
+            md[IMPORTED] = imported_completions(r.get(cf), f"{where}: row {i + 1}")
+        items.append(Item(key, r[pf], ans, md))
     return items
 
 
