@@ -46,7 +46,7 @@ import numpy as np
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
-from mlx_ssp.merge.kernels import F32, f32, rnd
+from mlx_ssp.merge.kernels import F32, f32, kernel, rnd
 
 
 def _norm(x: mx.array, axis=None, keepdims: bool = False) -> mx.array:
@@ -204,34 +204,56 @@ def karcher(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = None, ma
     return r(_s(sum(np.float32(a) * n for a, n in zip(alphas, norms))) * mean)
 
 
+def _ms_offset(cd):
+    return lambda w, w0: (f32(w) - f32(w0)).astype(cd)
+
+
+def _ms_sumsq():
+    return lambda a: mx.sum(mx.square(f32(a)), axis=-1)
+
+
+def _ms_dot(cd):
+    return lambda a, b: mx.sum(rnd(f32(a) * f32(b), cd), axis=-1)
+
+
+def _ms_combine(n: int, cd):
+    def f(ws, w0, t):
+        total = f32(ws[0])
+        for w in ws[1:]:
+            total = rnd(total + f32(w), cd)
+        avg = rnd(total / n, cd)
+        return rnd(rnd(t * avg, cd) + rnd(rnd(1 - t, cd) * f32(w0), cd), cd)
+    return f
+
+
 def model_stock(base: mx.array, xs: Sequence[mx.array], cd, shape: Optional[tuple] = None,
                 filter_wise: bool = False) -> mx.array:
     """Model Stock (Jang et al. 2024): the interpolation ratio ``t = N cos / (1 + (N - 1) cos)``
     from the mean pairwise cosine of the offsets ``x_i - base`` (over the whole tensor, or per row
     of the last axis with ``filter_wise``), then ``t * mean(x) + (1 - t) * base``; where the
-    denominator is below 1e-6 in magnitude, the base. Elementwise steps round to ``cd`` as
-    mergekit's do; returns the flat float32 (cd-rounded) result."""
+    denominator is below 1e-6 in magnitude, the base. Every step is rounded to ``cd`` as mergekit
+    computes it (the elementwise ones in fused kernels); returns the flat float32 (cd-valued) result."""
     width = shape[-1] if (filter_wise and shape and len(shape) >= 2) else None
-    w0 = f32(base).reshape(-1, width) if width else f32(base).reshape(1, -1)
-    ws = [f32(x).reshape(w0.shape) for x in xs]
-    offsets = [rnd(w - w0, cd) for w in ws]
-    norms = [rnd(_norm(o, axis=-1), cd) for o in offsets]
+    rows = (-1, width) if width else (1, -1)
+    w0 = base.reshape(rows)
+    ws = [x.reshape(rows) for x in xs]
+    off_k = kernel(("ms_offset", str(cd)), lambda: _ms_offset(cd))
+    dot_k = kernel(("ms_dot", str(cd)), lambda: _ms_dot(cd))
+    offsets = [off_k(w, w0) for w in ws]  # held in cd, as mergekit holds them
+    sumsq = kernel(("ms_sumsq",), _ms_sumsq)
+    norms = [rnd(mx.sqrt(sumsq(o)), cd) for o in offsets]
     cos = []
     for i in range(len(offsets)):
         for j in range(i + 1, len(offsets)):
             prod = rnd(norms[i] * norms[j], cd)
-            dot = rnd(mx.sum(rnd(offsets[i] * offsets[j], cd), axis=-1), cd)
+            dot = rnd(dot_k(offsets[i], offsets[j]), cd)
             cos.append(mx.clip(rnd(dot / mx.maximum(prod, 1e-6), cd), -1.0, 1.0))
     c = rnd(mx.mean(mx.stack(cos), axis=0), cd)[..., None]
     n = len(ws)
     den = rnd(1 + rnd((n - 1) * c, cd), cd)
     singular = mx.abs(den) < 1e-6
     t = mx.where(singular, 0.0, rnd(rnd(n * c, cd) / mx.where(singular, 1.0, den), cd))
-    total = ws[0]
-    for w in ws[1:]:
-        total = rnd(total + w, cd)
-    avg = rnd(total / n, cd)
-    res = rnd(rnd(t * avg, cd) + rnd(rnd(1 - t, cd) * w0, cd), cd)
+    res = kernel(("ms_combine", n, str(cd)), lambda: _ms_combine(n, cd))(ws, w0, t)
     return res.reshape(-1)
 
 
