@@ -578,3 +578,21 @@ def test_parity_with_mergekit(dt):
         else:
             np.testing.assert_allclose(ours, theirs, rtol=1e-5 if dt == "float32" else 2 ** -6,
                                        atol=5e-6 if dt == "float32" else 2 ** -6, err_msg=what)
+
+
+@pytest.mark.parametrize("dt", DTS)
+def test_della_keep_rates_match_mergekit(dt):
+    """DELLA's draw cannot match mergekit's (torch's global generator), its distribution must: the
+    keep rate per magnitude-rank quartile of each row. Skipped without mergekit."""
+    torch = pytest.importorskip("torch")
+    mk_sparsify = pytest.importorskip("mergekit.sparsify")
+    rng = np.random.default_rng(8)
+    d = R(rng.standard_normal((256, 400)).astype(np.float32), dt)
+    torch.manual_seed(0)
+    theirs = mk_sparsify.della_magprune(torch.from_numpy(d).to(getattr(torch, dt)), 0.4, 0.2).float().numpy() != 0
+    work = mx.bfloat16 if dt == "bfloat16" else mx.float32
+    ours = np.array(magprune_mask(mxa(d, dt).reshape(-1), 0.4, 0.2, 5, d.shape, work)).reshape(d.shape)
+    ranks = np.argsort(np.argsort(np.abs(d), axis=1, kind="stable"), axis=1)
+    for q in range(4):
+        sel = (ranks >= q * 100) & (ranks < (q + 1) * 100)
+        assert abs(ours[sel].mean() - theirs[sel].mean()) < 0.02, q  # 25,600 draws per quartile
