@@ -420,10 +420,12 @@ def _finish(res: mx.array, t: TensorInputs) -> list[mx.array]:
 def _count(spec: "MethodSpec", t: TensorInputs, n: Optional[int] = None, at_least: Optional[int] = None) -> None:
     k = len(t.models)
     what = "model besides base_model" if spec.needs_base else "model"
+    # the planner hands a method without a required base its base_model as one more input
+    hint = "" if spec.needs_base else " (a base_model counts as one of them)"
     if n is not None and k != n:
-        raise UserError(f"merge_method {spec.name} takes exactly {n} {what} (got {k})")
+        raise UserError(f"merge_method {spec.name} takes exactly {n} {what}{'s' if n > 1 else ''} (got {k}){hint}")
     if at_least is not None and k < at_least:
-        raise UserError(f"merge_method {spec.name} takes at least {at_least} {what}s (got {k})")
+        raise UserError(f"merge_method {spec.name} takes at least {at_least} {what}s (got {k}){hint}")
 
 
 def _required(spec: "MethodSpec", t: TensorInputs, name: str) -> Any:
