@@ -281,9 +281,14 @@ def test_quantized_input_errors(quantized, tmp_path):
     conf = json.loads((quantized["q"] / "config.json").read_text())["quantization"]
     with pytest.raises(UserError, match=r"model q4: quantized module '.*'.*do not match 4 bits with group size 128"):
         dequantized_view(tensors, {**conf, "group_size": 128}, "q4")
-    with pytest.raises(UserError, match="mode mxfp4 is not supported"):
+    with pytest.raises(UserError, match="mode mxfp4 has no biases"):
         dequantized_view(tensors, {**conf, "mode": "mxfp4"}, "q4")
-    for bad, pat in (({"bits": 7}, "out_quantization.bits"), ({"group": 64}, "unknown key 'out_quantization.group'")):
+    with pytest.raises(UserError, match="mode int3 is not supported"):
+        dequantized_view(tensors, {**conf, "mode": "int3"}, "q4")
+    for bad, pat in (({"bits": 7}, "out_quantization.bits"), ({"group": 64}, "unknown key 'out_quantization.group'"),
+                     ({"mode": "mxfp4", "group_size": 64}, "mode mxfp4 takes bits 4 and group_size 32 only"),
+                     ({"group_size": 16}, "group_size 16 is for mode nvfp4 only"),
+                     ({"mode": "fp4"}, "out_quantization.mode")):
         p = tmp_path / "c.yml"
         p.write_text(yaml.safe_dump({"merge_method": "linear", "models": [{"model": "x"}], "out_quantization": bad}))
         with pytest.raises(UserError, match=pat):
@@ -464,3 +469,36 @@ def test_frankenmerge_parity_with_mergekit(tmp_path):
     for k in ours:
         assert mx.array_equal(ours[k], theirs[k]).item(), k
     assert json.loads((tmp_path / "mk" / "config.json").read_text())["num_hidden_layers"] == 4
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4"])
+def test_float_mode_quantization_in_and_out(tiny, tmp_path, mode):
+    """mxfp4 / nvfp4 (uint8 scales, no biases): dequantized to bfloat16 with mx.dequantize on read;
+    out_quantization in that mode stores mx.quantize's pair and mlx_lm.load reads it."""
+    import mlx_lm
+    from mlx_lm import convert
+    from mlx_ssp.merge.config import OutQuantization
+
+    q = tmp_path / "q"
+    convert(str(tiny["a"]), str(q), quantize=True, q_mode=mode)
+    stored = weights(q)
+    k = "model.layers.1.mlp.down_proj"
+    gs = OutQuantization(mode=mode).group_size
+    out = tmp_path / "float"
+    run_merge(MergeConfig.model_validate({"merge_method": "passthrough", "models": [{"model": str(q)}]}), out,
+              progress=False)
+    got = weights(out)
+    want = mx.dequantize(stored[k + ".weight"], stored[k + ".scales"], None, group_size=gs, bits=4, mode=mode)
+    assert got[k + ".weight"].dtype == mx.bfloat16 and mx.array_equal(got[k + ".weight"], want).item()
+    back = tmp_path / "back"
+    res = run_merge(MergeConfig.model_validate({"merge_method": "passthrough", "models": [{"model": str(out)}],
+                                                "out_quantization": {"mode": mode}}), back, progress=False)
+    assert res["quantized"] == 3 * 7 + 1
+    conf = json.loads((back / "config.json").read_text())
+    assert conf["quantization"] == {"group_size": gs, "bits": 4, "mode": mode}
+    again = weights(back)
+    assert k + ".biases" not in again
+    wq, sc = mx.quantize(got[k + ".weight"], group_size=gs, bits=4, mode=mode)
+    assert mx.array_equal(again[k + ".weight"], wq).item() and mx.array_equal(again[k + ".scales"], sc).item()
+    model, _ = mlx_lm.load(str(back))
+    assert model(mx.array([[1, 2, 3]])).shape[-1] == conf["vocab_size"]

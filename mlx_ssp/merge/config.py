@@ -11,7 +11,7 @@ a filter list that matches nothing falls through to the next level, then to the 
 The ``slices:`` form (mergekit's layer ranges: "frankenmerges" with ``passthrough``, or any method
 over ranges of several models): each slice lists ``sources`` (``model``, ``layer_range: [start,
 end)``, optional ``parameters``) and optional ``parameters``; see :mod:`mlx_ssp.merge.slices`.
-``out_quantization: {bits, group_size}`` re-quantizes the output with mlx's affine quantization
+``out_quantization: {bits, group_size, mode}`` re-quantizes the output with mlx's quantization
 (:mod:`mlx_ssp.merge.quant`); it is not a mergekit key.
 
 Deviations from mergekit: ``modules:`` and a slice's own ``base_model`` / ``residual_weight`` are
@@ -99,10 +99,34 @@ class OutputSlice(StrictModel):
 
 
 class OutQuantization(StrictModel):
-    """``out_quantization``: mlx affine quantization of the output's linear and embedding weights."""
+    """``out_quantization``: mlx quantization of the output's linear and embedding weights. ``affine``
+    takes bits 2-8 and group size 32 / 64 / 128 (default 4 / 64); each float mode has one pair (its
+    default)."""
 
+    mode: Literal["affine", "mxfp4", "nvfp4", "mxfp8"] = "affine"
     bits: Literal[2, 3, 4, 5, 6, 8] = 4
-    group_size: Literal[32, 64, 128] = 64
+    group_size: Literal[16, 32, 64, 128] = 64
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_defaults(cls, data):
+        from mlx_ssp.merge.quant import MODE_PAIRS
+
+        if isinstance(data, dict) and data.get("mode", "affine") in MODE_PAIRS:
+            bits, gs = MODE_PAIRS[data.get("mode", "affine")]
+            data = {"bits": bits, "group_size": gs, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _mode_pair(self):
+        from mlx_ssp.merge.quant import MODE_PAIRS
+
+        if self.mode == "affine" and self.group_size == 16:
+            raise ValueError("group_size 16 is for mode nvfp4 only; affine takes 32, 64 or 128")
+        if self.mode != "affine" and (self.bits, self.group_size) != MODE_PAIRS[self.mode]:
+            bits, gs = MODE_PAIRS[self.mode]
+            raise ValueError(f"mode {self.mode} takes bits {bits} and group_size {gs} only")
+        return self
 
 
 class MergeConfig(StrictModel):
@@ -270,7 +294,7 @@ class MergeStageConfig(StrictModel):
     copy_tokenizer: bool = True
     #: tensors merged side by side (None: 2 on the CPU, 1 on a GPU); the output does not depend on it
     workers: Optional[int] = Field(default=None, ge=1)
-    #: store the merged model MLX-quantized (``{bits, group_size}``); None: float
+    #: store the merged model MLX-quantized (``{bits, group_size, mode}``); None: float
     out_quantization: Optional[OutQuantization] = None
 
     OMIT_AT_DEFAULT = frozenset({"out_quantization"})  # added in issue 22: old fingerprints kept

@@ -117,7 +117,7 @@ def source_paths(sources, extra: tuple[Path, ...] = ()) -> list[Protected]:
         if s.given is not None:
             items.append(Protected(s.given, f"input model {s.ref}"))
         files = {t.file for t in s.tensors.values()} | {s.path / f for f in ("config.json", *TOKENIZER_FILES)}
-        files |= {t.file for q in (s.quant or {}).values() for t in (q.scales, q.biases)}
+        files |= {t.file for q in (s.quant or {}).values() for t in (q.scales, q.biases) if t is not None}
         if s.adapter_path is not None:
             items.append(Protected(s.adapter_path, f"the LoRA adapter of model {s.ref}"))
             files |= {t.file for t in (s.adapter or {}).values()}
@@ -176,7 +176,7 @@ def output_config(job: MergeJob) -> dict:
     conf = base_output_config(job)
     if any(p.quant for p in job.plans):
         oq = job.cfg.out_quantization
-        conf["quantization"] = conf["quantization_config"] = Q.config_entry(oq.bits, oq.group_size)
+        conf["quantization"] = conf["quantization_config"] = Q.config_entry(oq.bits, oq.group_size, oq.mode)
     out_codes = {p.out for p in job.plans if not p.copy}
     if len(out_codes) == 1:
         dt = code_name(out_codes.pop())

@@ -40,7 +40,7 @@ class TensorPlan:
     copy: bool = False  # non-float tensor: copied from the reference (``slices:``: from ``inputs[0]``)
     #: source index -> its tensor's name, where it is not ``name`` (``slices:``: a renumbered layer)
     src_names: Optional[dict[int, str]] = None
-    quant: Optional[tuple[int, int]] = None  # ``out_quantization``: (bits, group_size) to store it with
+    quant: Optional[tuple[int, int, str]] = None  # ``out_quantization``: (bits, group_size, mode) to store it with
 
 
 @dataclass
@@ -78,7 +78,7 @@ def mark_out_quantization(job: MergeJob) -> MergeJob:
                             oq.group_size)
     for p in job.plans:
         if p.name in names:
-            p.quant = (oq.bits, oq.group_size)
+            p.quant = (oq.bits, oq.group_size, oq.mode)
     return job
 
 

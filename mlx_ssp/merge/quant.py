@@ -2,26 +2,29 @@
 made usable on the ``mlx-community/...-4bit`` models most Macs hold).
 
 **Inputs.** A model whose ``config.json`` has ``quantization`` stores each quantized module as a
-packed ``uint32`` ``weight`` plus ``scales`` and ``biases`` (mlx's affine quantization). Such a
-module is presented to the planner as one *logical* float tensor ``<module>.weight`` (the scales'
-dtype, the unpacked shape), and is dequantized with ``mx.dequantize`` when it is read, one tensor at
-a time. Bits and group size are the module's entry in ``quantization`` (mlx-lm's per-module
-overrides, "mixed" quantization), else the top-level ones; the stored shapes must agree with them.
+packed ``uint32`` ``weight`` plus ``scales`` (and, in mlx's ``affine`` mode, ``biases``; the float
+modes ``mxfp4`` / ``nvfp4`` / ``mxfp8`` have ``uint8`` scales and no biases). Such a module is
+presented to the planner as one *logical* float tensor ``<module>.weight`` (affine: the scales'
+dtype; float modes: bfloat16, mlx's default) of the unpacked shape, and is dequantized with
+``mx.dequantize`` when it is read, one tensor at a time. Bits, group size and mode are the
+module's entry in ``quantization`` (mlx-lm's per-module overrides, "mixed" quantization), else
+the top-level ones; the stored shapes must agree with them.
 
-**Outputs.** ``out_quantization: {bits, group_size}`` quantizes the merged weights of the modules
-mlx-lm would quantize: each module that has ``to_quantized`` in the mlx-lm model built (lazily, no
-weights allocated) from the output's ``config.json``, whose input dimension the group size divides,
-and that the model's own ``quant_predicate`` (if any) accepts, as ``mlx_lm.utils.quantize_model``
-decides. The merged tensor is rounded to its output dtype first, then ``mx.quantize``-d; the output's
-``config.json`` gets ``quantization`` / ``quantization_config`` ``{group_size, bits, mode: affine}``.
+**Outputs.** ``out_quantization: {bits, group_size, mode}`` quantizes the merged weights of the
+modules mlx-lm would quantize: each module that has ``to_quantized`` in the mlx-lm model built
+(lazily, no weights allocated) from the output's ``config.json``, whose input dimension the group
+size divides, and that the model's own ``quant_predicate`` (if any) accepts, as
+``mlx_lm.utils.quantize_model`` decides. The merged tensor is rounded to its output dtype first,
+then ``mx.quantize``-d; the output's ``config.json`` gets ``quantization`` /
+``quantization_config`` ``{group_size, bits, mode}``.
 
 The stored shapes fix only ``bits * group_size``: a wrong entry with the same product (8 bits /
 group 32 read as 4 / 64) unpacks to a wrong shape, which the planner's shape check against the
 other models (or mlx-lm, loading the output) reports.
 
-Deviations / limits: only ``mode: affine`` inputs (``mxfp4`` / ``nvfp4`` / ``mxfp8`` are refused
-naming the module); when mlx-lm cannot build the architecture, the 2-D ``*.weight`` tensors whose
-last dimension the group size divides are quantized (every linear and embedding of the
+Deviations / limits: ``nvfp4`` with a per-tensor ``global_scale`` (mlx-lm's switch layers) is
+refused naming the module; when mlx-lm cannot build the architecture, the 2-D ``*.weight`` tensors
+whose last dimension the group size divides are quantized (every linear and embedding of the
 architectures mlx-lm ships; another 2-D parameter would be quantized wrongly).
 """
 
@@ -34,15 +37,22 @@ from mlx_ssp.errors import UserError
 from mlx_ssp.merge import safetensors_io as sio
 
 
+#: mode -> its default (bits, group_size); the float modes allow only that pair
+MODE_PAIRS = {"affine": (4, 64), "mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+#: the dtype a float-mode weight is dequantized to (its scales are uint8; mlx's default)
+FP_MODE_CODE = "BF16"
+
+
 @dataclass(frozen=True)
 class QuantTensor:
-    """One quantized module's stored tensors and its bits / group size."""
+    """One quantized module's stored tensors, its bits / group size and mode (``biases``: affine only)."""
 
     weight: sio.TensorInfo
     scales: sio.TensorInfo
-    biases: sio.TensorInfo
+    biases: Optional[sio.TensorInfo]
     bits: int
     group_size: int
+    mode: str = "affine"
 
 
 def module_quant(qconf: dict, module: str) -> Optional[dict]:
@@ -73,34 +83,43 @@ def dequantized_view(tensors: dict[str, sio.TensorInfo], qconf: dict,
         if w is None or q is None:
             raise UserError(f"{where}: has scales but " + ("no weight" if w is None else "config.json says it is "
                                                            "not quantized"))
-        if q["mode"] != "affine" or b is None:
-            raise UserError(f"{where}: quantization mode {q['mode']}{'' if b else ' (no biases)'} is not "
-                            "supported; only mlx's affine quantization (dequantize it with mlx_lm.convert -d)")
-        bits, gs = int(q["bits"]), int(q["group_size"])
-        if w.dtype != "U32" or not w.shape or s.dtype not in sio.FLOAT_CODES:
-            raise UserError(f"{where}: expected a uint32 weight and float scales, got {w.dtype} and {s.dtype}")
+        mode, bits, gs = q["mode"], int(q["bits"]), int(q["group_size"])
+        affine = mode == "affine"
+        if mode not in MODE_PAIRS or stem + ".global_scale" in tensors:
+            raise UserError(f"{where}: quantization mode {mode}{' with a global_scale' if mode in MODE_PAIRS else ''} "
+                            f"is not supported (modes: {', '.join(MODE_PAIRS)}); dequantize it with mlx_lm.convert -d")
+        if affine and b is None:
+            raise UserError(f"{where}: affine quantization without biases")
+        if not affine and b is not None:
+            raise UserError(f"{where}: mode {mode} has no biases, but '{stem}.biases' is stored")
+        if w.dtype != "U32" or not w.shape or (s.dtype not in sio.FLOAT_CODES if affine else s.dtype != "U8"):
+            raise UserError(f"{where}: expected a uint32 weight and {'float' if affine else 'uint8'} scales, got "
+                            f"{w.dtype} and {s.dtype}")
         cols = w.shape[-1] * 32 // bits
         want = (*w.shape[:-1], cols // gs)
-        if (w.shape[-1] * 32) % bits or cols % gs or s.shape != want or b.shape != s.shape or b.dtype != s.dtype:
-            raise UserError(f"{where}: stored shapes (weight {list(w.shape)}, scales {list(s.shape)}, biases "
-                            f"{list(b.shape)}) do not match {bits} bits with group size {gs}")
+        if (w.shape[-1] * 32) % bits or cols % gs or s.shape != want or (affine and (b.shape, b.dtype) != (s.shape, s.dtype)):
+            raise UserError(f"{where}: stored shapes (weight {list(w.shape)}, scales {list(s.shape)}"
+                            f"{f', biases {list(b.shape)}' if b else ''}) do not match {bits} bits with group size {gs}")
         shape = (*w.shape[:-1], cols)
         numel = 1
         for d in shape:
             numel *= d
-        logical[stem + ".weight"] = sio.TensorInfo(stem + ".weight", s.dtype, shape, w.file, w.start,
-                                                   numel * sio.DTYPES[s.dtype][0])
-        del logical[name], logical[stem + ".biases"]
-        quant[stem + ".weight"] = QuantTensor(w, s, b, bits, gs)
+        code = s.dtype if affine else FP_MODE_CODE
+        logical[stem + ".weight"] = sio.TensorInfo(stem + ".weight", code, shape, w.file, w.start,
+                                                   numel * sio.DTYPES[code][0])
+        del logical[name]
+        logical.pop(stem + ".biases", None)
+        quant[stem + ".weight"] = QuantTensor(w, s, b, bits, gs, mode)
     return logical, quant
 
 
 def dequantize(q: QuantTensor):
-    """The float weight of one quantized module (the scales' dtype)."""
+    """The float weight of one quantized module (affine: the scales' dtype; float modes: bfloat16)."""
     import mlx.core as mx
 
-    return mx.dequantize(sio.read_tensor(q.weight), sio.read_tensor(q.scales), sio.read_tensor(q.biases),
-                         group_size=q.group_size, bits=q.bits)
+    biases = sio.read_tensor(q.biases) if q.biases is not None else None
+    return mx.dequantize(sio.read_tensor(q.weight), sio.read_tensor(q.scales), biases,
+                         group_size=q.group_size, bits=q.bits, mode=q.mode)
 
 
 # ------------------------------------------------------------------ outputs
@@ -139,23 +158,26 @@ def quantized_names(names_shapes: list[tuple[str, tuple[int, ...]]], conf: dict,
     return out
 
 
-def packed_tensors(name: str, shape: tuple[int, ...], code: str, bits: int, group_size: int) -> list[sio.PlannedTensor]:
-    """The three stored tensors of one quantized output weight."""
+def packed_tensors(name: str, shape: tuple[int, ...], code: str, bits: int, group_size: int,
+                   mode: str = "affine") -> list[sio.PlannedTensor]:
+    """The stored tensors of one quantized output weight: packed weight, scales (and affine biases)."""
     stem = name[: -len(".weight")]
     groups = (*shape[:-1], shape[-1] // group_size)
-    return [sio.PlannedTensor(name, "U32", (*shape[:-1], shape[-1] * bits // 32)),
-            sio.PlannedTensor(stem + ".scales", code, groups), sio.PlannedTensor(stem + ".biases", code, groups)]
+    out = [sio.PlannedTensor(name, "U32", (*shape[:-1], shape[-1] * bits // 32)),
+           sio.PlannedTensor(stem + ".scales", code if mode == "affine" else "U8", groups)]
+    return out + ([sio.PlannedTensor(stem + ".biases", code, groups)] if mode == "affine" else [])
 
 
-def quantize_parts(name: str, parts: list, shape: tuple[int, ...], bits: int, group_size: int) -> dict:
-    """The merged tensor (flat slices in its output dtype) -> {weight, scales, biases} arrays."""
+def quantize_parts(name: str, parts: list, shape: tuple[int, ...], bits: int, group_size: int,
+                   mode: str = "affine") -> dict:
+    """The merged tensor (flat slices in its output dtype) -> {weight, scales[, biases]} arrays."""
     import mlx.core as mx
 
     w = (parts[0] if len(parts) == 1 else mx.concatenate(parts)).reshape(shape)
-    wq, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    stored = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
     stem = name[: -len(".weight")]
-    return {name: wq, stem + ".scales": s, stem + ".biases": b}
+    return dict(zip([name, stem + ".scales", stem + ".biases"], stored))
 
 
-def config_entry(bits: int, group_size: int) -> dict:
-    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+def config_entry(bits: int, group_size: int, mode: str = "affine") -> dict:
+    return {"group_size": group_size, "bits": bits, "mode": mode}
