@@ -67,9 +67,8 @@ def test_imported_completions_verified_selected_and_resumed(tmp_path, tiny_qwen3
 
 def test_imported_beside_an_endpoint_teacher(tmp_path):
     """Tasks with traces take them; the others go to the teacher (here a stub server)."""
-    from tests.test_endpoint_teacher import Stub, teacher
-
     from mlx_ssp.tasks import Task
+    from tests.test_endpoint_teacher import Stub, teacher
 
     imported = load_tasks(tasks_from(traces_file(tmp_path / "gens.jsonl"), {"completions_field": "gens"}, tmp_path))
     plain = [Task(id=f"q{i}", domain="b", prompt=f"What is {i} + 1?", answer=str(i + 1), verifier="exact")

@@ -13,10 +13,13 @@ from mlx_ssp.commands.options import config_option, load_task_stage, sampling_fl
 @click.command("rollout")
 @click.option("--model", "model", default=None,
               help="Model: a directory, a Hugging Face id, or 'demo'; with --endpoint, the server's model name.")
-@click.option("--endpoint", default=None, help="OpenAI-compatible server URL (e.g. http://127.0.0.1:8080) to ask instead.")
-@click.option("--api-key-env", default=None, metavar="VAR", help="With --endpoint: environment variable holding the API key.")
+@click.option("--endpoint", default=None,
+              help="OpenAI-compatible server URL (e.g. http://127.0.0.1:8080) to ask instead.")
+@click.option("--api-key-env", default=None, metavar="VAR",
+              help="With --endpoint: environment variable holding the API key.")
 @click.option("--concurrency", type=int, default=None, help="With --endpoint: requests in flight. Default 4.")
-@click.option("--tokenizer", default=None, help="With --endpoint: the student's tokenizer, for token ids in the records.")
+@click.option("--tokenizer", default=None,
+              help="With --endpoint: the student's tokenizer, for token ids in the records.")
 @click.option("--tasks", "tasks_path", default=None, help="Task JSONL file.")
 @click.option("--k", "k", type=int, default=None, help="Samples per task. Default 8.")
 @sampling_options
@@ -37,7 +40,8 @@ def cli(model, endpoint, api_key_env, concurrency, tokenizer, tasks_path, k, sys
     from mlx_ssp.rollout.summary import format_table
 
     flags = {"k": k, "tasks": tasks_path, "output": output, "system": system, **sampling_flags(kw)}
-    teacher_flags = {"endpoint": endpoint, "api_key_env": api_key_env, "concurrency": concurrency, "tokenizer": tokenizer}
+    teacher_flags = {"endpoint": endpoint, "api_key_env": api_key_env, "concurrency": concurrency,
+                     "tokenizer": tokenizer}
     teacher = endpoint_teacher(config_path, overrides, {**teacher_flags, "model": model})
     if teacher is not None:
         model = None  # --model named the server's model

@@ -39,12 +39,14 @@ Records have the keys of local ones (:mod:`mlx_ssp.rollout`) plus ``teacher`` (`
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import queue
 import re
+import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, Iterator, Optional
 from urllib.parse import urlsplit
 
@@ -87,7 +89,8 @@ class EndpointTeacherConfig(StrictModel):
             return data
         env = data.get("api_key_env")
         if env is not None and not (isinstance(env, str) and _ENV_NAME.match(env)):
-            raise ValueError("api_key_env must be the NAME of an environment variable (letters, digits, _), not the key")
+            raise ValueError("api_key_env must be the NAME of an environment variable (letters, digits, _), "
+                             "not the key")
         url = data.get("endpoint")
         if isinstance(url, str):
             parts = urlsplit(url.strip())
@@ -267,9 +270,14 @@ class EndpointRollout:
             ss = ss[:1]
         return ti, ss
 
-    def _ask(self, ti: int, ss: list[int]) -> tuple[dict, float]:
+    def _ask(self, job: int, ti: int, ss: list[int], results: queue.SimpleQueue) -> None:
+        """One request on its own thread: ``(job, reply or the exception, seconds)`` onto ``results``."""
         t0 = time.perf_counter()
-        return self.client.chat(self._body(ti, ss)), time.perf_counter() - t0
+        try:
+            reply: Any = self.client.chat(self._body(ti, ss))
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+            reply = e
+        results.put((job, reply, time.perf_counter() - t0))
 
     def records(self, ti: int, ss: list[int], reply: dict, latency: float) -> list[dict]:
         """The records of the choices of one reply (as many as it has, at most ``len(ss)``)."""
@@ -305,8 +313,8 @@ class EndpointRollout:
                 self.use_n = True
             return
         if self.use_n is None:
-            log.info("teacher endpoint %s returned %d of n=%d choices: asking one sample per request", self.cfg.endpoint,
-                     got, len(ss))
+            log.info("teacher endpoint %s returned %d of n=%d choices: asking one sample per request",
+                     self.cfg.endpoint, got, len(ss))
             self.use_n = False
         elif self.use_n:
             log.warning("teacher endpoint %s returned %d of n=%d choices; asking for the rest", self.cfg.endpoint, got,
@@ -327,25 +335,31 @@ class EndpointRollout:
             bar = tqdm(total=self.total, unit="sample", desc="rollout (endpoint)", dynamic_ncols=True)
         t0 = time.perf_counter()
         self.listed = self.client.list_models()  # an unreachable server fails here, after the retries
-        pool = ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix="teacher")
-        inflight: dict = {}
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        inflight: dict[int, tuple[int, list[int]]] = {}
+        job_ids = itertools.count()
         try:
             while self.todo or inflight or self.scorer.pending:
                 # while nobody knows whether n is honoured, nothing else goes out beside the request that asks
                 while self.todo and len(inflight) < self.cfg.concurrency and not (
                         self.use_n is None and any(len(ss) > 1 for _, ss in inflight.values())):
-                    ti, ss = self._next_job()
-                    inflight[pool.submit(self._ask, ti, ss)] = (ti, ss)
+                    job = next(job_ids)
+                    inflight[job] = self._next_job()
+                    # daemon threads: an interrupted run exits at once instead of waiting out requests in flight
+                    threading.Thread(target=self._ask, args=(job, *inflight[job], results), daemon=True,
+                                     name=f"teacher-{job}").start()
+                done = []
                 if inflight:
-                    done, _ = wait(list(inflight), timeout=0.5, return_when=FIRST_COMPLETED)
-                else:
-                    done = set()
-                for fut in done:
-                    ti, ss = inflight.pop(fut)
                     try:
-                        reply, latency = fut.result()
-                    except UserError as e:
-                        raise self._explain(e) from None
+                        done.append(results.get(timeout=0.5))
+                        while not results.empty():
+                            done.append(results.get_nowait())
+                    except queue.Empty:
+                        pass
+                for job, reply, latency in done:
+                    ti, ss = inflight.pop(job)
+                    if isinstance(reply, BaseException):
+                        raise (self._explain(reply) if isinstance(reply, UserError) else reply)
                     recs = self.records(ti, ss, reply, latency)
                     if not recs:
                         raise UserError(f"teacher endpoint {self.cfg.endpoint} returned no choices for task "
@@ -361,7 +375,6 @@ class EndpointRollout:
                 if self.scorer.pending:
                     yield from self._emit(self.scorer.collect(wait=not (self.todo or inflight)), t0)
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)  # a request in flight finishes (or times out) on its own
             self.scorer.close()
             if bar is not None:
                 bar.close()

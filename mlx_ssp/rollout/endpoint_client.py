@@ -17,7 +17,6 @@ import http.client
 import json
 import logging
 import random
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -85,7 +84,7 @@ class ChatClient:
             if e.code in RETRY_STATUS:
                 raise RetryableError(f"HTTP {e.code}: {detail}", _retry_after(e), False) from None
             raise _client_error(self, e.code, detail) from None
-        except (urllib.error.URLError, TimeoutError, socket.timeout, ConnectionError, http.client.HTTPException) as e:
+        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", e)
             raise RetryableError(self.scrub(f"{type(reason).__name__}: {reason}"), None, True) from None
         try:
