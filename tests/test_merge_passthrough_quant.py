@@ -100,6 +100,8 @@ def test_passthrough_scale_and_errors(tiny, tmp_path):
     k = "model.layers.1.mlp.down_proj.weight"
     np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(A[k]) * np.float32(0.5))
     assert mx.array_equal(got["model.layers.1.mlp.up_proj.weight"], A["model.layers.1.mlp.up_proj.weight"]).item()
+    with pytest.raises(UserError, match="--vocab-mismatch pad is not supported with slices"):
+        plan_merge(passthrough([(tiny["a"], (0, 3))]), vocab_mismatch="pad")
     with pytest.raises(UserError, match="goes past its 3 layers"):
         plan_merge(passthrough([(tiny["a"], (0, 4))]))
     with pytest.raises(UserError, match="takes 1 source per slice"):

@@ -96,6 +96,9 @@ def plan_slices(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label
     """Open every slice's sources, check the ranges and plan every output tensor (see the module
     docstring); writes nothing."""
     spec = METHODS[cfg.merge_method]
+    if vocab_mismatch != "error":
+        raise UserError(f"{source_label}: --vocab-mismatch {vocab_mismatch} is not supported with slices: (every "
+                        "source's tensors must have the same shape)")
     _check_slices(cfg, spec, source_label)
     refs: list[str] = []
     for sl in cfg.slices:
