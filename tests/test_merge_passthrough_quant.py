@@ -287,6 +287,13 @@ def test_quantized_input_errors(quantized, tmp_path):
         dequantized_view(tensors, {**conf, "mode": "mxfp4"}, "q4")
     with pytest.raises(UserError, match="mode int3 is not supported"):
         dequantized_view(tensors, {**conf, "mode": "int3"}, "q4")
+    import shutil
+    stripped = tmp_path / "no_quant_config"
+    shutil.copytree(quantized["q"], stripped)
+    full = json.loads((stripped / "config.json").read_text())
+    (stripped / "config.json").write_text(json.dumps({k: v for k, v in full.items() if not k.startswith("quantization")}))
+    with pytest.raises(UserError, match="packed quantized weight .* has no 'quantization' entry"):
+        plan_merge(MergeConfig.model_validate({"merge_method": "passthrough", "models": [{"model": str(stripped)}]}))
     for bad, pat in (({"bits": 7}, "out_quantization.bits"), ({"group": 64}, "unknown key 'out_quantization.group'"),
                      ({"mode": "mxfp4", "group_size": 64}, "mode mxfp4 takes bits 4 and group_size 32 only"),
                      ({"group_size": 16}, "group_size 16 is for mode nvfp4 only"),

@@ -63,9 +63,19 @@ def open_source(ref: str) -> Source:
     qconf = read_model_config(src).get("quantization")
     if qconf is not None:
         src.tensors, src.quant = dequantized_view(src.tensors, qconf, ref)
+    else:
+        check_not_quantized(src)
     if adapter_spec:
         attach_adapter(src, Path(adapter_spec).expanduser())
     return src
+
+
+def check_not_quantized(src: Source) -> None:
+    """Packed weights without ``quantization`` in config.json would be merged as raw numbers: an error."""
+    for n, info in src.tensors.items():
+        if info.dtype == "U32" and n.endswith(".weight") and n[: -len(".weight")] + ".scales" in src.tensors:
+            raise UserError(f"model {src.ref}: tensor '{n}' is a packed quantized weight (uint32 with scales), but "
+                            f"{src.path / 'config.json'} has no 'quantization' entry to dequantize it with")
 
 
 def attach_adapter(src: Source, ad: Path) -> None:
