@@ -110,12 +110,21 @@ SOURCES: dict[str, Source] = {
                catalogue=multi_turn_catalogue, system=MULTI_TURN_SYSTEM),
         Source("instruct", "instruct", "", instruct_items, default_size=50, arg_required=False,
                help="[TEMPLATE,...] (default: all)", catalogue=lambda: "instruct templates: " + ", ".join(INSTRUCT_TEMPLATES)),
+        Source("testbed", "testbed", "", lambda *a: _testbed_items(*a), default_size=100,
+               help="DOMAIN (sum, diff, countdown: the issue-21 testbed's family)", domain_name=lambda arg: f"tb_{arg}",
+               catalogue=lambda: "testbed domains: sum, diff, countdown"),
         Source("jsonl", None, "", file_items, load_jsonl, help="PATH (with params: prompt_field, answer_field...)",
                domain_name=file_stem),
         Source("hf", None, "", file_items, load_hf, help="DATASET (hub id, local builder like json, or saved dir)",
                domain_name=hf_name),
     )
 }
+
+
+def _testbed_items(*args):
+    from mlx_ssp.testbed.source import testbed_items  # imports the verifier registry: only when used
+
+    return testbed_items(*args)
 
 
 def domain_items(domain: str, dcfg, seed: int, split: str) -> list[Item]:

@@ -257,6 +257,7 @@ _MODULES = {
     "toolcall": ("mlx_ssp.verify.toolcall", None),
     "bfcl_multi_turn": ("mlx_ssp.verify.multi_turn", None),
     "instruct": ("mlx_ssp.verify.instruct", None),
+    "testbed": ("mlx_ssp.testbed.source", None),
 }
 for _name, (_m, _pip) in _MODULES.items():
     try:

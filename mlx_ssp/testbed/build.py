@@ -1,0 +1,178 @@
+"""Build (pretrain) and cache a testbed model (issue 21).
+
+A random Llama in mlx-lm's own architecture (so every stage runs on it unchanged) with a byte-level
+BPE tokenizer trained on the corpus, pretrained from scratch with mlx-lm's trainer (all weights
+trainable, prompt tokens masked) on chat-formatted traces of the three domains of
+:mod:`mlx_ssp.testbed.problems`. The mix is designed, not tuned:
+
+- **graded difficulty**: level j of a domain's range appears with weight ``LEVEL_DECAY ** j``, so
+  the easy levels are learnt and the hard ones are partly learnt (held-out prompts spread over the
+  pass band, some at 0 and some at 1);
+- **unequal strategies**: each problem's trace uses one of its correct strategies, drawn with the
+  domain's :data:`STRATEGY_WEIGHTS` (``sum``: chain 0.6, pairs 0.3, sorted 0.1; ``diff``: chain 0.75,
+  group 0.25; ``countdown``: solution i with weight ``0.5 ** i``), so a spectrum exists and can be
+  widened (diverse selection) or narrowed (first-win);
+- **interference**: ``sum`` and ``diff`` share their surface form.
+
+Deterministic from the seed (weights, corpus, batch order); cached under
+``cache_dir()/testbed/<size>-s<seed>-v<VERSION>`` with ``build.json`` (settings, loss curve, wall
+time). Model specs: ``testbed`` (= ``testbed:small:0``), ``testbed:SIZE:SEED``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import random
+import shutil
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Optional
+
+from mlx_ssp.testbed.problems import DOMAINS, LEVELS, draw, strategies, trace
+
+VERSION = 1
+LEVEL_DECAY = 0.6
+STRATEGY_WEIGHTS = {"sum": {"chain": 0.6, "pairs": 0.3, "sorted": 0.1}, "diff": {"chain": 0.75, "group": 0.25}}
+
+#: size -> model shape and pretraining budget
+SIZES: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192,
+                 corpus=1500, steps=300, batch_size=32, learning_rate=3e-3),
+    "small": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384,
+                  corpus=6000, steps=1500, batch_size=32, learning_rate=2e-3),
+}
+MAX_SEQ = 96
+
+
+def pick_strategy(domain: str, names: list[str], rng: random.Random) -> str:
+    w = STRATEGY_WEIGHTS.get(domain)
+    weights = [w.get(n, 0.0) for n in names] if w else [0.5 ** i for i in range(len(names))]
+    if sum(weights) == 0:
+        weights = [1.0] * len(names)
+    return rng.choices(names, weights)[0]
+
+
+def corpus(n_per_domain: int, seed: int) -> list[dict]:
+    """Chat records (``messages``: the prompt, then one strategy's trace) with the designed mix,
+    plus each record's domain, level and strategy (for the build report)."""
+    rng = random.Random(f"testbed-corpus:{seed}")
+    out = []
+    for d in DOMAINS:
+        lo, hi = LEVELS[d]
+        levels = list(range(lo, hi + 1))
+        lw = [LEVEL_DECAY ** j for j in range(len(levels))]
+        for _ in range(n_per_domain // (2 if d == "countdown" else 1)):  # countdown problems are costly to draw
+            p = draw(d, rng, rng.choices(levels, lw)[0])
+            name = pick_strategy(d, list(strategies(p)), rng)
+            out.append({"messages": [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": trace(p, name)}],
+                        "domain": d, "level": p.level, "strategy": name})
+    rng.shuffle(out)
+    return out
+
+
+def testbed_dir(size: str, seed: int) -> Path:
+    from mlx_ssp.models import cache_dir
+
+    return cache_dir() / "testbed" / f"{size}-s{seed}-v{VERSION}"
+
+
+def parse_spec(spec: str) -> tuple[str, int]:
+    """``testbed`` | ``testbed:SIZE`` | ``testbed:SIZE:SEED`` -> (size, seed)."""
+    from mlx_ssp.errors import UserError
+
+    parts = spec.split(":")
+    size = parts[1] if len(parts) > 1 and parts[1] else "small"
+    try:
+        seed = int(parts[2]) if len(parts) > 2 else 0
+    except ValueError:
+        raise UserError(f"model spec {spec!r}: the seed must be an integer (testbed:SIZE:SEED)") from None
+    if size not in SIZES or len(parts) > 3:
+        raise UserError(f"model spec {spec!r}: expected testbed[:SIZE[:SEED]] with SIZE one of {', '.join(SIZES)}")
+    return size, seed
+
+
+def ensure_testbed(spec: str = "testbed", *, progress: bool = True) -> Path:
+    """The cached testbed model of ``spec``, built first if missing (minutes on a 2-core CPU)."""
+    size, seed = parse_spec(spec)
+    out = testbed_dir(size, seed)
+    if (out / "build.json").is_file():
+        return out
+    return build(size, seed, out, progress=progress)
+
+
+def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, progress: bool = True) -> Path:
+    """Pretrain a testbed model into ``out`` (built in a temp directory, then renamed: a killed build
+    leaves nothing half-written)."""
+    import mlx.core as mx
+    import mlx.optimizers as optim
+    from mlx_lm.tuner.datasets import CacheDataset, create_dataset
+    from mlx_lm.tuner.trainer import TrainingArgs, train
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load, save_model
+
+    from mlx_ssp.sft.batches import make_iterate_batches
+    from mlx_ssp.testing import make_tiny_model, train_tokenizer
+
+    s = dict(SIZES[size])
+    steps = steps or s["steps"]
+    t0 = time.perf_counter()
+    tmp = out.with_name(out.name + f".tmp{int(time.time() * 1000)}")
+    recs = corpus(s["corpus"], seed)
+    texts = [m["content"] for r in recs[:4000] for m in r["messages"]]
+    tok_dir = train_tokenizer(tmp / "tok", vocab_size=320, corpus=texts)
+    make_tiny_model(tmp / "init", "llama", tokenizer_dir=tok_dir, hidden_size=s["hidden_size"],
+                    num_layers=s["num_layers"], num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"],
+                    intermediate_size=s["intermediate_size"], seed=seed)
+    model, tok = load(str(tmp / "init"))
+    data = CacheDataset(create_dataset([{"messages": r["messages"]} for r in recs], tok, types.SimpleNamespace(mask_prompt=True)))
+    warm = max(1, steps // 20)
+    sched = optim.join_schedules([optim.linear_schedule(0.0, s["learning_rate"], warm),
+                                  optim.cosine_decay(s["learning_rate"], steps - warm, s["learning_rate"] * 0.05)], [warm])
+    opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
+    losses: list[dict] = []
+
+    class Log:
+        def on_train_loss_report(self, info):
+            losses.append({"step": int(info["iteration"]), "loss": round(float(info["train_loss"]), 4)})
+            if progress:
+                print(f"[testbed {size}:{seed}] step {info['iteration']}/{steps} loss {info['train_loss']:.3f}",
+                      file=sys.stderr, flush=True)
+
+        def on_val_loss_report(self, info):
+            pass
+
+    mx.random.seed(seed)
+    args = TrainingArgs(batch_size=s["batch_size"], iters=steps, val_batches=0, steps_per_report=max(1, steps // 10),
+                        steps_per_eval=steps + 1, steps_per_save=steps + 1, max_seq_length=MAX_SEQ,
+                        adapter_file=str(tmp / "unused.safetensors"))
+    quiet = contextlib.redirect_stdout(io.StringIO()) if not progress else contextlib.nullcontext()
+    with quiet:
+        train(model=model, optimizer=opt, train_dataset=data, val_dataset=None, args=args, training_callback=Log(),
+              iterate_batches=make_iterate_batches(seed))
+    (tmp / "unused.safetensors").unlink(missing_ok=True)
+    final = tmp / "model"
+    save_model(final, model)
+    for f in (tmp / "init").iterdir():
+        if f.name == "config.json" or f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, final / f.name)
+    mix: dict[str, dict] = {}
+    for r in recs:
+        m = mix.setdefault(r["domain"], {"levels": {}, "strategies": {}})
+        m["levels"][str(r["level"])] = m["levels"].get(str(r["level"]), 0) + 1
+        m["strategies"][r["strategy"]] = m["strategies"].get(r["strategy"], 0) + 1
+    info = {"size": size, "seed": seed, "version": VERSION, "steps": steps, **{k: v for k, v in s.items() if k != "steps"},
+            "corpus_records": len(recs), "mix": mix, "losses": losses, "seconds": round(time.perf_counter() - t0, 1),
+            "params": int(sum(math.prod(v.shape) for _, v in tree_flatten(model.parameters())))}
+    (final / "build.json").write_text(json.dumps(info, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():  # another process built it meanwhile: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    final.rename(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return out

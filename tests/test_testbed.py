@@ -1,0 +1,91 @@
+"""The testbed's task family (issue 21): every strategy's trace is correct and the strategies differ,
+the verifier never evaluates model text, the source draws disjoint graded splits, and a build is
+deterministic from its seed (a few steps only: the real budget is a script's job)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
+from mlx_ssp.testbed import problems as P
+
+
+@pytest.mark.parametrize("domain", P.DOMAINS)
+def test_every_strategy_solves_and_strategies_differ(domain):
+    rng = random.Random(1)
+    lo, hi = P.LEVELS[domain]
+    multi = 0
+    for level in range(lo, hi + 1):
+        for _ in range(6):
+            p = P.draw(domain, rng, level)
+            st = P.strategies(p)
+            traces = [P.trace(p, n) for n in st]
+            assert all(P.solve(p, t) == (True, "correct") for t in traces)
+            assert len(set(traces)) == len(traces)  # distinct strategies write distinct traces
+            multi += len(st) > 1
+            wrong = traces[0].rsplit("answer ", 1)[0] + "answer 1000"
+            assert P.solve(p, wrong)[0] is False
+    assert multi >= 6 * (hi - lo)  # above the easiest level, problems have several strategies
+
+
+def test_countdown_answers_are_parsed_never_evaluated(tmp_path):
+    p = P.Problem("countdown", (3, 4, 2), 14)
+    assert P.solve(p, "3*4=12 ; 12+2=14\nanswer 3*4+2") == (True, "correct")
+    assert P.solve(p, "answer (2+4)*3-4") == (False, "numbers_not_given")  # 4 used twice
+    assert P.solve(p, "answer 2*7") == (False, "numbers_not_given")
+    assert P.solve(p, "answer 3+4") == (False, "wrong_answer")
+    marker = tmp_path / "x"
+    for hostile in (f"__import__('os').system('touch {marker}')", "3+4;import os", "9**9**9", "2" * 100):
+        assert P.solve(p, f"answer {hostile}")[0] is False
+    assert not marker.exists()
+    assert P.parse_expression("(3+4)*2") == (14, [3, 4, 2]) and P.parse_expression("3+") is None
+    assert P.solve(p, "no answer line") == (False, "no_answer")
+
+
+def test_source_splits_are_disjoint_graded_and_verified():
+    from mlx_ssp.config import validate
+    from mlx_ssp.tasks import TasksConfig, build_split
+    from mlx_ssp.verify import verify
+
+    cfg = validate(TasksConfig, {"seed": 5, "domains": {"s": {"source": "testbed:sum", "params": {"levels": [2, 4]},
+                                                               "sizes": {"train": 30, "probe": 10, "eval": 10}}}})
+    splits = {s: build_split(cfg, s) for s in ("train", "probe", "eval")}
+    prompts = {k: {t.prompt for t in v} for k, v in splits.items()}
+    assert not (prompts["train"] & prompts["eval"]) and not (prompts["probe"] & prompts["eval"])
+    assert {t.metadata["level"] for t in splits["train"]} == {2, 3, 4}
+    t = splits["eval"][0]
+    nums = t.metadata["numbers"]
+    assert verify(f"answer {sum(nums)}", t).reward == 1.0 and verify("answer -1", t).reason == "wrong_answer"
+    from mlx_ssp.errors import UserError
+
+    with pytest.raises(UserError, match="levels"):
+        build_split(validate(TasksConfig, {"domains": {"s": {"source": "testbed:sum", "params": {"levels": [1, 9]}}}}), "eval")
+
+
+def test_corpus_mix_follows_the_design():
+    from mlx_ssp.testbed import build as B
+
+    recs = B.corpus(600, seed=0)
+    assert recs == B.corpus(600, seed=0) and recs != B.corpus(600, seed=1)
+    sums = [r for r in recs if r["domain"] == "sum" and r["level"] > 2]
+    share = {n: sum(r["strategy"] == n for r in sums) / len(sums) for n in ("chain", "pairs", "sorted")}
+    assert share["chain"] > share["pairs"] > share["sorted"] > 0.03
+    lv = [r["level"] for r in recs if r["domain"] == "diff"]
+    assert lv.count(2) > lv.count(4) > lv.count(6) > 0  # easy levels are frequent, hard ones present
+
+
+def test_build_is_deterministic(tmp_path):
+    from mlx_ssp.testbed import build as B
+
+    a = B.build("tiny", 3, tmp_path / "a", steps=2, progress=False)
+    b = B.build("tiny", 3, tmp_path / "b", steps=2, progress=False)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    info = json.loads((a / "build.json").read_text())
+    assert info["steps"] == 2 and info["seed"] == 3 and set(info["mix"]) == set(P.DOMAINS)
+    from mlx_ssp.models import load_model
+
+    model, tok, _ = load_model(str(a))
+    assert tok.apply_chat_template([{"role": "user", "content": "add 1 2"}], add_generation_prompt=True)
