@@ -596,3 +596,19 @@ def test_della_keep_rates_match_mergekit(dt):
     for q in range(4):
         sel = (ranks >= q * 100) & (ranks < (q + 1) * 100)
         assert abs(ours[sel].mean() - theirs[sel].mean()) < 0.02, q  # 25,600 draws per quartile
+
+
+def test_pipeline_merge_section_takes_weightless_methods():
+    """The run file's merge: section with slerp / model_stock (no per-model weight): no stray weight key."""
+    from pathlib import Path
+
+    from mlx_ssp.errors import UserError
+    from mlx_ssp.merge.config import MergeStageConfig
+    from mlx_ssp.merge.engine import stage_to_config
+
+    a, b, base = Path("/a"), Path("/b"), Path("/base")
+    c = stage_to_config([a, b], base, MergeStageConfig(method="slerp", parameters={"t": 0.3}))
+    assert [m.parameters for m in c.models] == [None, None] and str(c.base_model) == "/base"
+    assert stage_to_config([a, b], base, MergeStageConfig(method="linear")).models[0].parameters == {"weight": 1.0}
+    with pytest.raises(UserError, match="takes no per-model weight"):
+        stage_to_config([a, b], base, MergeStageConfig(method="model_stock", weights=[1, 2]))

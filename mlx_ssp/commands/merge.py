@@ -39,8 +39,10 @@ from mlx_ssp.commands.options import set_option
 @set_option
 def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenizer, seed, vocab_mismatch, workers, dry_run, quiet,
         overrides):
-    """Merge the models of a mergekit CONFIG (linear, task_arithmetic, ties, dare_linear, dare_ties,
-    breadcrumbs) into OUT_DIR, streaming one tensor at a time. --set key=value edits the config."""
+    """Merge the models of a mergekit CONFIG into OUT_DIR, streaming one tensor at a time (methods:
+    mergekit 0.1.5's: linear, task_arithmetic, ties, dare_linear, dare_ties, breadcrumbs(_ties),
+    della(_linear), sce, ram, ramplus_tl, slerp, nuslerp, multislerp, karcher, model_stock, nearswap,
+    arcee_fusion, passthrough; inputs may be MLX-quantized). --set key=value edits the config."""
     from mlx_ssp.errors import UserError
     from mlx_ssp.merge.config import load_merge_config
     from mlx_ssp.merge.engine import input_paths, plan_merge, write_merge

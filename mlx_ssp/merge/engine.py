@@ -266,13 +266,17 @@ def stage_to_config(models: list[Path], base: Optional[Path], stage: MergeStageC
 
     weights = per(stage.weights, "weights")
     dens = per(stage.density, "density")
+    spec = METHODS[stage.method]
+    if "weight" not in spec.model_params and stage.weights is not None:
+        raise UserError(f"merge.weights: method {stage.method} takes no per-model weight "
+                        f"(its per-model parameters: {', '.join(spec.model_params) or 'none'})")
     entries = []
     for m, w, d in zip(models, weights, dens):
-        params: dict[str, Any] = {"weight": 1.0 if w is None else w}
+        # methods without a per-model weight (slerp, model_stock, ...) get none: it would be an unknown key
+        params: dict[str, Any] = {"weight": 1.0 if w is None else w} if "weight" in spec.model_params else {}
         if d is not None:
             params["density"] = d
-        entries.append({"model": str(m), "parameters": params})
-    spec = METHODS[stage.method]
+        entries.append({"model": str(m), "parameters": params or None})
     data = {"models": entries, "merge_method": stage.method, "parameters": dict(stage.parameters) or None,
             "dtype": stage.dtype, "out_dtype": stage.out_dtype}
     if stage.out_quantization is not None:
