@@ -11,8 +11,13 @@ the format the stage writes on its own:
 5. ``merge``   parameter merge of the specialists (VibeThinker: the plain average; any method).
 6. ``rl``      MGPO-weighted GRPO on the merged model (VibeThinker-1.5B section 3.4); with ``rl.phases``
                sequential phases, each from the previous one's model (VibeThinker-3B section 2.2.2).
-7. ``eval``    pass@1 / pass@k on the held-out split for the base model, every specialist, the merged
-               model and the RL model (one row per RL phase), printed as one table.
+7. ``distill`` (only with a ``distill:`` section) offline self-distillation of the RL checkpoints'
+               correct traces into the student (VibeThinker-3B section 2.3; :mod:`mlx_ssp.distill`).
+8. ``eval``    pass@1 / pass@k on the held-out split for the base model, every specialist, the merged
+               model, the RL model (one row per RL phase) and the distilled student, as one table.
+
+An optional stage (``Stage.section``) whose section the run file lacks is not run and is left out
+of the fingerprint chain, so runs made before it existed keep every fingerprint.
 
 Resumability: every stage records a fingerprint of its resolved config (defaults filled in) chained
 with the fingerprint of the stage before it, and marks itself complete at the end. A rerun skips
@@ -59,6 +64,12 @@ class Stage:
     sections: tuple[str, ...]  # run-file sections its fingerprint covers (besides the previous stage's)
     run: Callable[[Run], dict]  # does the work in RUN_DIR/<name>; returns the stage's metrics
     reports: str  # what those metrics hold (kept in _stage.json and metrics.jsonl)
+    #: an optional stage (its section absent: not run, and not in the fingerprint chain, so runs
+    #: made before it existed keep their fingerprints); None: always on
+    section: Optional[str] = None
+
+    def enabled(self, run: "Run") -> bool:
+        return self.section is None or run.data.get(self.section) is not None
 
 
 @dataclass(frozen=True)
@@ -335,8 +346,8 @@ def stage_rl(run: Run) -> dict:
 def eval_models(run: Run) -> dict[str, str]:
     """Every model the loop produced, in table order: base, specialists, the blend (if trained), merged,
     RL (with ``rl.phases``: one row ``rl:<phase>`` per phase, in phase order)."""
+    from mlx_ssp.distill import read_report
     from mlx_ssp.models import resolve_model
-    from mlx_ssp.rl.phases import phase_models
 
     models = {"base": str(resolve_model(run.section("model").path))}
     for d, p in run.specialists().items():
@@ -344,15 +355,40 @@ def eval_models(run: Run) -> dict[str, str]:
     if run.blend() is not None:
         models[BLEND] = str(run.blend())
     models["merged"] = str(run.stage_dir("merge") / "model")
+    models.update(rl_models(run))
+    distilled = (read_report(run.stage_dir("distill")) or {}).get("model") if run.data.get("distill") is not None else None
+    if distilled:
+        models["distilled"] = distilled
+    return models
+
+
+def rl_models(run: Run) -> dict[str, str]:
+    """The kept RL checkpoints, fused, in order: ``rl:<phase>`` per phase, or the one ``rl`` model."""
+    from mlx_ssp.rl.phases import phase_models
+
     rl_cfg = run.section("rl")
     if rl_cfg.phases:
-        for name, p in phase_models(run.stage_dir("rl"), rl_cfg).items():
-            models[f"rl:{name}"] = p
-        return models
+        return {f"rl:{name}": p for name, p in phase_models(run.stage_dir("rl"), rl_cfg).items()}
     rl_model = run.stage_dir("rl") / "model"
-    if rl_model.exists():
-        models["rl"] = str(rl_model)
-    return models
+    return {"rl": str(rl_model)} if rl_model.exists() else {}
+
+
+def stage_distill(run: Run) -> dict:
+    """Offline self-distillation (:mod:`mlx_ssp.distill`): sample the kept RL checkpoints on the train
+    tasks, score the correct traces under the student (default: the final RL model), select per
+    domain and length bucket, and SFT the student on them (the sft: section's settings, with
+    ``distill.sft`` on top)."""
+    from mlx_ssp.distill import run_distill
+
+    cfg = run.section("distill")
+    sources = {f"src{i}": s for i, s in enumerate(cfg.sources)} if cfg.sources else rl_models(run)
+    if not sources:
+        raise UserError(f"{run.source}: distill needs RL checkpoints to sample from (or distill.sources)")
+    student = cfg.student or list(sources.values())[-1]
+    sft_base = {k: v for k, v in (run.data.get("sft") or {}).items() if k not in ("domains", "out_dir", "data_dir")}
+    return run_distill(cfg, sources=sources, student=student, tasks_path=run.tasks_path("train"),
+                       probe_path=run.tasks_path("probe"), out_dir=run.stage_dir("distill"),
+                       seed=section_seed(cfg, run.seed), sft_base=sft_base, progress=run.progress)
 
 
 def stage_eval(run: Run) -> dict:
@@ -480,6 +516,9 @@ STAGE_REGISTRY: dict[str, Stage] = {
         Stage("merge", ("merge",), stage_merge, "models: the merged specialists; result: the merge report"),
         Stage("rl", ("rl", "sandbox"), stage_rl,
               "steps, skipped_total, last_reward_mean, model; prompt_filter (counts) when set; phases (per phase)"),
+        Stage("distill", ("distill", "sft", "sandbox"), stage_distill,
+              "correct, selected, per_domain, selection (per domain/bucket), model: the distilled student",
+              section="distill"),
         Stage("eval", ("model", "eval", "sandbox"), stage_eval, "table: pass@1 / pass@k per model and domain"),
     )
 }
@@ -524,6 +563,8 @@ SECTIONS: dict[str, Section] = {
         # added later: a run that never set it keeps its fingerprints, so it is not redone
         # (load_stage installs it: one policy for every stage, also when a resume skips rollout)
         Section("sandbox", _section("sandbox"), optional=True),
+        Section("distill", lambda run: run.section("distill") if run.data.get("distill") is not None else None,
+                _resolved("distill"), optional=True),
         Section("sft", _check_sft, lambda run: _dump(sft_config(run))),
     )
 }
@@ -617,6 +658,9 @@ def run_pipeline(
         if stage is not None and stage not in STAGES:
             raise UserError(f"{name} {stage}: unknown stage; valid: {', '.join(STAGES)}")
     run = load_run(config_path, overrides, progress)
+    for name, stage in (("--from", from_stage), ("--only", only)):
+        if stage is not None and not STAGE_REGISTRY[stage].enabled(run):
+            raise UserError(f"{name} {stage}: {run.source} has no {STAGE_REGISTRY[stage].section}: section, so no {stage} stage")
     run.run_dir.mkdir(parents=True, exist_ok=True)
     write_resolved_config(run)
     results = run_stages(run, from_stage=from_stage, only=only, echo=echo)
@@ -626,13 +670,18 @@ def run_pipeline(
     return results
 
 
+def active_stages(run: Run) -> list[str]:
+    """The stages this run has, in order (an optional stage only when its section is set)."""
+    return [s for s in STAGES if STAGE_REGISTRY[s].enabled(run)]
+
+
 def run_stages(run: Run, *, from_stage: Optional[str], only: Optional[str], echo: Callable[[str], None]) -> dict:
     """Every stage in order: plan it from its state and fingerprint, then pass, skip or run it."""
     previous = ""
     invalidated = False  # a stage ran: every stage after it must run too
     results: dict[str, dict] = {}
     with JsonlAppender(run.run_dir / "metrics.jsonl") as log:
-        for stage in STAGES:
+        for stage in active_stages(run):
             fp = previous = fingerprint(run, stage, previous)
             state = read_state(run, stage)
             action, why = plan_stage(stage, state, fp, from_stage=from_stage, only=only, invalidated=invalidated)

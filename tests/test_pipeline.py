@@ -68,11 +68,12 @@ def test_runs_all_stages_then_skips(tmp_path, fake_stages):
     cfg = _write(tmp_path)
     out: list[str] = []
     pipeline.run_pipeline(cfg, echo=out.append)
-    assert fake_stages == list(pipeline.STAGES)
+    active = [s for s in pipeline.STAGES if pipeline.STAGE_REGISTRY[s].section is None]  # no distill: section
+    assert fake_stages == active
     run = tmp_path / "run"
     assert (run / "config.resolved.yaml").exists()
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [e["stage"] for e in events if e["event"] == "end"] == list(pipeline.STAGES)
+    assert [e["stage"] for e in events if e["event"] == "end"] == active
     assert any("| base |" in line for line in out)  # the table is printed at the end
     fake_stages.clear()
     out.clear()
@@ -94,7 +95,7 @@ def test_config_change_reruns_that_stage_and_later(tmp_path, fake_stages):
     # a change to an early section invalidates everything after it
     fake_stages.clear()
     pipeline.run_pipeline(cfg, ("rollout.k=8", "tasks.seed=7"), echo=lambda s: None)
-    assert fake_stages == list(pipeline.STAGES)
+    assert fake_stages == [s for s in pipeline.STAGES if s != "distill"]  # no distill: section
 
 
 def test_interrupted_stage_resumes_and_later_stages_rerun(tmp_path, fake_stages, monkeypatch):
@@ -281,13 +282,17 @@ def test_fingerprints_stable_and_sandbox_only_when_set(tmp_path):
 
     def fps(*overrides):
         run, prev, out = pipeline.load_run(cfg, overrides), "", {}
-        for s in pipeline.STAGES:
+        for s in pipeline.active_stages(run):
             prev = out[s] = pipeline.fingerprint(run, s, prev)
         return out
 
     plain, boxed = fps(), fps("sandbox.nproc=16")
     assert plain["tasks"] == boxed["tasks"] == "e3cd922da9a72f60"  # the tasks section alone, seed 0
-    assert all(plain[s] != boxed[s] for s in pipeline.STAGES[1:])
+    assert all(plain[s] != boxed[s] for s in list(plain)[1:])
+    # an optional stage is in the chain only when its section is set: eval then chains distill's
+    with_distill = fps("distill.k=2")
+    assert "distill" not in plain and "distill" in with_distill
+    assert with_distill["rl"] == plain["rl"] and with_distill["eval"] != plain["eval"]
 
 
 def test_shipped_smoke_config_keeps_every_stage_fingerprint():
@@ -298,10 +303,38 @@ def test_shipped_smoke_config_keeps_every_stage_fingerprint():
 
     cfg = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
     run, prev, got = pipeline.load_run(cfg), "", {}
-    for s in pipeline.STAGES:
+    for s in pipeline.active_stages(run):
         prev = got[s] = pipeline.fingerprint(run, s, prev)
     assert got == {
         "tasks": "b7587a9c699dd9bd", "rollout": "6b1a17128ef60a07", "select": "24e997def5cc588e",
         "sft": "4988e9a6d1bfe003", "merge": "3f6c85c28017ceec", "rl": "8e13e157f625e7cc",
         "eval": "9266bd535282d726",
     }
+
+
+def test_distill_stage_defaults_to_the_rl_models(tmp_path, monkeypatch):
+    """distill: sources default to every kept RL model (phases in order), the student to the last,
+    the sft: settings (minus its domains) are the student's SFT base; eval gets a distilled row."""
+    import mlx_ssp.distill as D
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(CONFIG.format(run_dir=tmp_path / "run", k=2) + "sft: {iters: 3, domains: [addition]}\ndistill: {k: 2}\n")
+    run = pipeline.load_run(cfg)
+    seen = {}
+
+    def fake(dcfg, **kw):
+        seen.update(kw, k=dcfg.k)
+        return {"model": str(tmp_path / "student")}
+
+    monkeypatch.setattr(D, "run_distill", fake)
+    monkeypatch.setattr(pipeline, "rl_models", lambda run: {"rl:math": "/m1", "rl:code": "/m2"})
+    out = pipeline.stage_distill(run)
+    assert seen["sources"] == {"rl:math": "/m1", "rl:code": "/m2"} and seen["student"] == "/m2" and seen["k"] == 2
+    assert seen["sft_base"] == {"iters": 3} and seen["out_dir"] == run.stage_dir("distill")
+    assert out["model"] == str(tmp_path / "student")
+    assert "distill" in pipeline.active_stages(run)
+    (run.stage_dir("distill")).mkdir(parents=True)
+    (run.stage_dir("distill") / "report.json").write_text(json.dumps(out))
+    monkeypatch.setattr(pipeline.Run, "specialists", lambda self: {})
+    monkeypatch.setattr(pipeline.Run, "blend", lambda self: None)
+    assert list(pipeline.eval_models(run))[-1] == "distilled"
