@@ -201,7 +201,17 @@ def _matrix(feats: list, d: Callable) -> np.ndarray:
 DISTANCES: dict[str, Callable[[int], Callable[[list[str]], np.ndarray]]] = {
     "ngram": ngram_distance_fn,
     "edit": edit_distance_fn,
+    # strategy-level (mlx_ssp.strategy, issue 20): what a solution does, not its wording
+    "steps": lambda n: _strategy("steps")(n),
+    "ast": lambda n: _strategy("ast")(n),
+    "calls": lambda n: _strategy("calls")(n),
 }
+
+
+def _strategy(kind: str):
+    from mlx_ssp.strategy import distance_fn
+
+    return distance_fn(kind)
 
 
 # -- selection (pure) -------------------------------------------------------------------------

@@ -1,0 +1,64 @@
+"""Strategy-level distances (issue 20): identity 0, symmetry, a paraphrase of the same steps closer
+than a different method (the check that word n-grams failed), per domain, on hand-made examples."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlx_ssp import strategy as S
+from mlx_ssp.select import DISTANCES, ngram_distance_fn
+
+MATH = {  # (3 + 5) * 2
+    "method": "First add: 3 + 5 = 8. Then multiply: 8 * 2 = 16.\nAnswer: 16",
+    "paraphrase": "We sum the two numbers, 5+3=8, and the total times two is 8×2 = 16. So the result is 16.\nAnswer: 16",
+    "other": "First multiply: 3 * 2 = 6. Then multiply: 5 * 2 = 10. Then add: 6 + 10 = 16.\nAnswer: 16",
+    "bare": "Answer: 16",
+}
+CODE = {
+    "method": "```python\ndef total(xs):\n    s = 0\n    for x in xs:\n        s += x\n    return s\n```",
+    "paraphrase": "Here you go:\n```python\ndef total(values):\n    \"\"\"Sum them.\"\"\"\n    acc = 0\n    for v in values:\n        acc += v\n    return acc\n```",
+    "other": "```python\ndef total(xs):\n    return sum(xs)\n```",
+    "bare": "I cannot write code for this.",
+}
+CALLS = {
+    "method": '<tool_call>{"name": "cd", "arguments": {"folder": "docs"}}</tool_call>'
+              '<tool_call>{"name": "ls", "arguments": {}}</tool_call>',
+    "paraphrase": 'Sure! <tool_call>{"name": "cd", "arguments": {"folder": "src"}}</tool_call> and then '
+                  '<tool_call>{"name": "ls", "arguments": {}}</tool_call>',
+    "other": '<tool_call>{"name": "find", "arguments": {"path": ".", "name": "docs"}}</tool_call>',
+    "bare": "There is nothing to call.",
+}
+
+
+@pytest.mark.parametrize("kind,ex", [("steps", MATH), ("ast", CODE), ("calls", CALLS)])
+def test_paraphrase_is_closer_than_another_method(kind, ex):
+    texts = [ex["method"], ex["paraphrase"], ex["other"], ex["bare"]]
+    d = S.distance_fn(kind)(3)(texts)
+    assert np.allclose(d, d.T) and np.allclose(np.diag(d), 0)
+    assert d[0, 1] == 0.0  # same strategy, other words (and, for code/calls, other names/values)
+    assert d[0, 2] > 0.5  # another method
+    assert d[0, 3] == S.EMPTY_VS_SOME < d[0, 2]  # a bare answer is not "the most different" solution
+    assert all(0.0 <= x <= 1.0 for x in d.ravel())
+    assert S.distinct_strategies(texts[:2], kind) == 1 and S.distinct_strategies(texts[:3], kind) == 2
+
+
+def test_word_ngrams_get_the_math_example_wrong_and_steps_get_it_right():
+    """The motivating check: n-grams rank the paraphrase farther than the other method."""
+    texts = [MATH["method"], MATH["paraphrase"], MATH["other"]]
+    ng = ngram_distance_fn(3)(texts)
+    st = S.distance_fn("steps")(3)(texts)
+    assert ng[0, 1] > ng[0, 2]
+    assert st[0, 1] < st[0, 2]
+
+
+def test_steps_normalise_numbers_and_operand_order():
+    assert S.math_steps("1,000 + 2 = 1002") == S.math_steps("2+1000 = 1,002.0")
+    assert S.math_steps("8 - 3 = 5") != S.math_steps("3 - 8 = -5")  # order matters where it changes the value
+    assert S.math_steps("the answer is 7") == frozenset()
+
+
+def test_distances_are_registered_and_auto_maps_verifiers():
+    for k in ("steps", "ast", "calls"):
+        assert k in DISTANCES
+    assert S.AUTO["code"] == "ast" and S.AUTO["math"] == "steps" and S.AUTO["toolcall"] == "calls"
