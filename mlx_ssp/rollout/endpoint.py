@@ -270,14 +270,17 @@ class EndpointRollout:
             ss = ss[:1]
         return ti, ss
 
-    def _ask(self, job: int, ti: int, ss: list[int], results: queue.SimpleQueue) -> None:
-        """One request on its own thread: ``(job, reply or the exception, seconds)`` onto ``results``."""
-        t0 = time.perf_counter()
-        try:
-            reply: Any = self.client.chat(self._body(ti, ss))
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
-            reply = e
-        results.put((job, reply, time.perf_counter() - t0))
+    def _worker(self, jobs: queue.SimpleQueue, results: queue.SimpleQueue) -> None:
+        """Ask each ``(job, task index, samples)`` of ``jobs`` (None: stop) and put
+        ``(job, reply or the exception, seconds)`` onto ``results``."""
+        while (item := jobs.get()) is not None:
+            job, ti, ss = item
+            t0 = time.perf_counter()
+            try:
+                reply: Any = self.client.chat(self._body(ti, ss))
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+                reply = e
+            results.put((job, reply, time.perf_counter() - t0))
 
     def records(self, ti: int, ss: list[int], reply: dict, latency: float) -> list[dict]:
         """The records of the choices of one reply (as many as it has, at most ``len(ss)``)."""
@@ -336,6 +339,12 @@ class EndpointRollout:
         t0 = time.perf_counter()
         self.listed = self.client.list_models()  # an unreachable server fails here, after the retries
         results: queue.SimpleQueue = queue.SimpleQueue()
+        jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # daemon workers: an interrupted run exits at once instead of waiting out the requests in flight
+        workers = [threading.Thread(target=self._worker, args=(jobs, results), daemon=True, name=f"teacher-{i}")
+                   for i in range(self.cfg.concurrency)]
+        for w in workers:
+            w.start()
         inflight: dict[int, tuple[int, list[int]]] = {}
         job_ids = itertools.count()
         try:
@@ -345,9 +354,7 @@ class EndpointRollout:
                         self.use_n is None and any(len(ss) > 1 for _, ss in inflight.values())):
                     job = next(job_ids)
                     inflight[job] = self._next_job()
-                    # daemon threads: an interrupted run exits at once instead of waiting out requests in flight
-                    threading.Thread(target=self._ask, args=(job, *inflight[job], results), daemon=True,
-                                     name=f"teacher-{job}").start()
+                    jobs.put((job, *inflight[job]))
                 done = []
                 if inflight:
                     try:
@@ -375,6 +382,8 @@ class EndpointRollout:
                 if self.scorer.pending:
                     yield from self._emit(self.scorer.collect(wait=not (self.todo or inflight)), t0)
         finally:
+            for _ in workers:
+                jobs.put(None)  # each worker ends after its current request
             self.scorer.close()
             if bar is not None:
                 bar.close()
