@@ -27,6 +27,14 @@ whole prompts (``valid_fraction``, at least one); a domain with a single prompt 
 (mlx-lm needs a non-empty valid set), flagged ``valid_is_train`` in the report. Deviation: the paper
 does not say how diversity is measured; n-gram Jaccard is our documented default.
 
+Data quality (VibeThinker-3B technical report, section 2.1.1; issue 19), each off by default and
+counted per reason in the report when on (:mod:`mlx_ssp.quality` holds the pure functions):
+``repetition`` drops degenerate (looping) samples before the diversity walk; ``decontaminate`` leaves
+out whole training prompts that share an n-gram with a held-out, probe or benchmark prompt;
+``pseudo_label`` writes ``OUT_DIR/pseudo_labels.jsonl``, the tasks labelled by the majority answer of
+their samples. The report's LLM judge of query quality is not implemented. Deviations (thresholds,
+template handling, vote equality) are listed in :mod:`mlx_ssp.quality`.
+
 Input integrity: a (task, sample) that appears more than once (two runs wrote one file, or files
 were concatenated) is kept once when the copies agree and refused when they differ; records
 stamped with different ``run_fingerprint`` values (other model, seed or sampling) are refused, so
