@@ -187,6 +187,13 @@ def test_n_ignored_falls_back_to_one_request_per_sample(tmp_path, stub_factory):
     assert all(r["completion"].startswith("<think>\n") for r in recs)
     seeds = [b["seed"] for b in stub.bodies]
     assert len(set(seeds)) == 12  # each sample its own seed
+    # no tokenizer: no token ids, the server's usage as the length; select takes such records too
+    from mlx_ssp.select import SelectConfig, run_select
+
+    assert all(r["token_ids"] is None and r["prompt_token_ids"] is None and r["num_tokens"] == 3 for r in recs)
+    rep = run_select(tmp_path / "r.jsonl", SelectConfig(valid_fraction=0.0), tmp_path / "sel")
+    # the stub's one choice per request is always its choice 0: four equal correct samples, one kept
+    assert all(r["reward"] == 1.0 for r in recs) and rep["domains"]["b"]["n_train"] == 1
 
 
 def test_unreachable_and_unknown_model_are_clear_errors(tmp_path, stub_factory):
