@@ -277,6 +277,9 @@ def test_teacher_section_validation():
     assert teacher_section({"teacher": "demo"}).path == "demo"
     t = teacher_section({"teacher": {"endpoint": "http://127.0.0.1:1", "model": "m", "concurrency": 2}})
     assert isinstance(t, EndpointTeacherConfig) and t.concurrency == 2
+    # how requests go is not what they ask: left out of the dump (and so of the stage fingerprint)
+    assert t.model_dump() == t.model_copy(update={"concurrency": 9, "max_retries": 0, "use_n": False}).model_dump()
+    assert t.model_dump() != t.model_copy(update={"model": "other"}).model_dump()
     for bad, msg in [({"api_key": KEY}, "unknown key 'teacher.api_key'"),
                      ({"api_key_env": KEY}, "NAME of an environment variable"),
                      ({"endpoint": "ftp://x"}, "http"),

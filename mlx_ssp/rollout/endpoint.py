@@ -72,11 +72,13 @@ class EndpointTeacherConfig(StrictModel):
     endpoint: str  # server root, .../v1, or the full .../v1/chat/completions URL
     model: str  # the model name the server knows
     api_key_env: Optional[str] = None  # the environment variable holding the key (never the key itself)
-    concurrency: int = Field(4, ge=1, le=512)  # requests in flight
-    use_n: Optional[bool] = None  # None: ask with n and fall back to parallel requests if the server ignores it
-    timeout_s: float = Field(600.0, gt=0)  # per request
-    max_retries: int = Field(5, ge=0)  # on 429 / 5xx / timeouts / refused connections
-    backoff_s: float = Field(1.0, ge=0)  # first wait; doubles per retry (jittered, at most 60 s)
+    # how the requests go, not what they ask: exclude=True leaves them out of dumps, hence out of the
+    # run's stage fingerprint, so raising the concurrency of an interrupted run resumes it
+    concurrency: int = Field(4, ge=1, le=512, exclude=True)  # requests in flight
+    use_n: Optional[bool] = Field(None, exclude=True)  # None: ask with n, fall back to parallel requests if ignored
+    timeout_s: float = Field(600.0, gt=0, exclude=True)  # per request
+    max_retries: int = Field(5, ge=0, exclude=True)  # on 429 / 5xx / timeouts / refused connections
+    backoff_s: float = Field(1.0, ge=0, exclude=True)  # first wait; doubles per retry (jittered, at most 60 s)
     tokenizer: Optional[str] = None  # the student's tokenizer, for token ids (see the module docstring)
     sampling: Optional[SamplingConfig] = None  # None: the rollout section's
     extra_body: dict[str, Any] = Field(default_factory=dict)  # other request fields the server takes
