@@ -59,11 +59,15 @@ def resolve_model(spec: str, revision: str | None = None) -> Path:
     """Turn a model spec into a local directory in HF layout (downloading or converting if needed)."""
     spec = str(spec).strip()
     if not spec:
-        raise UserError("empty model spec; give a directory, a Hugging Face repo id, or 'demo'")
+        raise UserError("empty model spec; give a directory, a Hugging Face repo id, 'demo' or 'testbed[:SIZE[:SEED]]'")
     if spec in DEMO_NAMES:
         from mlx_ssp.demo import ensure_demo_model
 
         return ensure_demo_model()
+    if spec == "testbed" or spec.startswith("testbed:"):  # the issue-21 testbed: pretrained here, cached
+        from mlx_ssp.testbed.build import ensure_testbed
+
+        return ensure_testbed(spec)
     p = Path(spec).expanduser()
     if p.exists():
         return check_model_dir(p.resolve())

@@ -68,8 +68,8 @@ def test_source_splits_are_disjoint_graded_and_verified():
 def test_corpus_mix_follows_the_design():
     from mlx_ssp.testbed import build as B
 
-    recs = B.corpus(600, seed=0)
-    assert recs == B.corpus(600, seed=0) and recs != B.corpus(600, seed=1)
+    recs = B.corpus(400, seed=0)
+    assert recs == B.corpus(400, seed=0) and recs[:50] != B.corpus(50, seed=1)[:50]
     sums = [r for r in recs if r["domain"] == "sum" and r["level"] > 2]
     share = {n: sum(r["strategy"] == n for r in sums) / len(sums) for n in ("chain", "pairs", "sorted")}
     assert share["chain"] > share["pairs"] > share["sorted"] > 0.03
@@ -80,8 +80,8 @@ def test_corpus_mix_follows_the_design():
 def test_build_is_deterministic(tmp_path):
     from mlx_ssp.testbed import build as B
 
-    a = B.build("tiny", 3, tmp_path / "a", steps=2, progress=False)
-    b = B.build("tiny", 3, tmp_path / "b", steps=2, progress=False)
+    a = B.build("tiny", 3, tmp_path / "a", steps=2, corpus_size=60, progress=False)
+    b = B.build("tiny", 3, tmp_path / "b", steps=2, corpus_size=60, progress=False)
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     info = json.loads((a / "build.json").read_text())
     assert info["steps"] == 2 and info["seed"] == 3 and set(info["mix"]) == set(P.DOMAINS)
@@ -89,3 +89,16 @@ def test_build_is_deterministic(tmp_path):
 
     model, tok, _ = load_model(str(a))
     assert tok.apply_chat_template([{"role": "user", "content": "add 1 2"}], add_generation_prompt=True)
+
+
+def test_model_spec_names_a_cached_testbed(tmp_path, monkeypatch):
+    from mlx_ssp.errors import UserError
+    from mlx_ssp.models import resolve_model
+    from mlx_ssp.testbed import build as B
+
+    monkeypatch.setenv("MLX_SSP_CACHE", str(tmp_path))
+    built = B.build("tiny", 0, B.testbed_dir("tiny", 0), steps=1, corpus_size=30, progress=False)
+    assert resolve_model("testbed:tiny:0") == built  # cached: not built again
+    assert B.parse_spec("testbed") == ("small", 0)
+    with pytest.raises(UserError, match="SIZE one of"):
+        resolve_model("testbed:huge")

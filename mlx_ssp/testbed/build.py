@@ -105,9 +105,10 @@ def ensure_testbed(spec: str = "testbed", *, progress: bool = True) -> Path:
     return build(size, seed, out, progress=progress)
 
 
-def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, progress: bool = True) -> Path:
+def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpus_size: Optional[int] = None,
+          progress: bool = True) -> Path:
     """Pretrain a testbed model into ``out`` (built in a temp directory, then renamed: a killed build
-    leaves nothing half-written)."""
+    leaves nothing half-written). ``steps`` / ``corpus_size`` override the size's (tests)."""
     import mlx.core as mx
     import mlx.optimizers as optim
     from mlx_lm.tuner.datasets import CacheDataset, create_dataset
@@ -122,7 +123,7 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, progr
     steps = steps or s["steps"]
     t0 = time.perf_counter()
     tmp = out.with_name(out.name + f".tmp{int(time.time() * 1000)}")
-    recs = corpus(s["corpus"], seed)
+    recs = corpus(corpus_size or s["corpus"], seed)
     texts = [m["content"] for r in recs[:4000] for m in r["messages"]]
     tok_dir = train_tokenizer(tmp / "tok", vocab_size=320, corpus=texts)
     make_tiny_model(tmp / "init", "llama", tokenizer_dir=tok_dir, hidden_size=s["hidden_size"],
@@ -130,9 +131,10 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, progr
                     intermediate_size=s["intermediate_size"], seed=seed)
     model, tok = load(str(tmp / "init"))
     data = CacheDataset(create_dataset([{"messages": r["messages"]} for r in recs], tok, types.SimpleNamespace(mask_prompt=True)))
-    warm = max(1, steps // 20)
+    warm = max(1, steps // 20)  # 5% linear warmup, then cosine to 5% of the peak
     sched = optim.join_schedules([optim.linear_schedule(0.0, s["learning_rate"], warm),
-                                  optim.cosine_decay(s["learning_rate"], steps - warm, s["learning_rate"] * 0.05)], [warm])
+                                  optim.cosine_decay(s["learning_rate"], max(1, steps - warm), s["learning_rate"] * 0.05)],
+                                 [warm])
     opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
     losses: list[dict] = []
 
