@@ -287,13 +287,14 @@ class EndpointRollout:
     def records(self, ti: int, ss: list[int], reply: dict, latency: float) -> list[dict]:
         """The records of the choices of one reply (as many as it has, at most ``len(ss)``)."""
         task = self.request.tasks[ti]
-        choices = sorted(reply["choices"], key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)[: len(ss)]
+        choices = [c for c in reply["choices"] if isinstance(c, dict)]  # a malformed choice is no sample
+        choices = sorted(choices, key=lambda c: c.get("index") if isinstance(c.get("index"), int) else 0)[: len(ss)]
         usage = reply.get("usage") or {}
         self.stats["prompt_tokens"] += int(usage.get("prompt_tokens") or 0)
         share = (int(usage.get("completion_tokens") or 0) // max(1, len(choices)))
         out = []
         for s, c in zip(ss, choices):
-            msg = (c.get("message") if isinstance(c, dict) else None) or {}
+            msg = c.get("message") if isinstance(c.get("message"), dict) else {}
             content = msg.get("content") or ""
             reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
             text = join_reasoning(str(reasoning), str(content))
