@@ -271,7 +271,7 @@ class AnswerRule:
 #: final answer to vote on and are not pseudo-labelled
 ANSWER_RULES: dict[str, AnswerRule] = {
     "math": AnswerRule(_math_answer, _math_same),
-    "reasoning_gym": AnswerRule(_rgym_answer, lambda a, b: a == b),
+    "reasoning_gym": AnswerRule(_rgym_answer, lambda a, b: _norm(a) == _norm(b)),
     "exact": AnswerRule(_exact_answer, lambda a, b: a == b),
 }
 
