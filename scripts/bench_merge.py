@@ -14,6 +14,12 @@ line per method.
     python scripts/bench_merge.py --small --methods ties  # quick look
     python scripts/bench_merge.py --layers 2 --no-mergekit --methods ties,dare_ties  # full-width proxy
     python scripts/bench_merge.py --small --no-mergekit --compare /tmp/ref_tree --repeat 5  # vs another tree
+    python scripts/bench_merge.py --methods slerp,della,model_stock,passthrough --mergekit-bin /tmp/mkvenv/bin
+
+Methods: linear, ties, dare_ties (issue 5) and slerp (t 0.5, base + 1), della (base + 2, density
+0.5, epsilon 0.1, lambda 1), model_stock (base + 2), passthrough (a frankenmerge of overlapping
+layer ranges of two models via ``slices:``) (issue 22); each config is valid for both tools.
+``--mergekit-bin DIR`` finds mergekit-yaml in DIR (a separate venv) instead of on PATH.
 
 ``--compare TREE`` also times the merge of another checkout of this project (its ``mlx_ssp``
 imported from TREE), alternating with ours in every round, reports the per-round time ratio and
@@ -86,8 +92,12 @@ def make_models(root: Path, args) -> list[Path]:
     return paths
 
 
-def configs(models: list[Path]) -> dict:
+def configs(models: list[Path], layers: int) -> dict:
+    """mergekit 0.1.5 YAML of every benchmarked method (each valid for both tools)."""
     m0, m1, m2 = (str(p) for p in models)
+    # passthrough: a frankenmerge of overlapping ranges, the first two thirds of model0's layers then
+    # the last two thirds of model1's (14 layers: [0, 9) + [5, 14) = 18 output layers)
+    a_end, b_start = -(-2 * layers // 3), layers // 3
     return {
         "linear": {"merge_method": "linear", "dtype": "bfloat16",
                    "models": [{"model": m, "parameters": {"weight": 1.0}} for m in (m0, m1, m2)]},
@@ -95,7 +105,25 @@ def configs(models: list[Path]) -> dict:
                  "models": [{"model": m, "parameters": {"weight": 0.5, "density": 0.5}} for m in (m1, m2)]},
         "dare_ties": {"merge_method": "dare_ties", "base_model": m0, "dtype": "bfloat16",
                       "models": [{"model": m, "parameters": {"weight": 0.5, "density": 0.5}} for m in (m1, m2)]},
+        # issue 22: the base and one other model; mergekit's slerp wants both under models:
+        "slerp": {"merge_method": "slerp", "base_model": m0, "dtype": "bfloat16", "parameters": {"t": 0.5},
+                  "models": [{"model": m0}, {"model": m1}]},
+        "della": {"merge_method": "della", "base_model": m0, "dtype": "bfloat16", "parameters": {"lambda": 1.0},
+                  "models": [{"model": m, "parameters": {"weight": 0.5, "density": 0.5, "epsilon": 0.1}}
+                             for m in (m1, m2)]},
+        "model_stock": {"merge_method": "model_stock", "base_model": m0, "dtype": "bfloat16",
+                        "models": [{"model": m} for m in (m1, m2)]},
+        "passthrough": {"merge_method": "passthrough", "dtype": "bfloat16",
+                        "slices": [{"sources": [{"model": m0, "layer_range": [0, a_end]}]},
+                                   {"sources": [{"model": m1, "layer_range": [b_start, layers]}]}]},
     }
+
+
+def config_models(cfg: dict) -> list[str]:
+    """The distinct models a config reads (what the I/O floor reads)."""
+    names = [cfg.get("base_model")] + [m["model"] for m in cfg.get("models", [])]
+    names += [s["model"] for sl in cfg.get("slices", []) for s in sl["sources"]]
+    return list(dict.fromkeys(n for n in names if n))
 
 
 def timed(cmd: list[str]) -> tuple[float, float]:
@@ -118,17 +146,58 @@ def digest(out: Path) -> dict[str, str]:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.iterdir()) if f.is_file()}
 
 
-def timed_merge(tree: str | None, cfg: Path, out: Path) -> tuple[float, float, dict[str, str]]:
-    """(wall s, peak RSS MiB, sha256 per output file) of one merge into ``out`` (removed after)."""
+def timed_merge(tree: str | None, cfg: Path, out: Path, keep: bool = False,
+                workers: int | None = None) -> tuple[float, float, dict[str, str]]:
+    """(wall s, peak RSS MiB, sha256 per output file) of one merge into ``out`` (removed after
+    unless ``keep``)."""
     shutil.rmtree(out, ignore_errors=True)
-    wall, rss = timed([*ours_cmd(tree), "merge", str(cfg), str(out), "--quiet", "--seed", "1"])
+    extra = ["--workers", str(workers)] if workers else []
+    wall, rss = timed([*ours_cmd(tree), "merge", str(cfg), str(out), "--quiet", "--seed", "1", *extra])
     sha = digest(out)
-    shutil.rmtree(out, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
     return wall, rss, sha
 
 
+def load_tensors(model: Path) -> dict:
+    import mlx.core as mx
+
+    return {k: v for f in sorted(model.glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
+
+
+def diff_outputs(ours: Path, theirs: Path) -> dict:
+    """How our output differs from mergekit's: tensors bit-identical, elements that differ, the
+    largest difference in units of the output dtype's spacing at that value (ulps), and the
+    tensor with the largest relative Frobenius difference."""
+    import mlx.core as mx
+
+    a, b = load_tensors(ours), load_tensors(theirs)
+    res = {"tensors": len(a), "only_ours": sorted(set(a) - set(b))[:5], "only_mergekit": sorted(set(b) - set(a))[:5],
+           "identical": 0, "elements": 0, "elements_differ": 0, "max_ulps": 0.0, "worst": None, "worst_rel": 0.0}
+    for k in sorted(set(a) & set(b)):
+        x, y = np.array(a[k].astype(mx.float32), dtype=np.float64), np.array(b[k].astype(mx.float32), dtype=np.float64)
+        if x.shape != y.shape:
+            res.setdefault("shape_mismatch", []).append(k)
+            continue
+        diff = np.abs(x - y)
+        res["elements"] += x.size
+        n = int((diff > 0).sum())
+        res["elements_differ"] += n
+        res["identical"] += n == 0
+        if n:
+            # bf16 spacing at |y|: 2^(exponent - 7); float32 outputs would need 2^-23 (not used here)
+            spacing = np.exp2(np.floor(np.log2(np.maximum(np.abs(y), 1e-30))) - 7)
+            res["max_ulps"] = max(res["max_ulps"], float((diff / spacing).max()))
+            rel = float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+            if rel > res["worst_rel"]:
+                res["worst"], res["worst_rel"] = k, rel
+    res["frac_differ"] = res["elements_differ"] / max(res["elements"], 1)
+    return res
+
+
 def io_floor(models: list[Path], out: Path) -> float:
-    """Read every tensor of the given models (pread) and write one model's bytes."""
+    """Read every tensor of the given models (pread) and write one model's bytes (an upper bound
+    for passthrough, which reads and writes only the sliced layers)."""
     t = time.perf_counter()
     biggest = 0
     for m in models:
@@ -148,9 +217,14 @@ def main() -> None:
     ap.add_argument("--methods", default="linear,ties,dare_ties")
     ap.add_argument("--small", action="store_true", help="hidden 256, intermediate 1024, 4 layers, vocab 8000")
     ap.add_argument("--no-mergekit", action="store_true")
+    ap.add_argument("--mergekit-bin", default=None, metavar="DIR",
+                    help="directory holding mergekit-yaml (e.g. a separate venv's bin/); default: PATH")
     ap.add_argument("--keep", default=None, help="build/keep models in this dir")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count (a quicker proxy at full width)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of (floor, ours, mergekit); medians are reported")
+    ap.add_argument("--workers", type=int, default=None, help="our merge's --workers (default: its own)")
+    ap.add_argument("--diff", action="store_true",
+                    help="compare our last round's output with mergekit's, tensor by tensor (bf16 outputs)")
     ap.add_argument("--compare", default=None, metavar="TREE",
                     help="also time another checkout's merge (alternating with ours) and check identical outputs")
     args = ap.parse_args()
@@ -164,11 +238,12 @@ def main() -> None:
         t = time.perf_counter()
         models = make_models(root, args)
         print(f"built 3 models in {time.perf_counter() - t:.1f}s under {root}", flush=True)
-    have_mk = shutil.which("mergekit-yaml") is not None and not args.no_mergekit
+    mk_yaml = shutil.which("mergekit-yaml", path=args.mergekit_bin)
+    have_mk = mk_yaml is not None and not args.no_mergekit
     import yaml
 
     rows = []
-    cfgs = configs(models)
+    cfgs = configs(models, args.layers)
     for name in args.methods.split(","):
         cfg = root / f"{name}.yml"
         cfg.write_text(yaml.safe_dump(cfgs[name]))
@@ -177,10 +252,12 @@ def main() -> None:
         # table reports medians over rounds (with the range of the per-round speedups)
         ours_s, ours_rss, mk_s, mk_rss, floors, cmp_s, same = [], [], [], [], [], [], []
         for r in range(args.repeat):
-            floors.append(io_floor(models, root / "floor"))
+            floors.append(io_floor([Path(m) for m in config_models(cfgs[name])], root / "floor"))
             # with --compare, alternate which tree goes first so that drift favours neither
             order = (None,) if not args.compare else (None, args.compare) if r % 2 == 0 else (args.compare, None)
-            runs = {tree: timed_merge(tree, cfg, root / f"ours_{name}") for tree in order}
+            last = r == args.repeat - 1 and args.diff and have_mk
+            runs = {tree: timed_merge(tree, cfg, root / f"ours_{name}", keep=last and tree is None,
+                                     workers=args.workers) for tree in order}
             wall, rss, sha = runs[None]
             ours_s.append(wall)
             ours_rss.append(rss)
@@ -190,9 +267,12 @@ def main() -> None:
             if have_mk:
                 mk_out = root / f"mk_{name}"
                 shutil.rmtree(mk_out, ignore_errors=True)
-                wall, rss = timed(["mergekit-yaml", str(cfg), str(mk_out), "--random-seed", "1"])
+                wall, rss = timed([mk_yaml, str(cfg), str(mk_out), "--random-seed", "1"])
                 mk_s.append(wall)
                 mk_rss.append(rss)
+                if last:
+                    diff = diff_outputs(root / f"ours_{name}", mk_out)
+                    shutil.rmtree(root / f"ours_{name}", ignore_errors=True)
                 shutil.rmtree(mk_out, ignore_errors=True)
         med = lambda v: float(np.median(v))  # noqa: E731
         row = {"method": name, "rounds": args.repeat, "ours_s": round(med(ours_s), 2), "ours_rss_mib": round(max(ours_rss)),
@@ -210,6 +290,8 @@ def main() -> None:
                         "speedup": round(med(per_round), 2),
                         "speedup_range": [round(min(per_round), 2), round(max(per_round), 2)],
                         "rss_ratio": round(max(ours_rss) / min(mk_rss), 2), "mergekit_s_all": [round(x, 2) for x in mk_s]})
+        if args.diff and have_mk:
+            row["diff_vs_mergekit"] = diff
         rows.append(row)
         print(json.dumps(row), flush=True)
     shutil.rmtree(root / "floor", ignore_errors=True)
