@@ -96,6 +96,25 @@ def test_same_seed_same_samples_whatever_batch_size_or_order(qwen):
     assert len({tuple(a[("t0", s)]) for s in range(3)}) == 3
 
 
+def test_shared_prompt_prefix_draws_the_same_samples(qwen):
+    """The K samples of a prompt prefilled once (issue 23) draw the tokens they draw prefilled alone,
+    with behaviour log-probs equal up to float32 rounding, and the saved prefill is counted."""
+    model, tok = qwen
+    tasks = make_tasks(4)
+    sc = SamplingConfig(temperature=1.0, max_tokens=12)
+    runs = {}
+    for share in (False, True):
+        st: dict = {}
+        recs = generate_rollouts(model, tok, tasks, k=4, sampling=sc, seed=11, batch_size=16, progress=False,
+                                 share_prefix=share, stats=st)
+        runs[share] = (recs, st)
+    (a, sa), (b, sb) = runs[False], runs[True]
+    assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
+    assert max(abs(x - y) for r, q in zip(a, b) for x, y in zip(r["logprobs"], q["logprobs"])) < 1e-4
+    assert sa["prefill_saved_tokens"] == 0
+    assert sb["prefill_saved_tokens"] == sum(3 * (len(r["prompt_token_ids"]) - 1) for r in b if r["sample"] == 0)
+
+
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.2, top_k=5)])
 def test_batch_sampler_draws_the_same_tokens_as_per_sequence_samplers(qwen, monkeypatch, sampling):
     """The shared BatchSampler (one draw per step for the batch) gives token for token what one

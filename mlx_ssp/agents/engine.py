@@ -78,21 +78,31 @@ class EpisodeRun:
         self.stats["prompt_tokens"] += len(prompt)
 
     def top_up(self) -> None:
-        """Start episodes until ``batch_size`` are in flight."""
+        """Start episodes until ``batch_size`` are in flight; the samples of one task started together
+        share the prefill of its first prompt (:meth:`Decoder.insert_shared`)."""
         from mlx_ssp.tasks import render_prompt
 
         while self.next_work < len(self.work) and len(self.live) < self.request.batch_size:
-            ti, s = self.work[self.next_work]
-            self.next_work += 1
+            ti = self.work[self.next_work][0]
+            room = self.request.batch_size - len(self.live)
+            group = []
+            while self.next_work < len(self.work) and self.work[self.next_work][0] == ti and len(group) < room:
+                group.append(self.work[self.next_work][1])
+                self.next_work += 1
             task = self.request.tasks[ti]
             if ti not in self.prompts:
                 self.prompts[ti] = render_prompt(self.tokenizer, task, system=self.request.system)
-            ep = Episode(task, s, self.prompts[ti])
-            if self._budget(ep) <= 0:  # the first turn alone does not fit the context
-                ep.stop("context")
-                self._finish(ti, ep)
+            eps = [Episode(task, s, self.prompts[ti]) for s in group]
+            if self._budget(eps[0]) <= 0:  # the first turn alone does not fit the context
+                for ep in eps:
+                    ep.stop("context")
+                    self._finish(ti, ep)
                 continue
-            self._insert(ti, ep, list(self.prompts[ti]), None)
+            streams = [message_stream(self.request.seed, task.id, ep.sample, 0) for ep in eps]
+            uids = self.dec.insert_shared(self.prompts[ti], [self._budget(ep) for ep in eps], streams)
+            for uid, ep in zip(uids, eps):
+                self.live[uid] = _Live(ti, ep)
+            self.stats["prompt_tokens"] += len(self.prompts[ti]) * len(eps)
 
     def take_ready(self) -> list[list[dict]]:
         out, self.ready = self.ready, []

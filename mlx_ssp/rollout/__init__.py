@@ -40,8 +40,12 @@ Choices and deviations (the paper gives none of these details):
   prompt + completion fit.
 - The model is put in eval mode during generation (LoRA dropout off) and restored afterwards; it
   is never reloaded, so a LoRA policy samples as itself.
-- No prefix sharing across the K samples of a prompt: each sequence prefills its own prompt
-  (mlx-lm's BatchGenerator batches the prefill; decoding dominates for reasoning-length outputs).
+- Shared prompt prefixes (issue 23): the K samples of a prompt queued together are prefilled once
+  (``prompt[:-1]`` through mlx-lm's own prompt batch) and all start from that cache, with their last
+  prompt token as their prompt (:meth:`mlx_ssp.rollout.decoder.Decoder.insert_shared`); the same
+  tokens as prefilling each alone (tests), behaviour log-probs equal up to float32 rounding (the
+  batches they decode in are composed differently). ``RolloutRequest.share_prefix=False`` turns it
+  off; models whose caches are not plain KV caches (sliding windows, state-space layers) never share.
 
 Parts (one job each): :mod:`.config` (the ``rollout:`` section), :mod:`.request` (one
 :class:`RolloutRequest` passed from the stages to the engine), :mod:`.engine` (the loop around

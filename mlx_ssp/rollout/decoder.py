@@ -10,6 +10,14 @@ import time
 from mlx_ssp.rollout.request import RolloutRequest
 
 
+def _shareable(model) -> bool:
+    """Whether samples can start from one prefilled cache: every layer's cache is a plain KV cache
+    that batches by copying (not a rotating window or a state-space cache)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    return all(type(c) is KVCache for c in make_prompt_cache(model))
+
+
 class Decoder:
     """``gen`` (the generator), ``path`` (the sampling path), ``lp_temp`` (the temperature behaviour
     log-probs are stored at), ``bar`` (tqdm or None); :meth:`close` restores the model's mode."""
@@ -33,6 +41,9 @@ class Decoder:
             completion_batch_size=request.batch_size,
             prefill_batch_size=request.prefill_batch(),
         )
+        self.share_prefix = request.share_prefix and _shareable(model)
+        self.saved_prefill = 0  # prompt tokens samples did not prefill themselves (shared prefixes)
+        self.prefix_s, self.prefix_tokens = 0.0, 0  # the shared prefills (outside the generator's timers)
         self.bar = None
         if request.progress:
             from tqdm import tqdm
@@ -49,6 +60,34 @@ class Decoder:
             self.path.register(uid, stream)
         return uids
 
+    def insert_shared(self, prompt: list[int], max_tokens: list[int], streams: list[int]) -> list[int]:
+        """Queue the samples of one prompt (issue 23: shared prompt prefixes). With ``share_prefix``
+        and two or more samples, ``prompt[:-1]`` is prefilled once, by mlx-lm's own prompt batch (the
+        arithmetic a sequence prefilled alone goes through), and every sample starts from that one
+        cache (the generator copies it when it batches the samples; it never writes to it) with its
+        last token as its prompt. Otherwise each sample prefills the prompt itself."""
+        n = len(streams)
+        if n < 2 or len(prompt) < 2 or not self.share_prefix:
+            return self.insert([list(prompt)] * n, max_tokens, streams)
+        tic = time.perf_counter()
+        cache = self.prefix_cache(prompt[:-1])
+        self.prefix_s += time.perf_counter() - tic
+        self.prefix_tokens += len(prompt) - 1
+        self.saved_prefill += (n - 1) * (len(prompt) - 1)
+        return self.insert([prompt[-1:]] * n, max_tokens, streams, caches=[cache] * n)
+
+    def prefix_cache(self, tokens: list[int]):
+        """The KV cache of ``tokens`` prefilled alone (a list of per-layer caches, as mlx-lm's)."""
+        import mlx.core as mx
+        from mlx_lm.generate import PromptProcessingBatch
+        from mlx_lm.models.cache import make_prompt_cache
+
+        pb = PromptProcessingBatch(self.gen.model, uids=[-1], caches=[make_prompt_cache(self.gen.model)],
+                                   prefill_step_size=self.gen.prefill_step_size)
+        with mx.stream(self.gen.stream):
+            pb.prompt([list(tokens)])
+            return pb.extract_cache(0)
+
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start
 
@@ -59,3 +98,7 @@ class Decoder:
         if self.was_training:
             self.model.train()
         stats["gen_s"] = self.gen_s_before + self.elapsed()
+        # prompt tokens not prefilled again because samples shared their prompt's prefill
+        stats["prefill_saved_tokens"] = stats.get("prefill_saved_tokens", 0) + self.saved_prefill
+        stats["prefix_prefill_s"] = stats.get("prefix_prefill_s", 0.0) + self.prefix_s
+        stats["prefix_prefill_tokens"] = stats.get("prefix_prefill_tokens", 0) + self.prefix_tokens

@@ -69,6 +69,17 @@ def plan_work(tokenizer, request: RolloutRequest, samples: Optional[dict[str, li
     return plan
 
 
+def _runs(chunk: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    """Consecutive work items of the same task: ``[(task index, [sample, ...]), ...]`` in order."""
+    out: list[tuple[int, list[int]]] = []
+    for ti, s in chunk:
+        if out and out[-1][0] == ti:
+            out[-1][1].append(s)
+        else:
+            out.append((ti, [s]))
+    return out
+
+
 def _warn_skipped(skipped: list[str], context: Optional[int]) -> None:
     msg = f"skipped {len(skipped)} task(s) whose prompt does not fit the context of {context} tokens (first: {skipped[0]})"
     warnings.warn(msg, stacklevel=3)  # the code iterating the rollouts
@@ -104,8 +115,10 @@ class _Generation:
         chunk = plan.work[self.next_work : self.next_work + n]
         self.next_work += n
         now = time.perf_counter()
-        streams = [sample_stream_seed(req.seed, req.tasks[ti].id, s) for ti, s in chunk]
-        uids = self.dec.insert([plan.prompts[ti] for ti, _ in chunk], [plan.budget[ti] for ti, _ in chunk], streams)
+        uids = []
+        for ti, group in _runs(chunk):  # the samples of one prompt together: they share its prefill
+            streams = [sample_stream_seed(req.seed, req.tasks[ti].id, s) for s in group]
+            uids += self.dec.insert_shared(plan.prompts[ti], [plan.budget[ti]] * len(group), streams)
         for uid, (ti, s) in zip(uids, chunk):
             seq = LiveSequence(uid, ti, s, now, plan.budget[ti])
             if self.stops:

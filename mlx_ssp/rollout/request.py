@@ -29,6 +29,7 @@ class RolloutRequest:
     system: Optional[str] = None
     verify_workers: int = 4
     prefill_batch_size: Optional[int] = None  # None: auto (prefill_batch)
+    share_prefix: bool = True  # the K samples of a prompt start from one prefilled cache (Decoder.insert_shared)
 
     def check(self) -> None:
         """Bad K, no tasks or (when verifying) tasks the verifiers cannot score: a UserError."""
