@@ -41,6 +41,14 @@ class Long2ShortConfig(StrictModel):
     lambda_: float = Field(0.2, ge=0.0, alias="lambda")
 
 
+class OverlongConfig(StrictModel):
+    """``rl.overlong``: DAPO's soft overlong punishment (arXiv:2503.14476, eq. 13): a penalty falling
+    linearly from 0 to ``-penalty`` over the last ``buffer`` tokens before ``sampling.max_tokens``."""
+
+    buffer: int = Field(..., ge=1)
+    penalty: float = Field(1.0, ge=0.0)
+
+
 class PromptFilterConfig(StrictModel):
     """``rl.prompt_filter``: before training, K rollouts per prompt from the starting policy; the
     prompts whose accuracy is exactly 0 or exactly 1 are removed."""
@@ -54,7 +62,12 @@ class RLConfig(StrictModel):
     """MGPO-GRPO training (``mlx_ssp rl``)."""
 
     # keys added after runs existed (issue 19): left out of dumps while unset, so fingerprints hold
-    OMIT_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset({"long2short", "prompt_filter", "phases"})
+    OMIT_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset({
+        "long2short", "prompt_filter", "phases",
+        # issue 23: the policy-gradient menu
+        "loss", "importance_sampling_level", "seq_eps_low", "seq_eps_high", "cispo_eps_low", "cispo_eps_high",
+        "overlong", "mask_truncated_completions", "top_entropy_quantile", "tis_cap", "tis_mode",
+    })
 
     # data
     tasks: Optional[str] = None  # task JSONL; default: the run file's tasks: section, split "train"
@@ -85,6 +98,18 @@ class RLConfig(StrictModel):
     dual_clip: Optional[float] = Field(None, gt=1.0)
     aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     beta: float = Field(0.0, ge=0.0)  # k3 KL coefficient; reference = adapters off (LoRA)
+    # issue 23 (mlx_ssp.rl.objectives; docs/rl.md): surrogate, ratio level and their clip ranges
+    loss: Literal["clip", "cispo"] = "clip"
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+    seq_eps_low: float = Field(3e-4, ge=0.0, lt=1.0)  # GSPO's clip range (its section 5.1)
+    seq_eps_high: float = Field(4e-4, ge=0.0)
+    cispo_eps_low: float = Field(1.0, ge=0.0, le=1.0)  # MiniMax-M1: no lower bound on the weight
+    cispo_eps_high: float = Field(0.28, ge=0.0)
+    overlong: Optional[OverlongConfig] = None  # DAPO's soft overlong punishment (a reward shaping)
+    mask_truncated_completions: bool = False  # DAPO: samples cut at max_tokens carry no gradient
+    top_entropy_quantile: Optional[float] = Field(None, gt=0.0, le=1.0)  # only the top-entropy fraction trains
+    tis_cap: Optional[float] = Field(None, gt=0.0)  # IS correction for another engine's rollouts
+    tis_mode: Literal["truncate", "mask"] = "truncate"
 
     # model and optimizer
     fine_tune_type: Literal["lora", "full"] = "lora"
@@ -112,6 +137,12 @@ class RLConfig(StrictModel):
     def _check(self) -> "RLConfig":
         if self.sampling.temperature <= 0:
             raise ValueError("sampling.temperature must be > 0 for RL (greedy samples have no ratio to clip)")
+        if self.tis_cap is not None and self.old_logprobs != "behaviour":
+            raise ValueError("tis_cap corrects rollouts from another engine: set old_logprobs: behaviour "
+                             "(the loop then recomputes the old policy itself and weights tokens by the mismatch)")
+        if self.overlong is not None and self.overlong.buffer >= self.sampling.max_tokens:
+            raise ValueError(f"overlong.buffer ({self.overlong.buffer}) must be below sampling.max_tokens "
+                             f"({self.sampling.max_tokens})")
         if self.phases is not None:
             names = [p.name for p in self.phases]
             if len(set(names)) != len(names):

@@ -60,7 +60,8 @@ from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.logprobs import head_of, token_logprobs
 from mlx_ssp.rl.loss import aggregation_units, finalize_totals, merge_totals, policy_loss, token_totals
 from mlx_ssp.rl.kernels import grouped_advantages
-from mlx_ssp.rl.shaping import apply_shapings, correct_length_metrics
+from mlx_ssp.rl import objectives
+from mlx_ssp.rl.shaping import apply_shapings, correct_length_metrics, shaping_on
 from mlx_ssp.tasks import Task, render_prompt
 
 ADAPTER_FILE = ckpts.ADAPTER_FILE
@@ -162,6 +163,15 @@ def build_batch(records: list[dict], advantages: np.ndarray) -> dict:
     }
 
 
+def mask_truncated(batch: dict, records: list[dict]) -> tuple[dict, int]:
+    """The batch with the rows of samples cut at the token limit masked out (DAPO's overlong
+    filtering), and how many there were."""
+    keep = mx.array(objectives.truncation_mask([r.get("finish_reason") for r in records]))[:, None]
+    batch = {**batch, "mask": batch["mask"] * keep}
+    batch["model_tokens"] = int(batch["mask"].sum().item())
+    return batch, int(len(records) - float(keep.sum().item()))
+
+
 def model_mask(record: dict) -> np.ndarray:
     """1.0 on the completion tokens the model sampled: ``model_mask`` of an episode record, else
     every token (a single-turn completion is all the model's)."""
@@ -189,19 +199,34 @@ def sequence_logprobs(model: nn.Module, inputs, targets, temperature: float, chu
                           save_grad=save_grad)
 
 
+def clip_range(cfg: RLConfig) -> tuple[float, float]:
+    """(eps_low, eps_high) of the configured objective: CISPO's weight bounds, GSPO's sequence-ratio
+    range, or PPO's token-ratio range."""
+    if cfg.loss == "cispo":
+        return cfg.cispo_eps_low, cfg.cispo_eps_high
+    if cfg.importance_sampling_level == "sequence":
+        return cfg.seq_eps_low, cfg.seq_eps_high
+    return cfg.eps_low, cfg.eps_high
+
+
 def make_loss(cfg: RLConfig, units_total: float) -> Callable:
     """loss(model, mb) for one micro-batch, scaled by its share of the batch's aggregation units
     so that summed micro-batch gradients equal the full batch's."""
     T = cfg.sampling.temperature
+    eps_low, eps_high = clip_range(cfg)
 
     def loss_fn(model, mb):
         logp, ent = sequence_logprobs(model, mb["inputs"], mb["targets"], T, cfg.chunk_size, entropy=True,
                                       save_grad=True)
         old = mb["old"] if mb.get("old") is not None else mx.stop_gradient(logp)
+        weights = None
+        if cfg.tis_cap is not None:  # rollouts from another engine: truncated importance weights
+            weights = objectives.tis_weight(old, mb["behaviour"], cfg.tis_cap, cfg.tis_mode)
         out = policy_loss(
-            logp, old, mb["adv"], mb["mask"], eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
+            logp, old, mb["adv"], mb["mask"], eps_low=eps_low, eps_high=eps_high, dual_clip=cfg.dual_clip,
             aggregation=cfg.aggregation, max_tokens=cfg.sampling.max_tokens, beta=cfg.beta,
-            ref_logp=mb.get("ref"), entropy=ent,
+            ref_logp=mb.get("ref"), entropy=ent, ratio_level=cfg.importance_sampling_level, surrogate=cfg.loss,
+            weights=weights,
         )
         share = aggregation_units(cfg.aggregation, mb["mask"]) / units_total
         return out.loss * share, (out.totals, mx.stop_gradient(logp))
@@ -364,7 +389,7 @@ class Trainer:
         recs = [r for g in groups for r in g]
         gids = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
         rewards = np.array([float(r["reward"]) for r in recs], np.float32)
-        if cfg.long2short is not None:  # reward shaping (issue 19): zero-sum within each group's correct set
+        if shaping_on(cfg):  # reward shaping (issues 19, 23): Long2Short, DAPO's overlong penalty
             lengths = np.array([float(r["num_tokens"]) for r in recs], np.float64)
             shaped = apply_shapings(cfg, rewards, lengths, gids)
             rec["shaping_abs_mean"] = float(np.abs(shaped - rewards).mean())
@@ -374,7 +399,10 @@ class Trainer:
                                  num_groups=len(groups))
         rec["mgpo_weight_mean"] = float(adv.w.mean().item())
         rec["adv_abs_mean"] = float(mx.abs(adv.advantages).mean().item())
-        return build_batch(recs, np.array(adv.advantages))
+        batch = build_batch(recs, np.array(adv.advantages))
+        if cfg.mask_truncated_completions:  # DAPO: a sample cut at max_tokens carries no gradient
+            batch, rec["truncated_masked"] = mask_truncated(batch, recs)
+        return batch
 
     def _throughput(self, info: dict, batch: dict, train_s: float, t_step: float, cpu_step: float) -> dict:
         """Timing, throughput and peak-memory metrics of the step."""
@@ -407,6 +435,7 @@ class Trainer:
         :func:`mlx_ssp.rl.loss.finalize_totals`), whatever ``micro_batch_size`` and the world size."""
         cfg = self.cfg
         batch, mbs, units = self._plan(batch)
+        kept_frac = batch.pop("entropy_kept_frac", None)
         loss_and_grad = nn.value_and_grad(self.model, make_loss(cfg, units))
         # with one inner update nothing is applied before the finiteness check: no snapshot needed
         snap = _snapshot(self.model, self.opt) if cfg.mu > 1 else None
@@ -427,12 +456,25 @@ class Trainer:
         if not ok and snap is not None:
             _restore(self.model, self.opt, snap)
             mx.eval(self.model.trainable_parameters(), self.opt.state)
-        return ok, self._statistics(parts, glob, ok)
+        stats = self._statistics(parts, glob, ok)
+        if kept_frac is not None:
+            stats["entropy_kept_frac"] = kept_frac
+        return ok, stats
 
     def _plan(self, batch: dict) -> tuple[dict, list[tuple[int, int]], float]:
         """(this rank's block of the batch, its micro-batch bounds, the batch's aggregation units),
         with the reference log-probs (KL) and the behaviour log-probs as old log-probs attached."""
         cfg = self.cfg
+        B = batch["inputs"].shape[0]
+        if cfg.top_entropy_quantile is not None:
+            # the cut is over the whole batch's tokens (before ranks and micro-batches split it), from
+            # the policy at the start of the step, so micro-batch size and world size change nothing
+            full = [(i, min(i + cfg.micro_batch_size, B)) for i in range(0, B, cfg.micro_batch_size)]
+            ent = self._entropies(batch, full)
+            thr = objectives.entropy_threshold(ent, batch["mask"], cfg.top_entropy_quantile)
+            n_before = float(batch["mask"].sum().item())
+            batch["mask"] = objectives.top_entropy_mask(ent, batch["mask"], thr)
+            batch["entropy_kept_frac"] = float(batch["mask"].sum().item()) / max(n_before, 1.0)
         units = float(aggregation_units(cfg.aggregation, batch["mask"]).item()) or 1.0
         # data parallel (issue 10): each rank trains on its block of the (identical, gathered)
         # batch; loss shares are of the global units, so the summed gradients are the batch's
@@ -442,15 +484,17 @@ class Trainer:
         mbs = [(i, min(i + cfg.micro_batch_size, B)) for i in range(0, B, cfg.micro_batch_size)]
         if cfg.beta > 0:
             batch["ref"] = self._ref_logprobs(batch, mbs)
-        if cfg.old_logprobs == "behaviour":
+        if cfg.old_logprobs == "behaviour" and cfg.tis_cap is None:
             batch["old"] = batch["behaviour"]
+        # with tis_cap the old policy is the trainer's own (recomputed in the first inner update) and
+        # the sampler's mismatch enters as a truncated weight (make_loss)
         return batch, mbs, units
 
     def _accumulate(self, loss_and_grad, batch: dict, mbs, inner: int, old_parts: list, parts: list):
         """(summed gradients, summed loss) of one inner update over this rank's micro-batches; each
         micro-batch's totals go to ``parts``. ``recompute``: the first inner update's log-probs are
         the old log-probs of the later ones (kept in ``old_parts``)."""
-        recompute = self.cfg.old_logprobs == "recompute"
+        recompute = self.cfg.old_logprobs == "recompute" or self.cfg.tis_cap is not None
         grads_sum, loss_sum = None, 0.0
         for k, (i, j) in enumerate(mbs):
             mb = _slice(batch, i, j)
@@ -495,6 +539,17 @@ class Trainer:
         if not ok:
             stats["loss"] = float("nan")
         return stats
+
+    def _entropies(self, batch: dict, mbs) -> mx.array:
+        """Per-token entropy of the current policy at the sampling temperature (no gradient)."""
+        T = self.cfg.sampling.temperature
+        parts = []
+        for i, j in mbs:
+            _, ent = sequence_logprobs(self.model, batch["inputs"][i:j], batch["targets"][i:j], T, self.cfg.chunk_size,
+                                       entropy=True)
+            mx.eval(ent)
+            parts.append(mx.stop_gradient(ent))
+        return mx.concatenate(parts)
 
     def _ref_logprobs(self, batch: dict, mbs) -> mx.array:
         T = self.cfg.sampling.temperature

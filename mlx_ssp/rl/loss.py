@@ -37,6 +37,8 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
+from mlx_ssp.rl import objectives as O
+
 
 def _masked_sum(x: mx.array, mask: mx.array, axis=None) -> mx.array:
     return (x * mask).sum(axis=axis)
@@ -113,17 +115,9 @@ def clipped_surrogate(logp, logp_old, advantages, *, eps_low: float = 0.2, eps_h
     """Per-token PPO-clip loss and masks. advantages broadcast against logp ([B, 1] or [B, T]).
 
     Returns (loss [B, T], ratio, clipped mask, dual-clipped mask)."""
-    ratio = mx.exp(logp - logp_old)
-    s1 = ratio * advantages
-    s2 = mx.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    loss = -mx.minimum(s1, s2)
-    clipped = ((ratio < 1.0 - eps_low) & (advantages < 0)) | ((ratio > 1.0 + eps_high) & (advantages > 0))
-    dual = mx.zeros(loss.shape, dtype=mx.bool_)
-    if dual_clip is not None:
-        bound = -dual_clip * advantages
-        dual = (advantages < 0) & (loss > bound)
-        loss = mx.where(advantages < 0, mx.minimum(loss, bound), loss)
-    return loss, ratio, clipped, dual
+    ratio = O.token_ratio(logp, logp_old, None)
+    sur = O.clip_surrogate(ratio, logp, advantages, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    return sur.loss, ratio, sur.clipped, sur.dual_clipped
 
 
 class LossOutput(NamedTuple):
@@ -183,18 +177,32 @@ def policy_loss(
     beta: float = 0.0,
     ref_logp: mx.array | None = None,
     entropy: mx.array | None = None,
+    ratio_level: str = "token",
+    surrogate: str = "clip",
+    weights: mx.array | None = None,
 ) -> LossOutput:
     """The MGPO-GRPO loss over a [B, T] completion grid. ``advantages`` [B] are the per-sample
-    A' (already MGPO-weighted, no gradient); ``mask`` [B, T] marks completion tokens."""
+    A' (already MGPO-weighted, no gradient); ``mask`` [B, T] marks completion tokens.
+    ``ratio_level`` / ``surrogate`` pick entries of :data:`mlx_ssp.rl.objectives.RATIOS` /
+    :data:`~mlx_ssp.rl.objectives.SURROGATES` (defaults: token-level PPO clip, i.e. GRPO), with
+    ``eps_low`` / ``eps_high`` the chosen one's clip range; ``weights`` [B, T] (no gradient: TIS)
+    multiply each token's surrogate."""
     if advantages.ndim == 1:
         advantages = advantages[:, None]
     advantages = mx.stop_gradient(advantages.astype(mx.float32))
     logp = logp.astype(mx.float32)
     logp_old = mx.stop_gradient(logp_old.astype(mx.float32))
     m = mask.astype(mx.float32)
-    per_tok, ratio, clipped, dual = clipped_surrogate(
-        logp, logp_old, advantages, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip
-    )
+    try:
+        ratio_fn, sur_fn = O.RATIOS[ratio_level], O.SURROGATES[surrogate]
+    except KeyError:
+        raise ValueError(f"unknown ratio level {ratio_level!r} or surrogate {surrogate!r}; valid: "
+                         f"{', '.join(O.RATIOS)} / {', '.join(O.SURROGATES)}") from None
+    ratio = ratio_fn(logp, logp_old, m)
+    sur = sur_fn(ratio, logp, advantages, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    per_tok, clipped, dual = sur.loss, sur.clipped, sur.dual_clipped
+    if weights is not None:
+        per_tok = per_tok * mx.stop_gradient(weights.astype(mx.float32))
     kl = None
     if beta and ref_logp is not None:
         kl = k3_kl(logp, mx.stop_gradient(ref_logp.astype(mx.float32)))
@@ -211,4 +219,6 @@ def policy_loss(
         totals.update(token_totals("kl", sg(kl), m))
     if entropy is not None:
         totals.update(token_totals("entropy", sg(entropy.astype(mx.float32)), m))
+    if weights is not None:
+        totals.update(token_totals("tis_weight", sg(weights.astype(mx.float32)), m))
     return LossOutput(loss, finalize_totals(totals), totals)

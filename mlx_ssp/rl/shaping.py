@@ -18,7 +18,8 @@ Deviations / choices the report does not spell out:
   all-correct group is kept or dropped exactly as without shaping.
 
 :data:`SHAPINGS` maps each ``rl:`` key that turns a shaping on to the function that applies it;
-the loop applies every one whose key is set (:func:`apply_shapings`).
+the loop applies every one whose key is set (:func:`apply_shapings`). ``overlong`` (issue 23) is
+DAPO's soft length penalty in the last ``buffer`` tokens before the generation limit.
 """
 
 from __future__ import annotations
@@ -66,14 +67,28 @@ def long2short(rewards, lengths, group_ids, lam: float = 0.2) -> np.ndarray:
     return out
 
 
-def _long2short(cfg: Any, rewards, lengths, group_ids) -> np.ndarray:
+def _long2short(cfg: Any, rewards, lengths, group_ids, rl_cfg: Any) -> np.ndarray:
     return long2short(rewards, lengths, group_ids, cfg.lambda_)
 
 
-#: ``rl:`` key -> fn(its config, rewards, lengths, group ids) -> shaped rewards
+def _overlong(cfg: Any, rewards, lengths, group_ids, rl_cfg: Any) -> np.ndarray:
+    """DAPO's soft overlong punishment (arXiv:2503.14476 section 3.4; :func:`mlx_ssp.rl.objectives.overlong_penalty`)."""
+    from mlx_ssp.rl.objectives import overlong_penalty
+
+    pen = overlong_penalty([int(n) for n in lengths], rl_cfg.sampling.max_tokens, cfg.buffer, cfg.penalty)
+    return np.asarray(rewards, np.float64) + np.asarray(pen, np.float64)
+
+
+#: ``rl:`` key -> fn(its config, rewards, lengths, group ids, the rl config) -> shaped rewards;
+#: applied in this order (the length penalty first, so Long2Short ranks the penalised rewards)
 SHAPINGS: dict[str, Callable[..., np.ndarray]] = {
+    "overlong": _overlong,
     "long2short": _long2short,
 }
+
+
+def shaping_on(rl_cfg: Any) -> bool:
+    return any(getattr(rl_cfg, key, None) is not None for key in SHAPINGS)
 
 
 def apply_shapings(rl_cfg: Any, rewards, lengths, group_ids) -> np.ndarray:
@@ -82,7 +97,7 @@ def apply_shapings(rl_cfg: Any, rewards, lengths, group_ids) -> np.ndarray:
     for key, fn in SHAPINGS.items():
         sub = getattr(rl_cfg, key, None)
         if sub is not None:
-            out = fn(sub, out, lengths, group_ids)
+            out = fn(sub, out, lengths, group_ids, rl_cfg)
     return out
 
 
