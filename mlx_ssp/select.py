@@ -13,8 +13,10 @@ correct solutions per problem, not the first win). Per prompt, with the ``divers
    whose distance to its nearest selected solution is largest (ties: lowest sample index).
 
 Distances (a registry, :data:`DISTANCES`): ``ngram`` = Jaccard distance between the sets of word
-n-grams (default n=3), ``edit`` = word-level Levenshtein distance / the longer length. Both are in
-[0, 1]. For an episode the compared text is its call sequence (:func:`strategy_text`), so distinct
+n-grams (default n=3), ``edit`` = word-level Levenshtein distance / the longer length, and the
+strategy distances of :mod:`mlx_ssp.strategy` (``steps``, ``ast``, ``calls``; ``auto`` picks one per
+prompt, :func:`strategy_kind`). All are in [0, 1]; the report counts each prompt's distinct
+strategies whatever distance selects. For an episode the compared text is its call sequence (:func:`strategy_text`), so distinct
 strategies are distinct call sequences, not distinct wording (issue 17). ``first`` keeps the first correct sample per prompt (the single-path baseline SSP argues
 against) and ``all`` keeps every correct one.
 
@@ -103,7 +105,9 @@ class SelectConfig(StrictModel):
 
     policy: Literal["diverse", "first", "all"] = "diverse"
     per_prompt: int = Field(4, ge=1)  # M: most solutions kept per prompt (diverse)
-    distance: Literal["ngram", "edit"] = "ngram"
+    #: ngram | edit (wording) | steps | ast | calls (strategy: mlx_ssp.strategy) | auto (per prompt,
+    #: from its solutions: strategy_kind). ngram stays the default so existing runs keep their outputs.
+    distance: Literal["ngram", "edit", "steps", "ast", "calls", "auto"] = "ngram"
     ngram: int = Field(3, ge=1)  # n of the n-gram distance
     near_duplicate: float = Field(0.1, ge=0.0, lt=1.0)  # distance at or below which two are duplicates
     min_reward: float = Field(1.0, gt=0.0, le=1.0)  # a completion is correct at reward >= this
@@ -329,13 +333,42 @@ def drop_reason(rec: dict, cfg: SelectConfig) -> Optional[str]:
 DROP_REASONS = ("incorrect", "truncated", "repetition")
 
 
+_EQUATION = re.compile(r"\d\s*=\s*-?\d")
+
+
+def strategy_kind(correct: list[dict]) -> str:
+    """The strategy distance a prompt's solutions call for (``distance: auto``). Rollout records do
+    not carry their verifier, so this reads the solutions: episodes -> ``ngram`` over their call
+    sequence (:func:`strategy_text`), tool calls -> ``calls``, Python code -> ``ast``, equations ->
+    ``steps``, anything else -> ``ngram``."""
+    if any(r.get("kind") == "episode" for r in correct):
+        return "ngram"
+    texts = [r.get("completion") or "" for r in correct]
+    if any("<tool_call>" in t for t in texts):
+        return "calls"
+    if any("```python" in t or t.lstrip().startswith(("def ", "import ", "from ")) for t in texts):
+        return "ast"
+    if any(_EQUATION.search(t) for t in texts):
+        return "steps"
+    return "ngram"
+
+
+def _n_strategies(texts: list[str], kind: str) -> int:
+    if kind in ("steps", "ast", "calls"):
+        from mlx_ssp.strategy import distinct_strategies
+
+        return distinct_strategies(texts, kind)
+    return len({normalize(t) for t in texts})  # wording is all there is to compare
+
+
 def select_prompt(recs: list[dict], cfg: SelectConfig) -> tuple[list[dict], dict]:
     """One prompt's selected records and its spectrum row. ``recs`` are all its samples."""
     recs = sorted(recs, key=lambda r: r["sample"])
     reasons = [drop_reason(r, cfg) for r in recs]
     correct = [r for r, why in zip(recs, reasons) if why is None]
     texts = [strategy_text(r) for r in correct]
-    dist = DISTANCES[cfg.distance](cfg.ngram)(texts)
+    kind = strategy_kind(correct)
+    dist = DISTANCES[kind if cfg.distance == "auto" else cfg.distance](cfg.ngram)(texts)
     distinct = dedupe(texts, dist, cfg.near_duplicate)
     chosen = POLICIES[cfg.policy](correct, dist, distinct, cfg)
     row = {
@@ -347,6 +380,9 @@ def select_prompt(recs: list[dict], cfg: SelectConfig) -> tuple[list[dict], dict
         "selected_samples": [correct[i]["sample"] for i in chosen],
         "mean_pairwise_distance": mean_pairwise(dist, chosen),
         "mean_pairwise_distance_distinct": mean_pairwise(dist, distinct),
+        # what the solutions *do* (issue 20): distinct feature sets of the prompt's kind of solution
+        "strategy_kind": kind,
+        "n_strategies": _n_strategies(texts, kind),
     }
     if _quality_on(cfg):
         row["dropped"] = {k: reasons.count(k) for k in DROP_REASONS}
@@ -418,6 +454,7 @@ def select(records: list[dict], cfg: SelectConfig, system: Optional[str] = None,
             "no_correct_ids": no_correct,
             "mean_correct_per_prompt": sum(r["n_correct"] for r in rows) / den,
             "mean_distinct_correct_per_prompt": sum(r["n_distinct_correct"] for r in rows) / den,
+            "mean_strategies_per_prompt": sum(r["n_strategies"] for r in rows) / den,
             "mean_selected_per_prompt": sum(r["n_selected"] for r in rows) / den,
             "mean_pairwise_distance": (sum(with_pairs) / len(with_pairs)) if with_pairs else None,
             "n_train": len(train),
@@ -633,7 +670,8 @@ def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, 
 
 
 def format_report(report: dict) -> str:
-    head = ["domain", "prompts", "no_correct", "distinct/prompt", "selected/prompt", "mean_dist", "train", "valid"]
+    head = ["domain", "prompts", "no_correct", "distinct/prompt", "strategies/prompt", "selected/prompt", "mean_dist",
+            "train", "valid"]
     # samples dropped per reason: only in reports made with a quality option (select.repetition ...)
     drops = any("dropped" in d for d in report["domains"].values())
     if drops:
@@ -642,7 +680,7 @@ def format_report(report: dict) -> str:
     for dom, d in report["domains"].items():
         md = d["mean_pairwise_distance"]
         rows.append([dom, str(d["n_prompts"]), str(d["prompts_no_correct"]), f"{d['mean_distinct_correct_per_prompt']:.2f}",
-                     f"{d['mean_selected_per_prompt']:.2f}", "-" if md is None else f"{md:.3f}", str(d["n_train"]),
+                     f"{d.get('mean_strategies_per_prompt', 0):.2f}", f"{d['mean_selected_per_prompt']:.2f}", "-" if md is None else f"{md:.3f}", str(d["n_train"]),
                      str(d["n_valid"]) + (" (=train)" if d["valid_is_train"] else "")])
         if drops:
             dr = d.get("dropped", {})

@@ -57,7 +57,7 @@ def test_ngram_distance_properties():
     assert m.shape == (3, 3) and np.allclose(m, m.T) and np.all(np.diag(m) == 0)
 
 
-@pytest.mark.parametrize("metric", sorted(DISTANCES))
+@pytest.mark.parametrize("metric", ["ngram", "edit"])  # wording distances (strategy ones: test_strategy.py)
 def test_dedupe_drops_exact_and_near_duplicates(metric):
     base = "First add 2 and 3 to get 5 , then multiply by 4 to get 20 . Answer : 20"
     texts = [

@@ -62,3 +62,23 @@ def test_distances_are_registered_and_auto_maps_verifiers():
     for k in ("steps", "ast", "calls"):
         assert k in DISTANCES
     assert S.AUTO["code"] == "ast" and S.AUTO["math"] == "steps" and S.AUTO["toolcall"] == "calls"
+
+
+def _recs(texts):
+    return [{"task_id": "t", "domain": "m", "sample": i, "prompt": "p", "completion": t, "reward": 1.0,
+             "finish_reason": "stop"} for i, t in enumerate(texts)]
+
+
+def test_auto_selection_keeps_the_other_method_not_the_paraphrase():
+    """select with distance: auto on the motivating example: with room for two solutions, the method
+    and the other method are kept; n-grams keep the paraphrase instead (the defect issue 20 names)."""
+    from mlx_ssp.select import SelectConfig, select_prompt, strategy_kind
+
+    texts = [MATH["method"], MATH["paraphrase"], MATH["other"]]
+    auto, row = select_prompt(_recs(texts), SelectConfig(distance="auto", per_prompt=2, near_duplicate=0.0))
+    assert [r["sample"] for r in auto] == [0, 2] and row["strategy_kind"] == "steps" and row["n_strategies"] == 2
+    ngram, row_ng = select_prompt(_recs(texts), SelectConfig(distance="ngram", per_prompt=2, near_duplicate=0.0))
+    assert [r["sample"] for r in ngram] == [0, 1]
+    assert row_ng["n_strategies"] == 2  # the report counts strategies whatever distance selects
+    assert strategy_kind(_recs([CODE["method"]])) == "ast" and strategy_kind(_recs([CALLS["method"]])) == "calls"
+    assert strategy_kind(_recs(["just words"])) == "ngram"
