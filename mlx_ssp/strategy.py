@@ -43,8 +43,26 @@ EMPTY_VS_SOME = 0.5
 # -- math: equations ---------------------------------------------------------------------------
 
 _NUM = r"-?\d[\d,]*(?:\.\d+)?"
-_EQ = re.compile(rf"([\d\s.,+\-*/×÷·x^()]*\d[\d\s.,+\-*/×÷·x^()]*)=\s*({_NUM})")
+# the left side is the run of these characters before "=" (holding a digit); found by scanning back
+# from each "= NUMBER", since the regex form of it backtracks in cubic time on long digit runs
+_LHS_CHAR = re.compile(r"[\d\s.,+\-*/×÷·x^()]")
+_DIGIT = re.compile(r"\d")
+_RHS = re.compile(rf"=\s*({_NUM})")
 _NUMS = re.compile(_NUM)
+
+
+def _equations(text: str) -> list[tuple[str, str]]:
+    """``(lhs, rhs)`` of each ``lhs = number`` in ``text``, left to right, not overlapping: what
+    ``re.findall(r"([C]*\\d[C]*)=\\s*(NUM)")`` gives (C: :data:`_LHS_CHAR`), in linear time."""
+    out, prev = [], 0
+    for m in _RHS.finditer(text):
+        p = s = m.start()
+        while s > prev and _LHS_CHAR.match(text, s - 1):
+            s -= 1
+        if _DIGIT.search(text, s, p):
+            out.append((text[s:p], m.group(1)))
+            prev = m.end()
+    return out
 
 
 def _num(s: str) -> str:
@@ -72,7 +90,7 @@ def _expr(s: str) -> str:
 def math_steps(text: str) -> frozenset[str]:
     """The normalised equations of a trace (none: no steps shown, e.g. a bare answer)."""
     eqs = set()
-    for lhs, rhs in _EQ.findall(text[:20000]):
+    for lhs, rhs in _equations(text[:20000]):
         lhs = _expr(lhs)
         if lhs and any(c.isdigit() for c in lhs):
             eqs.add(f"{lhs}={_num(rhs)}")

@@ -82,3 +82,19 @@ def test_auto_selection_keeps_the_other_method_not_the_paraphrase():
     assert row_ng["n_strategies"] == 2  # the report counts strategies whatever distance selects
     assert strategy_kind(_recs([CODE["method"]])) == "ast" and strategy_kind(_recs([CALLS["method"]])) == "calls"
     assert strategy_kind(_recs(["just words"])) == "ngram"
+
+
+def test_equations_match_the_regex_and_take_linear_time():
+    """The equation scan gives the regex's (lhs, rhs) pairs, and a long digit run without an equation
+    (a degenerate trace) is scanned at once: the regex form backtracked in cubic time (5000 digits:
+    minutes), and select computes steps for every prompt's report row."""
+    import re
+    import time
+
+    old = re.compile(rf"([\d\s.,+\-*/×÷·x^()]*\d[\d\s.,+\-*/×÷·x^()]*)=\s*({S._NUM})")
+    for t in ["3+5=8, then 8*2=16", "a=5=3", "x = 4", "(2 + 3) × 4 = 20. so 1,000 = 1000", "= 5", "1 2 3 = 4 = 5"]:
+        assert S._equations(t) == old.findall(t)
+    t0 = time.perf_counter()
+    assert S.math_steps("1" * 5000 + " 1" * 5000) == frozenset()
+    assert S.math_steps("1+" * 5000 + "1=5001") == frozenset({"1+" * 5000 + "1=5001"})
+    assert time.perf_counter() - t0 < 1.0
