@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import math
 import re
 from itertools import combinations
 from typing import Callable
@@ -70,6 +71,8 @@ def _num(s: str) -> str:
     try:
         v = float(s)
     except ValueError:
+        return s
+    if not math.isfinite(v):  # 309+ digits: int(inf) would raise; the digits are the feature
         return s
     return str(int(v)) if v == int(v) else repr(v)
 

@@ -98,3 +98,11 @@ def test_equations_match_the_regex_and_take_linear_time():
     assert S.math_steps("1" * 5000 + " 1" * 5000) == frozenset()
     assert S.math_steps("1+" * 5000 + "1=5001") == frozenset({"1+" * 5000 + "1=5001"})
     assert time.perf_counter() - t0 < 1.0
+
+
+def test_a_number_too_large_for_a_float_is_a_feature_not_an_error():
+    """A trace may write a 400-digit number (model output): float() gives inf and int(inf) raised
+    OverflowError, which stopped the whole select stage."""
+    big = "9" * 400
+    assert S.math_steps(f"2+3 = {big}") == frozenset({f"2+3={big}"})
+    assert S.math_steps(f"{big} + 1 = 5") == frozenset({f"1+{big}=5"})  # operands sorted
