@@ -9,7 +9,7 @@ Measured side by side in one run, per model, on the same tasks, samples and seed
   compared (the engine promises batched == one at a time).
 - ``--ceiling``: the bare forward pass at batch 1 and 16 (decode step, 64-token prefill over a
   1,000-token cache) and one float32 exp: per-row gains that bound what any engine can get here.
-- ``prefill batch``: the batched run at the request's automatic prefill batch (1 on the CPU) vs
+- ``prefill batch``: the batched run at the request's automatic prefill batch (episodes: 1 on the CPU) vs
   mlx-lm's default of 8 sequences prefilled together (padded to the longest), same tokens.
 - ``prefill``: the batched run with KV-cache reuse (``reuse_cache=True``) vs re-prefilling the whole
   conversation for every message (``reuse_cache=False``): prompt tokens prefilled per generated
@@ -251,7 +251,7 @@ def main() -> None:
                                    "one_at_a_time": round(s_st["gen_tokens"] / s_st["wall_s"], 1)},
             "speedup_batched": {"wall": round(b_eps / s_eps, 2), "cpu": round(b_eps_c / s_eps_c, 2)},
             "batched_equals_one_at_a_time": same_seq,
-            "prefill_batch": {"auto": RolloutRequest(tasks=tasks, k=1, sampling=sc, batch_size=args.batch_size).prefill_batch(),
+            "prefill_batch": {"auto": RolloutRequest(tasks=tasks, k=1, sampling=sc, batch_size=args.batch_size).prefill_batch(episodes=True),
                               "episodes_per_wall_s_at_8": round(len(p_recs) / p_st["wall_s"], 3),
                               "speedup_auto_over_8": round(b_eps / (len(p_recs) / p_st["wall_s"]), 2),
                               "same_tokens": same_prefill8},

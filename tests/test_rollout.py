@@ -345,9 +345,9 @@ def test_one_request_from_a_stage_section():
     assert e["seed"] == 5 and "verify_workers" not in e
     req = RolloutRequest(tasks=make_tasks(1), k=2, **e)
     assert req.verify_workers == 4 and req.replace(k=1).k == 1 and req.k == 2
-    # prefill batch: automatic (1 on the CPU these tests run on), capped by the batch; a key that
+    # prefill batch: automatic (8; episodes: 1 on the CPU these tests run on), capped by the batch; a key that
     # holds its default stays out of the dump, so runs made before it keep their fingerprints
-    assert req.prefill_batch() == (1 if mx.default_device() == mx.cpu else 8)
+    assert req.prefill_batch() == 8 and req.prefill_batch(episodes=True) == (1 if mx.default_device() == mx.cpu else 8)
     assert req.replace(prefill_batch_size=8, batch_size=3).prefill_batch() == 3
     assert "prefill_batch_size" not in RolloutConfig().model_dump() and "prefill_batch_size" not in EvalConfig().model_dump()
     assert stage_settings(RolloutConfig(prefill_batch_size=4))["prefill_batch_size"] == 4

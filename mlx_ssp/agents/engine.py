@@ -58,7 +58,7 @@ class EpisodeRun:
         self.reuse_cache, self.context = reuse_cache, context
         self.deltas = Deltas(tokenizer)
         self.eos = set(tokenizer.eos_token_ids)
-        self.dec = Decoder(model, tokenizer, request, total=len(work), unit="episode", desc="episodes")
+        self.dec = Decoder(model, tokenizer, request, total=len(work), unit="episode", desc="episodes", episodes=True)
         self.live: dict[int, _Live] = {}
         self.groups = TaskGroups(Counter(ti for ti, _ in work))
         self.ready: list[list[dict]] = []  # task groups completed, not yet handed out

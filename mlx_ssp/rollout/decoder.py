@@ -22,7 +22,8 @@ class Decoder:
     """``gen`` (the generator), ``path`` (the sampling path), ``lp_temp`` (the temperature behaviour
     log-probs are stored at), ``bar`` (tqdm or None); :meth:`close` restores the model's mode."""
 
-    def __init__(self, model, tokenizer, request: RolloutRequest, *, total: int, unit: str, desc: str):
+    def __init__(self, model, tokenizer, request: RolloutRequest, *, total: int, unit: str, desc: str,
+                 episodes: bool = False):
         from mlx_lm.generate import BatchGenerator
 
         from mlx_ssp import sampling
@@ -39,7 +40,7 @@ class Decoder:
             max_tokens=s.max_tokens,
             stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
             completion_batch_size=request.batch_size,
-            prefill_batch_size=request.prefill_batch(),
+            prefill_batch_size=request.prefill_batch(episodes),
         )
         self.share_prefix = request.share_prefix and _shareable(model)
         self.saved_prefill = 0  # prompt tokens samples did not prefill themselves (shared prefixes)

@@ -47,16 +47,22 @@ class RolloutRequest:
         """The sample indices of a task to generate: all K, or (a resume) those ``samples`` names."""
         return list(range(self.k)) if samples is None else sorted(samples.get(task_id, []))
 
-    def prefill_batch(self) -> int:
-        """Sequences prefilled together. Auto: 1 on the CPU, where a prefill of a few hundred tokens
-        already keeps the cores busy, so batching gains nothing and padding rows to the longest
-        prompt and history (up to 2x the attention work, measured on episodes) is pure loss; on a GPU
-        mlx-lm's default (8), where small prefills are latency-bound and batching them is nearly free."""
+    def prefill_batch(self, episodes: bool = False) -> int:
+        """Sequences admitted and prefilled together per generator step. Auto: mlx-lm's default
+        (``min(batch_size, 8)``), except for episodes on the CPU: there the returning conversations'
+        new tokens (tool results, the next user turn) are tens to hundreds of tokens of uneven length,
+        a prefill of that size already keeps the cores busy, and padding them to the longest (history
+        and new tokens) only adds work (measured 1.26x faster at 1, BENCHMARKS.md). Single-turn
+        samples keep 8: with shared prefixes their prompt is one token, and admitting only one
+        sequence per step would keep the batch from filling."""
         if self.prefill_batch_size is not None:
             return min(self.prefill_batch_size, self.batch_size)
-        import mlx.core as mx
+        if episodes:
+            import mlx.core as mx
 
-        return 1 if mx.default_device() == mx.cpu else min(self.batch_size, 8)
+            if mx.default_device() == mx.cpu:
+                return 1
+        return min(self.batch_size, 8)
 
     def replace(self, **changes: Any) -> RolloutRequest:
         return dataclasses.replace(self, **changes)
