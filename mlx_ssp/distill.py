@@ -64,6 +64,17 @@ class DistillConfig(StrictModel):
             raise ValueError(f"bucket edges must be positive and increasing, got {v}")
         return v
 
+    @field_validator("sft")
+    @classmethod
+    def _sft_keys(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # at load time, not after hours of collection and scoring (values are checked when SFT starts)
+        from mlx_ssp.sft import SFTConfig
+
+        bad = sorted(set(v) - set(SFTConfig.model_fields))
+        if bad:
+            raise ValueError(f"unknown sft key(s) {', '.join(bad)}; valid: {', '.join(sorted(SFTConfig.model_fields))}")
+        return v
+
     @model_validator(mode="after")
     def _ranges(self) -> "DistillConfig":
         lo, hi = self.keep_quantiles

@@ -117,3 +117,12 @@ def test_stage_collects_scores_selects_and_trains(tmp_path, tiny_qwen3):
     assert D.run_distill(cfg, **kw)["selected"] == rep["selected"]
     assert {p.name: p.stat().st_mtime_ns for p in (out / "collect").glob("*.jsonl")} == stamp
     assert spec.stat().st_mtime_ns == before
+
+
+def test_unknown_sft_override_is_a_load_time_error():
+    """A typo in distill.sft fails when the run file loads, not after the collection and scoring."""
+    import pydantic
+
+    D.DistillConfig(sft={"iters": 3, "learning_rate": 1e-4})
+    with pytest.raises(pydantic.ValidationError, match="itres"):
+        D.DistillConfig(sft={"itres": 3})
