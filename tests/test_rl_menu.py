@@ -103,3 +103,14 @@ def test_overlong_shaping_penalises_only_the_last_buffer_tokens():
     cfg = RLConfig(overlong={"buffer": 4, "penalty": 1.0}, sampling={"temperature": 1.0, "max_tokens": 8})
     out = apply_shapings(cfg, np.array([1.0, 1.0, 0.0, 1.0]), np.array([3, 6, 8, 4]), np.zeros(4, int))
     assert np.allclose(out, [1.0, 0.5, -1.0, 1.0])
+
+
+def test_long2short_sees_the_verifier_rewards_when_overlong_is_on():
+    """Both shapings on: Long2Short's correct set is the verifier's, not the length-penalised one."""
+    from mlx_ssp.rl.shaping import apply_shapings, long2short
+
+    cfg = RLConfig(overlong={"buffer": 4}, long2short={"lambda": 0.2}, sampling={"temperature": 1.0, "max_tokens": 8})
+    r, L, g = np.array([1.0, 1.0, 0.0]), np.array([2, 7, 3]), np.zeros(3, int)
+    out = apply_shapings(cfg, r, L, g)
+    expect = long2short(r, L, g, 0.2) + np.array([0.0, -0.75, 0.0])
+    assert np.allclose(out, expect)

@@ -80,10 +80,11 @@ def _overlong(cfg: Any, rewards, lengths, group_ids, rl_cfg: Any) -> np.ndarray:
 
 
 #: ``rl:`` key -> fn(its config, rewards, lengths, group ids, the rl config) -> shaped rewards;
-#: applied in this order (the length penalty first, so Long2Short ranks the penalised rewards)
+#: applied in this order: Long2Short first, on the verifier's rewards (its correct set is the
+#: reward >= 0.999 one; a length penalty applied before it would turn correct answers "incorrect")
 SHAPINGS: dict[str, Callable[..., np.ndarray]] = {
-    "overlong": _overlong,
     "long2short": _long2short,
+    "overlong": _overlong,
 }
 
 
