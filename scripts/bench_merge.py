@@ -173,7 +173,7 @@ def diff_outputs(ours: Path, theirs: Path) -> dict:
 
     a, b = load_tensors(ours), load_tensors(theirs)
     res = {"tensors": len(a), "only_ours": sorted(set(a) - set(b))[:5], "only_mergekit": sorted(set(b) - set(a))[:5],
-           "identical": 0, "elements": 0, "elements_differ": 0, "max_ulps": 0.0, "worst": None, "worst_rel": 0.0}
+           "identical": 0, "elements": 0, "elements_differ": 0, "max_abs": 0.0, "max_ulps": 0.0, "worst": None, "worst_rel": 0.0}
     for k in sorted(set(a) & set(b)):
         x, y = np.array(a[k].astype(mx.float32), dtype=np.float64), np.array(b[k].astype(mx.float32), dtype=np.float64)
         if x.shape != y.shape:
@@ -185,8 +185,11 @@ def diff_outputs(ours: Path, theirs: Path) -> dict:
         res["elements_differ"] += n
         res["identical"] += n == 0
         if n:
-            # bf16 spacing at |y|: 2^(exponent - 7); float32 outputs would need 2^-23 (not used here)
-            spacing = np.exp2(np.floor(np.log2(np.maximum(np.abs(y), 1e-30))) - 7)
+            res["max_abs"] = max(res["max_abs"], float(diff.max()))
+            # bf16 spacing at the larger magnitude, 2^(exponent - 7), floored at 2^-133 (bf16's
+            # smallest subnormal step), so two values either side of zero do not count as 1e25 ulps
+            big = np.maximum(np.abs(x), np.abs(y))
+            spacing = np.maximum(np.exp2(np.floor(np.log2(np.maximum(big, 1e-38))) - 7), 2.0 ** -133)
             res["max_ulps"] = max(res["max_ulps"], float((diff / spacing).max()))
             rel = float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
             if rel > res["worst_rel"]:
