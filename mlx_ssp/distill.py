@@ -35,9 +35,11 @@ import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from mlx_ssp.config import StrictModel
+from mlx_ssp.errors import UserError
 from mlx_ssp.rollout.config import SamplingConfig
 
 DOMAIN = "distill"  # the SFT domain the student is trained as
+CORRECT_AT = 0.999  # a verified-correct trace (as mlx_ssp.verify.VerifyResult.correct)
 
 
 class DistillConfig(StrictModel):
@@ -185,7 +187,7 @@ def collect(sources: dict[str, str], tasks_path: Path, cfg: DistillConfig, out_d
         f = out_dir / "collect" / f"{name.replace(':', '-').replace('/', '-')}.jsonl"
         run_rollouts(path, tasks_path, rcfg, f, progress=progress)
         for _, rec in iter_jsonl_numbered(f, what="distill rollouts"):
-            if float(rec.get("reward", 0.0)) >= 1.0:
+            if float(rec.get("reward") or 0.0) >= CORRECT_AT:
                 kept.append({**rec, "distill_source": name})
     return kept
 
@@ -211,11 +213,15 @@ def run_distill(cfg: DistillConfig, *, sources: dict[str, str], student: str, ta
     scores = learning_potential(model, recs, batch_size=cfg.score_batch_size, chunk_size=cfg.chunk_size)
     del model
     domains = [r.get("domain", "default") for r in recs]
+    unknown = sorted(set(cfg.mix or {}) - set(domains))
+    if unknown:
+        raise UserError(f"distill.mix: {', '.join(unknown)} is not a domain of the collected traces "
+                        f"({', '.join(sorted(set(domains)))})")
     lengths = [int(r.get("num_tokens", len(r["token_ids"]))) for r in recs]
     keep, sel = select_by_potential(domains, lengths, scores, edges=cfg.buckets, min_tokens=cfg.min_tokens,
                                     keep=cfg.keep_quantiles)
     keep = mix_domains(keep, domains, cfg.mix, seed)
-    report.update(selection=sel, selected=len(keep), per_domain={d: sum(domains[i] == d for i in keep) for d in set(domains)},
+    report.update(selection=sel, selected=len(keep), per_domain={d: sum(domains[i] == d for i in keep) for d in sorted(set(domains))},
                   score={"mean_all": float(np.mean(scores)), "mean_selected": float(np.mean([scores[i] for i in keep])) if keep else None})
     write_jsonl_atomic(out_dir / "scored.jsonl", [
         {"task_id": r["task_id"], "sample": r["sample"], "source": r["distill_source"], "domain": d, "tokens": n,

@@ -108,3 +108,19 @@ def test_an_empty_hard_subset_keeps_stage_1(tmp_path, base):
     assert summary["domains"]["math"]["chosen_step"] == 2
     with pytest.raises(UserError, match="curriculum.reference"):
         _run(make_cfg(tmp_path / "b", data, write_probe(tmp_path), iters=2, save_every=2, curriculum={}), base)
+
+
+def test_adding_a_curriculum_to_a_finished_domain_runs_stage_2(tmp_path, base):
+    data, recs = _data(tmp_path)
+    ref = _reference(tmp_path, hard={0, 2})
+    one = make_cfg(tmp_path, data, write_probe(tmp_path), iters=2, save_every=2)
+    _run(one, base)
+    ddir = tmp_path / "sft" / "math"
+    assert "curriculum" not in json.loads((ddir / "result.json").read_text())
+    two = make_cfg(tmp_path, data, write_probe(tmp_path), iters=2, save_every=2,
+                   curriculum={"min_tokens": 20, "reference": str(ref), "iters": 1})
+    _run(two, base)
+    res = json.loads((ddir / "result.json").read_text())
+    assert res["curriculum"]["kept"] == 2 and (ddir / "stage2" / "checkpoints").is_dir()
+    _run(one, base)  # and removing it again: stage 1's pick is the specialist once more
+    assert "curriculum" not in json.loads((ddir / "result.json").read_text())

@@ -15,6 +15,10 @@ def _shareable(model) -> bool:
     that batches by copying (not a rotating window or a state-space cache)."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+    try:  # mlx-lm's prompt batch (0.32): without it each sample prefills its own prompt
+        from mlx_lm.generate import PromptProcessingBatch  # noqa: F401
+    except ImportError:
+        return False
     return all(type(c) is KVCache for c in make_prompt_cache(model))
 
 

@@ -335,6 +335,16 @@ def _curriculum_stage(cfg: SFTConfig, plan: DomainPlan, stage1: "_DomainRun", to
     return info, (chosen, ckpts.find_checkpoint(ddir2 / "checkpoints", chosen["step"]))
 
 
+def _curriculum_settings(result: dict) -> Optional[dict]:
+    """The curriculum settings a finished domain's result was made with (None: one stage)."""
+    cur = result.get("curriculum")
+    if cur is None:
+        return None
+    from mlx_ssp.sft.curriculum import CurriculumConfig
+
+    return CurriculumConfig.model_validate({k: cur[k] for k in CurriculumConfig.model_fields if k in cur}).model_dump(mode="json")
+
+
 def _open_domain_dir(cfg: SFTConfig, plan: DomainPlan, model_path: Path, ddir: Path, spec_dir: Path,
                      seed: int) -> Optional[dict]:
     """Clear (``overwrite``) or check (same settings) the domain directory; the finished result when
@@ -351,7 +361,10 @@ def _open_domain_dir(cfg: SFTConfig, plan: DomainPlan, model_path: Path, ddir: P
     result_path = ddir / "result.json"
     if result_path.is_file() and spec_dir.is_dir():
         done = json.loads(result_path.read_text())
-        if done.get("rule") == cfg.select:
+        # curriculum stage 2 is not in the stage-1 fingerprint: a finished domain is done only for
+        # the same curriculum settings (added, changed or removed: the stage 2 part is redone)
+        same_cur = _curriculum_settings(done) == (cfg.curriculum.model_dump(mode="json") if cfg.curriculum else None)
+        if done.get("rule") == cfg.select and same_cur:
             print(f"[sft {plan.name}] already done (step {done['chosen_step']}), skipping", file=sys.stderr)
             return done
     if dist.is_main():
