@@ -19,9 +19,11 @@ the solution's steps, by Jaccard distance:
   tagged with its position among calls of that name), so the same calls with other argument values
   are one strategy. Single-turn completions are parsed with the agents' call parser (never evaluated).
 
-Rules shared by all three: two solutions with no features are the same (distance 0); a solution with
-no features against one with features is 0.5 (nothing shown is not evidence of a different method,
-so a bare answer never outranks a genuinely different method in farthest-point selection).
+Rules shared by all three: two solutions with no features are compared by their word 3-grams (so
+prose-only traces of a domain that sometimes writes equations are not all collapsed into one); a
+solution with no features against one with features is 0.5 (nothing shown is not evidence of a
+different method, so a bare answer never outranks a genuinely different method in farthest-point
+selection).
 
 :data:`AUTO` maps a verifier kind to its distance (``distance: auto`` in ``select``); everything
 else uses word n-grams. The functions are pure; :func:`distance_fn` gives the registry's
@@ -189,6 +191,10 @@ def feature_distance(a: frozenset, b: frozenset) -> float:
     return 1.0 - len(a & b) / len(a | b)
 
 
+def _jaccard(a: frozenset, b: frozenset) -> float:
+    return 0.0 if not a and not b else 1.0 - len(a & b) / len(a | b)
+
+
 FEATURES: dict[str, Callable[[str], frozenset]] = {"steps": math_steps, "ast": code_statements, "calls": call_shapes}
 
 #: verifier kind -> strategy distance (``distance: auto``); other verifiers use word n-grams
@@ -204,8 +210,16 @@ def distance_fn(kind: str) -> Callable[[int], Callable[[list[str]], np.ndarray]]
         def matrix(texts: list[str]) -> np.ndarray:
             fs = [feat(t) for t in texts]
             m = np.zeros((len(fs), len(fs)))
+            words = None
             for i, j in combinations(range(len(fs)), 2):
-                m[i, j] = m[j, i] = feature_distance(fs[i], fs[j])
+                if not fs[i] and not fs[j]:  # neither shows steps: only their wording can tell them apart
+                    if words is None:
+                        from mlx_ssp.select import ngrams
+
+                        words = [ngrams(t, 3) for t in texts]
+                    m[i, j] = m[j, i] = _jaccard(words[i], words[j])
+                else:
+                    m[i, j] = m[j, i] = feature_distance(fs[i], fs[j])
             return m
 
         return matrix

@@ -106,3 +106,10 @@ def test_a_number_too_large_for_a_float_is_a_feature_not_an_error():
     big = "9" * 400
     assert S.math_steps(f"2+3 = {big}") == frozenset({f"2+3={big}"})
     assert S.math_steps(f"{big} + 1 = 5") == frozenset({f"1+{big}=5"})  # operands sorted
+
+
+def test_featureless_solutions_are_compared_by_wording():
+    texts = ["we reason in words only and find sixteen", "a completely different argument in prose gives sixteen",
+             "we reason in words only and find sixteen !"]
+    d = S.distance_fn("steps")(3)(texts)
+    assert d[0, 1] > 0.5 and d[0, 2] < d[0, 1]
