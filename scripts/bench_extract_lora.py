@@ -102,6 +102,7 @@ def make_spiked(base: Path, out: Path, rank: int) -> Path:
     info = sio.scan_model(base)
     plan = [sio.PlannedTensor(n, "BF16", i.shape) for n, i in info.items()]
     total = sum(i.nbytes for i in info.values())
+    out.mkdir(parents=True, exist_ok=True)
     w = sio.ShardedWriter(out, plan, max_shard_bytes=total // 3 + 1)
     weights = {k: v for f in sorted(base.glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
     for n, i in info.items():
