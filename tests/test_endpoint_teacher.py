@@ -356,3 +356,45 @@ def test_real_mlx_lm_server_killed_mid_run_and_resumed(tmp_path, tiny_qwen3):
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_redirect_is_refused_and_the_key_goes_nowhere_else():
+    """urllib would re-send the Authorization header to the redirect's host: we do not follow."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from mlx_ssp.rollout.endpoint_client import ChatClient
+
+    seen = []
+
+    class Other(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    other = HTTPServer(("127.0.0.1", 0), Other)
+
+    class Redirect(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.send_response(307)
+            self.send_header("Location", f"http://127.0.0.1:{other.server_port}/v1/chat/completions")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    red = HTTPServer(("127.0.0.1", 0), Redirect)
+    for srv in (other, red):
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = ChatClient(f"http://127.0.0.1:{red.server_port}", "m", api_key="sk-secret", max_retries=0)
+        with pytest.raises(UserError, match="redirect") as e:
+            client.request(f"http://127.0.0.1:{red.server_port}/v1/chat/completions", {"x": 1})
+        assert "sk-secret" not in str(e.value) and seen == []
+    finally:
+        red.shutdown()
+        other.shutdown()

@@ -52,6 +52,18 @@ class RetryableError(Exception):
     server asked to wait or None, whether no HTTP reply came at all)``."""
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Refuse redirects: urllib's handler would re-send the Authorization header (the API key) to
+    wherever the server points, another host included. A teacher endpoint has no reason to redirect."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise urllib.error.HTTPError(req.full_url, code, f"the server redirected to {newurl}; refusing to follow "
+                                     "(the request carries the API key): give the final URL", headers, fp)
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect())
+
+
 @dataclass
 class ChatClient:
     """POSTs JSON to one endpoint with the retry policy above; thread-safe (one connection per call)."""
@@ -77,7 +89,7 @@ class ChatClient:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(url, data=data, headers=self._headers(), method="GET" if body is None else "POST")
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            with _OPENER.open(req, timeout=timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             detail = self.scrub(_error_text(e))
