@@ -114,3 +114,30 @@ def test_long2short_sees_the_verifier_rewards_when_overlong_is_on():
     out = apply_shapings(cfg, r, L, g)
     expect = long2short(r, L, g, 0.2) + np.array([0.0, -0.75, 0.0])
     assert np.allclose(out, expect)
+
+
+def test_tis_weights_follow_the_sampler_mismatch(tiny_llama):
+    """Behaviour log-probs far below the trainer's: every weight is the cap (truncate) or 0 (mask:
+    nothing trains); behaviour log-probs of 0: the weight is the trainer's probability itself."""
+    adv = np.random.default_rng(4).normal(size=8).astype(np.float32)
+
+    def recs_with(lp):
+        return [r | {"logprobs": [lp] * len(r["token_ids"])} for r in _records()]
+
+    _, st = _update(tiny_llama, recs_with(-30.0), adv, old_logprobs="behaviour", tis_cap=2.0)
+    assert st["tis_weight"] == pytest.approx(2.0)
+    d, st = _update(tiny_llama, recs_with(-30.0), adv, old_logprobs="behaviour", tis_cap=2.0, tis_mode="mask")
+    assert st["tis_weight"] == 0.0 and all(np.abs(v).max() == 0 for v in d.values())
+    # behaviour 0: w = exp(logp_trainer) < 1 < cap, the mean token probability under the trainer
+    cfg = _cfg(optimizer="sgd", learning_rate=1.0, max_grad_norm=None)
+    model, _ = _policy(tiny_llama, cfg)
+    for name, p in tree_flatten(model.trainable_parameters()):
+        if name.endswith("lora_b"):
+            model.update(_nested(name, mx.random.normal(p.shape, key=mx.random.key(1)) * 0.1))
+    from mlx_ssp.rl.loop import sequence_logprobs
+
+    b = build_batch(recs_with(0.0), adv)
+    lp = np.array(sequence_logprobs(model, b["inputs"], b["targets"], 1.0, None))
+    m = np.array(b["mask"])
+    _, st = _update(tiny_llama, recs_with(0.0), adv, old_logprobs="behaviour", tis_cap=2.0)
+    assert st["tis_weight"] == pytest.approx(float((np.exp(lp) * m).sum() / m.sum()), rel=1e-4)
