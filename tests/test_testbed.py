@@ -56,6 +56,13 @@ def test_source_splits_are_disjoint_graded_and_verified():
     prompts = {k: {t.prompt for t in v} for k, v in splits.items()}
     assert not (prompts["train"] & prompts["eval"]) and not (prompts["probe"] & prompts["eval"])
     assert {t.metadata["level"] for t in splits["train"]} == {2, 3, 4}
+    # eval and probe: only the held-out quarter, which the pretraining corpus never contains
+    from mlx_ssp.testbed.build import corpus
+
+    held = lambda t: P.held_out(P.problem_from_meta("sum", t.metadata))  # noqa: E731
+    assert all(held(t) for t in splits["eval"] + splits["probe"]) and not any(held(t) for t in splits["train"])
+    seen = {r["messages"][0]["content"] for r in corpus(300, seed=0)}
+    assert not seen & (prompts["eval"] | prompts["probe"])
     t = splits["eval"][0]
     nums = t.metadata["numbers"]
     assert verify(f"answer {sum(nums)}", t).reward == 1.0 and verify("answer -1", t).reason == "wrong_answer"

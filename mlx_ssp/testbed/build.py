@@ -33,9 +33,9 @@ import types
 from pathlib import Path
 from typing import Optional
 
-from mlx_ssp.testbed.problems import DOMAINS, LEVELS, draw, strategies, trace
+from mlx_ssp.testbed.problems import DOMAINS, LEVELS, draw, held_out, strategies, trace
 
-VERSION = 1
+VERSION = 2  # 2: the held-out quarter of the problem space is left out of the corpus
 LEVEL_DECAY = 0.6
 STRATEGY_WEIGHTS = {"sum": {"chain": 0.6, "pairs": 0.3, "sorted": 0.1}, "diff": {"chain": 0.75, "group": 0.25}}
 
@@ -68,6 +68,8 @@ def corpus(n_per_domain: int, seed: int) -> list[dict]:
         lw = [LEVEL_DECAY ** j for j in range(len(levels))]
         for _ in range(n_per_domain // (2 if d == "countdown" else 1)):  # countdown problems are costly to draw
             p = draw(d, rng, rng.choices(levels, lw)[0])
+            while held_out(p):  # never pretrain on a problem eval or probe may draw
+                p = draw(d, rng, rng.choices(levels, lw)[0])
             name = pick_strategy(d, list(strategies(p)), rng)
             out.append({"messages": [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": trace(p, name)}],
                         "domain": d, "level": p.level, "strategy": name})

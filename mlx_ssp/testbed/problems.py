@@ -65,6 +65,17 @@ class Problem:
 
 # -- drawing problems ------------------------------------------------------------------------------
 
+HELD_OUT_MOD = 4
+
+
+def held_out(p: Problem) -> bool:
+    """Whether a problem belongs to the held-out quarter of the problem space (by a hash of its
+    prompt): pretraining never sees these, and only they are drawn into eval and probe splits, so
+    held-out pass rates measure what was learnt, not what was memorised."""
+    import zlib
+
+    return zlib.crc32(p.prompt.encode()) % HELD_OUT_MOD == 0
+
 
 def draw(domain: str, rng: random.Random, level: int, max_term: int = 9) -> Problem:
     """A problem of ``domain`` at ``level`` terms/numbers (sum, diff: 2-6; countdown: 2-4)."""

@@ -3,7 +3,9 @@
 Source params: ``levels: [min, max]`` (terms / numbers per problem; default the domain's range in
 :data:`~mlx_ssp.testbed.problems.LEVELS`) and ``max_term`` (default 9). Each split draws uniformly
 over the levels from its own seed (as every procedural source: :mod:`mlx_ssp.tasks.procedural`) and
-skips problems of the splits drawn before it. A task's metadata holds the numbers, the countdown
+skips problems of the splits drawn before it. Eval and probe draw only from the held-out quarter of
+the problem space (:func:`~mlx_ssp.testbed.problems.held_out`), which the testbed's pretraining
+corpus never contains; train draws from the rest. A task's metadata holds the numbers, the countdown
 target and the level; ``answer`` is the number (sum, diff) or None (countdown: any valid expression).
 
 Verifier: the last ``answer X`` line of the completion, checked by
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING
 from mlx_ssp.errors import UserError
 from mlx_ssp.tasks.item import ORDER, Item
 from mlx_ssp.tasks.procedural import split_seed
-from mlx_ssp.testbed.problems import DOMAINS, LEVELS, draw, problem_from_meta, solve
+from mlx_ssp.testbed.problems import DOMAINS, LEVELS, draw, held_out, problem_from_meta, solve
 from mlx_ssp.verify import VerifyResult, register
 
 if TYPE_CHECKING:
@@ -38,12 +40,12 @@ def _generate(domain: str, params: dict, seed: int, n: int, exclude: set[str], w
     rng = random.Random(seed)
     lo, hi = _levels(domain, params)
     items, seen = [], set()
-    for idx in range(max(64, 20 * n)):
+    for idx in range(max(256, 80 * n)):  # 3 of 4 draws fall in the other part of the space
         if len(items) == n:
             break
         p = draw(domain, rng, rng.randint(lo, hi), int(params.get("max_term", 9)))
-        if p.prompt in seen or p.prompt in exclude:
-            continue
+        if p.prompt in seen or p.prompt in exclude or held_out(p) != (split != "train"):
+            continue  # eval and probe: only problems pretraining never saw; train: only the others
         seen.add(p.prompt)
         meta = {"numbers": list(p.numbers), "target": p.target, "level": p.level, "testbed": domain}
         items.append(Item(f"{split}-{idx}", p.prompt, None if p.answer is None else str(p.answer), meta))
