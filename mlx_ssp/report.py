@@ -1,7 +1,8 @@
 """``mlx_ssp report RUN_DIR``: a Markdown summary and PNG plots of a run, readable without JSON.
 
 Reads what the stages wrote (``eval/table.json``, ``select/spectrum.json``,
-``sft/<domain>/probe_curve.jsonl``, ``rl/metrics.jsonl``, ``metrics.jsonl``) and writes
+``sft/<domain>/probe_curve.jsonl``, ``rl/metrics.jsonl`` or each ``rl/phases/<name>/metrics.jsonl``,
+``metrics.jsonl``) and writes
 ``RUN_DIR/report/report.md`` with four figures: pass@k by stage and domain, the specialists' probe
 curves with the chosen checkpoint marked, the RL curves (reward, pass rate, MGPO weight, clip
 fraction per step) and the spectrum (distinct correct solutions per prompt). Missing stages are
@@ -24,6 +25,8 @@ RL_SERIES = {
     "pass rate": ("pass_rate",),
     "MGPO weight": ("mgpo_weight_mean", "weight_mean", "mgpo_weight"),
     "clip fraction": ("clip_frac", "clip_fraction"),
+    "pass@1": ("pass@1",),
+    "correct length": ("correct_len_mean",),  # Long2Short's effect (issue 19)
 }
 
 
@@ -140,6 +143,31 @@ def rl_series(rows: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
     return steps, out
 
 
+def rl_rows(run_dir: Path) -> list[dict]:
+    """Every RL step of the run in order, numbered from 1 across phases (``rl.phases``: each phase's
+    ``rl/phases/<name>/metrics.jsonl`` in the order config.resolved.yaml lists them; each row gains
+    ``phase``), else ``rl/metrics.jsonl``."""
+    phases_dir = run_dir / "rl" / "phases"
+    names: list[str] = []
+    if phases_dir.is_dir():
+        try:
+            import yaml
+
+            conf = yaml.safe_load((run_dir / "config.resolved.yaml").read_text()) or {}
+            names = [p["name"] for p in ((conf.get("rl") or {}).get("phases") or [])]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            names = []
+        names = [n for n in names if (phases_dir / n).is_dir()] or sorted(p.name for p in phases_dir.iterdir() if p.is_dir())
+    if not names:
+        return [r for r in _read_jsonl(run_dir / "rl" / "metrics.jsonl") if "step" in r]
+    rows = []
+    for n in names:
+        for r in _read_jsonl(phases_dir / n / "metrics.jsonl"):
+            if "step" in r:
+                rows.append({**r, "phase": n, "phase_step": r["step"], "step": len(rows) + 1})
+    return rows
+
+
 def plot_rl(rows: list[dict], path: Path) -> bool:
     plt = _plt()
     steps, series = rl_series(rows)
@@ -150,6 +178,9 @@ def plot_rl(rows: list[dict], path: Path) -> bool:
     try:
         for i, (ax, (name, ys)) in enumerate(zip(axes[0], series.items())):
             ax.plot(steps, ys, marker=".", color=f"C{i}")
+            for r0, r1 in zip(rows, rows[1:]):  # phase boundaries
+                if r0.get("phase") != r1.get("phase"):
+                    ax.axvline(r1["step"] - 0.5, color="0.6", ls="--", lw=0.8)
             ax.set_title(name)
             ax.set_xlabel("RL step")
             ax.grid(True, alpha=0.3)
@@ -267,18 +298,28 @@ def specialists_md(run_dir: Path, out: Path) -> list[str]:
 
 
 def rl_md(run_dir: Path, out: Path) -> list[str]:
-    """First and last value of every RL series in rl/metrics.jsonl and the per-step curves."""
-    rl_rows = [r for r in _read_jsonl(run_dir / "rl" / "metrics.jsonl") if "step" in r]
+    """First and last value of every RL series (per phase with ``rl.phases``) and the per-step curves."""
+    rows = rl_rows(run_dir)
     md = ["## Signal (MGPO-GRPO)", ""]
-    if not rl_rows:
+    if not rows:
         return md + ["(no RL steps yet)", ""]
-    _, series = rl_series(rl_rows)
-    first, last = rl_rows[0], rl_rows[-1]
+    phases = list(dict.fromkeys(r["phase"] for r in rows if "phase" in r))
+    if phases:
+        md += ["| phase | steps | " + " | ".join(f"{n} (first -> last)" for n in rl_series(rows)[1]) + " |",
+               "|---|---|" + "---|" * len(rl_series(rows)[1])]
+        for ph in phases:
+            mine = [r for r in rows if r.get("phase") == ph]
+            _, ser = rl_series(mine)
+            cells = [f"{_f(ser[n][0])} -> {_f(ser[n][-1])}" if n in ser else "-" for n in rl_series(rows)[1]]
+            md.append(f"| {ph} | {len(mine)} | " + " | ".join(cells) + " |")
+        md.append("")
+    _, series = rl_series(rows)
+    first, last = rows[0], rows[-1]
     md += ["| metric | first step | last step |", "|---|---|---|"]
     for name, ys in series.items():
         md.append(f"| {name} | {_f(ys[0])} | {_f(ys[-1])} |")
-    md.append(f"\n{len(rl_rows)} steps (step {first.get('step')} to {last.get('step')}).\n")
-    if plot_rl(rl_rows, out / "rl.png"):
+    md.append(f"\n{len(rows)} steps (step {first.get('step')} to {last.get('step')}).\n")
+    if plot_rl(rows, out / "rl.png"):
         md += ["![RL curves](rl.png)", ""]
     return md
 

@@ -280,3 +280,28 @@ def test_pipeline_rl_stage_with_phases(tiny_qwen3, tmp_path):
     (tmp_path / "sft" / "summary.json").write_text(json.dumps({"domains": {}}))
     assert list(pipeline.eval_models(run))[-2:] == ["rl:p1", "rl:p2"]
     assert not (tmp_path / "rl" / "model").exists()  # no single-run model beside the phases
+
+
+def test_report_reads_every_phase_in_order(tmp_path):
+    """mlx_ssp report on a phased run: the steps of every phase, in the run's phase order, one
+    table row per phase (pass@1 and the correct length: Long2Short's effect)."""
+    import json as _json
+
+    import yaml as _yaml
+
+    from mlx_ssp.report import rl_md, rl_rows
+
+    run = tmp_path / "run"
+    (run / "rl" / "phases").mkdir(parents=True)
+    (run / "config.resolved.yaml").write_text(_yaml.safe_dump({"rl": {"phases": [{"name": "math"}, {"name": "short"}]}}))
+    for name, lens in (("short", [9.0, 7.0]), ("math", [12.0, 12.5, 12.0])):
+        d = run / "rl" / "phases" / name
+        d.mkdir()
+        d.joinpath("metrics.jsonl").write_text("".join(
+            _json.dumps({"step": i + 1, "reward_mean": 0.5, "pass@1": 0.5, "correct_len_mean": L}) + "\n"
+            for i, L in enumerate(lens)))
+    rows = rl_rows(run)
+    assert [(r["phase"], r["phase_step"], r["step"]) for r in rows] == [
+        ("math", 1, 1), ("math", 2, 2), ("math", 3, 3), ("short", 1, 4), ("short", 2, 5)]
+    md = "\n".join(rl_md(run, tmp_path))
+    assert "| math | 3 |" in md and "| short | 2 |" in md and "9.000 -> 7.000" in md
