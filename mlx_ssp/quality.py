@@ -51,7 +51,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 MIN_BOILERPLATE_PROMPTS = 2
 
 _WORD = re.compile(r"\w+|[^\w\s]")  # the tokenisation of mlx_ssp.select.words
-_DECON_WORD = re.compile(r"\w+")
+# words, and the arithmetic operators: "6 + 3" and "6 - 3" are different problems
+_DECON_WORD = re.compile(r"\w+|[-+*/^=<>×÷]")
 
 
 # -- repetition (a trace that loops) ----------------------------------------------------------
@@ -126,7 +127,8 @@ def _tokens(text: str) -> list[str]:
 
 
 def overlap_ngrams(text: str, n: int, template: frozenset | set = frozenset()) -> frozenset:
-    """Lower-cased word n-grams of ``text`` (punctuation and spacing ignored), template text left out:
+    """Lower-cased word n-grams of ``text`` (punctuation and spacing ignored, arithmetic operators
+    kept as words: ``6 + 3`` and ``6 - 3`` do not collide), template text left out:
     the words covered by an n-gram of ``template`` are cut out, and n-grams are taken within the
     pieces left (none straddles a cut). When no piece has n words, each piece is one gram."""
     w = _tokens(text)

@@ -190,3 +190,11 @@ def test_pseudo_labels_are_written_with_agreement(tmp_path):
     assert set(rows) == {"q0", "g"} and rows["g"]["metadata"]["pseudo_label"]["replaced_answer"] == "7"
     with pytest.raises(UserError, match="--tasks"):
         run_select(src, SelectConfig(pseudo_label={}), tmp_path / "o3")
+
+
+def test_decontamination_keeps_operators():
+    """Short arithmetic prompts differ only in their operator: they are different problems."""
+    from mlx_ssp.quality import overlap_ngrams
+
+    assert overlap_ngrams("Calculate 6 + 3.", 8) != overlap_ngrams("Calculate 6 - 3.", 8)
+    assert overlap_ngrams("Calculate 6 + 3.", 8) == overlap_ngrams("calculate  6+3", 8)
