@@ -40,4 +40,7 @@ class RolloutConfig(StrictModel):
     system: Optional[str] = None  # system prompt added to tasks that have none
     verify_workers: int = Field(4, ge=1)  # threads for sandboxed (parallel) verifiers
     prefill_batch_size: Optional[int] = Field(None, ge=1)  # sequences prefilled together; None: 1 on CPU, 8 on GPU
-    OMIT_AT_DEFAULT = frozenset({"prefill_batch_size"})  # added in issue 17: old fingerprints kept
+    #: tasks without an answer (synthetic queries): sample them unverified (reward null) for
+    #: select.pseudo_label, instead of refusing the task file
+    unlabelled: bool = False
+    OMIT_AT_DEFAULT = frozenset({"prefill_batch_size", "unlabelled"})  # added later: old fingerprints kept

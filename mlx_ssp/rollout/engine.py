@@ -96,7 +96,8 @@ class _Generation:
         self.gen, self.bar, self.lp_temp = self.dec.gen, self.dec.bar, self.dec.lp_temp
         self.live: dict[int, LiveSequence] = {}
         groups = TaskGroups(Counter(ti for ti, _ in plan.work))
-        self.scorer = Scorer(request.tasks, groups, stats, verify=request.verify, workers=request.verify_workers)
+        self.scorer = Scorer(request.tasks, groups, stats, verify=request.verify, workers=request.verify_workers,
+                             unlabelled=frozenset(request.unlabelled_ids()))
         self.next_work = 0
         self.t_start = self.last_bar = self.dec.t_start
 

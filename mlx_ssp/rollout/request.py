@@ -30,6 +30,9 @@ class RolloutRequest:
     verify_workers: int = 4
     prefill_batch_size: Optional[int] = None  # None: auto (prefill_batch)
     share_prefix: bool = True  # the K samples of a prompt start from one prefilled cache (Decoder.insert_shared)
+    #: tasks without the answer their verifier needs: an error (False), or sampled unverified (True;
+    #: reward None, reason "unlabelled": what select.pseudo_label votes on)
+    unlabelled: bool = False
 
     def check(self) -> None:
         """Bad K, no tasks or (when verifying) tasks the verifiers cannot score: a UserError."""
@@ -41,7 +44,24 @@ class RolloutRequest:
         if self.verify:
             from mlx_ssp.tasks import check_tasks
 
-            check_tasks(self.tasks)
+            check_tasks([t for t in self.tasks if t.id not in self.unlabelled_ids()])
+
+    def unlabelled_ids(self) -> set[str]:
+        """Ids of the tasks sampled without verification: with ``unlabelled``, those without an
+        answer whose verifier needs one (its task check fails without it)."""
+        if not self.unlabelled:
+            return set()
+        from mlx_ssp.errors import UserError as _E
+        from mlx_ssp.verify import check_task
+
+        out = set()
+        for t in self.tasks:
+            if t.answer is None:
+                try:
+                    check_task(t)
+                except _E:
+                    out.add(t.id)
+        return out
 
     def wanted(self, task_id: str, samples: Optional[dict[str, list[int]]]) -> list[int]:
         """The sample indices of a task to generate: all K, or (a resume) those ``samples`` names."""
@@ -75,7 +95,7 @@ def stage_settings(cfg) -> dict[str, Any]:
 
     out = {"sampling": cfg.sampling, "seed": section_seed(cfg, 0), "batch_size": cfg.batch_size,
            "max_context": cfg.max_context, "system": cfg.system}
-    for name in ("verify_workers", "prefill_batch_size"):
+    for name in ("verify_workers", "prefill_batch_size", "unlabelled"):
         if hasattr(cfg, name):
             out[name] = getattr(cfg, name)
     return out

@@ -22,11 +22,13 @@ def timed_verify(text: str, task: Task):
 class Scorer:
     """Verifies records and hands each task's group out (through ``groups``) once all are scored."""
 
-    def __init__(self, tasks: list[Task], groups: TaskGroups, stats: dict, *, verify: bool, workers: int):
+    def __init__(self, tasks: list[Task], groups: TaskGroups, stats: dict, *, verify: bool, workers: int,
+                 unlabelled: frozenset[str] = frozenset()):
         from mlx_ssp.verify import PARALLEL
 
         self.parallel = PARALLEL
         self.verify = verify
+        self.unlabelled = unlabelled  # task ids sampled without verification (no answer to check)
         self.groups = groups
         self.stats = stats
         self.pending: list = []  # (task index, record, future) of background verifications
@@ -38,6 +40,9 @@ class Scorer:
 
     def score(self, task_idx: int, task: Task, rec: dict, text: str) -> Optional[list[dict]]:
         """Score ``rec`` now or in the background; the task's records if this completed them."""
+        if task.id in self.unlabelled:
+            rec.update(reward=None, reason="unlabelled", detail="no answer to verify against", verify_s=0.0)
+            return self.groups.add(task_idx, rec)
         if self.verify and self.pool is not None and task.verifier in self.parallel:
             self.pending.append((task_idx, rec, self.pool.submit(timed_verify, text, task)))
             return None
