@@ -240,7 +240,7 @@ def test_sources_are_registry_entries():
     from mlx_ssp.tasks.sources import SOURCES, default_domain_name
 
     assert all(callable(s.split_items) for s in SOURCES.values())
-    assert [k for k, s in SOURCES.items() if s.catalogue] == ["reasoning_gym", "bfcl", "bfcl_multi_turn", "instruct"]
+    assert [k for k, s in SOURCES.items() if s.catalogue] == ["reasoning_gym", "bfcl", "bfcl_multi_turn", "instruct", "testbed"]
     assert [k for k, s in SOURCES.items() if s.default_size] == ["reasoning_gym", "instruct"]
     names = {
         "reasoning_gym:basic_arithmetic": "basic_arithmetic", "bfcl:simple": "bfcl_simple",
