@@ -61,7 +61,7 @@ def test_source_splits_are_disjoint_graded_and_verified():
 
     held = lambda t: P.held_out(P.problem_from_meta("sum", t.metadata))  # noqa: E731
     assert all(held(t) for t in splits["eval"] + splits["probe"]) and not any(held(t) for t in splits["train"])
-    seen = {r["messages"][0]["content"] for r in corpus(300, seed=0)}
+    seen = {r["messages"][0]["content"] for r in corpus(120, seed=0)}
     assert not seen & (prompts["eval"] | prompts["probe"])
     t = splits["eval"][0]
     nums = t.metadata["numbers"]
@@ -75,8 +75,8 @@ def test_source_splits_are_disjoint_graded_and_verified():
 def test_corpus_mix_follows_the_design():
     from mlx_ssp.testbed import build as B
 
-    recs = B.corpus(400, seed=0)
-    assert recs == B.corpus(400, seed=0) and recs[:50] != B.corpus(50, seed=1)[:50]
+    recs = B.corpus(240, seed=0)
+    assert recs == B.corpus(240, seed=0) and recs[:50] != B.corpus(50, seed=1)[:50]
     sums = [r for r in recs if r["domain"] == "sum" and r["level"] > 2]
     share = {n: sum(r["strategy"] == n for r in sums) / len(sums) for n in ("chain", "pairs", "sorted")}
     assert share["chain"] > share["pairs"] > share["sorted"] > 0.03
@@ -87,8 +87,8 @@ def test_corpus_mix_follows_the_design():
 def test_build_is_deterministic(tmp_path):
     from mlx_ssp.testbed import build as B
 
-    a = B.build("tiny", 3, tmp_path / "a", steps=2, corpus_size=60, progress=False)
-    b = B.build("tiny", 3, tmp_path / "b", steps=2, corpus_size=60, progress=False)
+    a = B.build("tiny", 3, tmp_path / "a", steps=2, corpus_size=30, progress=False)
+    b = B.build("tiny", 3, tmp_path / "b", steps=2, corpus_size=30, progress=False)
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     info = json.loads((a / "build.json").read_text())
     assert info["steps"] == 2 and info["seed"] == 3 and set(info["mix"]) == set(P.DOMAINS)
