@@ -304,13 +304,14 @@ def rl_md(run_dir: Path, out: Path) -> list[str]:
     if not rows:
         return md + ["(no RL steps yet)", ""]
     phases = list(dict.fromkeys(r["phase"] for r in rows if "phase" in r))
+    names = list(rl_series(rows)[1])
     if phases:
-        md += ["| phase | steps | " + " | ".join(f"{n} (first -> last)" for n in rl_series(rows)[1]) + " |",
-               "|---|---|" + "---|" * len(rl_series(rows)[1])]
+        md += ["| phase | steps | " + " | ".join(f"{n} (first -> last)" for n in names) + " |",
+               "|---|---|" + "---|" * len(names)]
         for ph in phases:
             mine = [r for r in rows if r.get("phase") == ph]
             _, ser = rl_series(mine)
-            cells = [f"{_f(ser[n][0])} -> {_f(ser[n][-1])}" if n in ser else "-" for n in rl_series(rows)[1]]
+            cells = [f"{_f(ser[n][0])} -> {_f(ser[n][-1])}" if n in ser else "-" for n in names]
             md.append(f"| {ph} | {len(mine)} | " + " | ".join(cells) + " |")
         md.append("")
     _, series = rl_series(rows)

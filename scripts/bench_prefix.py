@@ -23,21 +23,9 @@ from pathlib import Path
 
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 
-COUNTERS: dict = {}
-
-
-def track_generator() -> None:
-    """Keep mlx-lm's prefill/decode timers of each generator when it closes."""
-    from mlx_lm.generate import BatchGenerator
-
-    close = BatchGenerator.close
-
-    def closing(self):
-        c = self._counters
-        COUNTERS.update(prefill_s=c.prompt_time, decode_s=c.decode_time, prefill_tokens=c.prompt_tokens)
-        return close(self)
-
-    BatchGenerator.close = closing
+# mlx-lm's own prefill/decode timers of each generator, read when it closes (scripts/ is on sys.path)
+from bench_episodes import GEN_COUNTERS as COUNTERS  # noqa: E402
+from bench_episodes import profile_generator as track_generator  # noqa: E402
 
 
 def main() -> None:
