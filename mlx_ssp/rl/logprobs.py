@@ -206,24 +206,41 @@ class _Fused:
         s = ex.sum(axis=-1, keepdims=True)
         return ex, s, (m * self.inv_t + mx.log(s))[:, 0]
 
-    def grads(self, logits_fn, hc, params, tc, g, lse):
+    def grads(self, logits_fn, hc, params, tc, g, lse, gh=None, ent=None):
         logits = logits_fn(hc, *params)  # the recompute
         gt = g.astype(mx.float32) * self.inv_t
-        # d logits = (g / T) * (onehot - exp(x - lse)), with the forward's lse: one exp pass
-        d = mx.exp(logits.astype(mx.float32) * self.inv_t - lse[:, None]) * (-gt)[:, None]
+        if gh is None:
+            # d logits = (g / T) * (onehot - exp(x - lse)), with the forward's lse: one exp pass
+            d = mx.exp(logits.astype(mx.float32) * self.inv_t - lse[:, None]) * (-gt)[:, None]
+        else:
+            d = self._entropy_dlogits(logits, lse, ent, gt, gh.astype(mx.float32) * self.inv_t)
         d = _onehot_add(d, tc, gt)
         _, grads = mx.vjp(logits_fn, [hc, *params], [d.astype(logits.dtype)])
         return grads
 
-    def saved(self, logits_fn, hc, tc, want_entropy):
+    def _entropy_dlogits(self, logits, lse, ent, gt, ght):
+        """The non-one-hot part of d logits for cotangents g (log-prob) and gh (entropy), both
+        already divided by T: ``-p * (g + gh * (log p + H)) / T``, using
+        dH/dlogits = -p * (log p - sum p log p) / T with the forward's lse and H."""
+        logp = logits.astype(mx.float32) * self.inv_t - lse[:, None]
+        # -p * (a + b * log p) with per-row a = (g + gh H) / T, b = gh / T
+        a = (gt + ght * ent.astype(mx.float32))[:, None]
+        return mx.exp(logp) * (-(a + ght[:, None] * logp))
+
+    def saved(self, logits_fn, hc, tc, want_entropy, entropy_grad=False):
         logits = logits_fn(hc)
         picked = self._picked(logits, tc)
         ex, s, lse = self._stats(logits)
         ent = self._entropy(ex, s, lse, logits) if want_entropy else None
+        jh = None
+        if entropy_grad:  # d H / d hidden rows for cotangent 1 (only when the entropy is trained)
+            dh = self._entropy_dlogits(logits, lse, ent, mx.zeros(tc.shape, mx.float32),
+                                       mx.full(tc.shape, self.inv_t, mx.float32))
+            _, (jh,) = mx.vjp(logits_fn, [hc], [dh.astype(logits.dtype)])
         # d lp / d logits for cotangent 1: (onehot - ex / s) / T, in place over ex
         d = _onehot_add(ex * (-self.inv_t / s), tc, mx.full(tc.shape, self.inv_t, mx.float32))
         _, (j,) = mx.vjp(logits_fn, [hc], [d.astype(logits.dtype)])
-        return picked - lse, j, ent
+        return picked - lse, j, ent, jh
 
 
 class _Impl:
@@ -238,7 +255,8 @@ class _Impl:
         lp = self.impl(logits, tc, self.t)
         return lp, (_entropy(logits, self.t) if want_entropy else None), None
 
-    def grads(self, logits_fn, hc, params, tc, g, lse):
+    def grads(self, logits_fn, hc, params, tc, g, lse, gh=None, ent=None):
+        # gh is always None here: with an entropy gradient _engine picks _Fused
         _, grads = mx.vjp(lambda x, *p: self.impl(logits_fn(x, *p), tc, self.t), [hc, *params], [g])
         return grads
 
@@ -251,11 +269,16 @@ class _Impl:
         n = hc.shape[0]
         cot = [mx.ones((n,), mx.float32)] + ([mx.zeros((n,), mx.float32)] if want_entropy else [])
         outs, (j,) = mx.vjp(f, [hc], cot)
-        return outs[0], j, (outs[1] if want_entropy else None)
+        return outs[0], j, (outs[1] if want_entropy else None), None
 
 
-def _engine(impl, temperature: float):
-    return _Fused(temperature) if impl is selective_log_softmax_reference else _Impl(impl, temperature)
+def _engine(impl, temperature: float, entropy_grad: bool = False):
+    """The chunk engine: the reference math (:class:`_Fused`) unless a kernel runs. The kernels
+    have no entropy backward, and one could not be verified on this CPU: when the entropy's
+    gradient is wanted the reference runs instead (on Metal/CUDA too)."""
+    if impl is selective_log_softmax_reference or entropy_grad:
+        return _Fused(temperature)
+    return _Impl(impl, temperature)
 
 
 # -- the chunked op -----------------------------------------------------------------------------
@@ -352,11 +375,13 @@ def _forward_chunks(fn: Callable, h: mx.array, targets: mx.array, chunk_size: in
     return [list(col) for col in zip(*rows)]
 
 
-def _make_op(logits_fn, n_params: int, temperature: float, chunk_size: int, impl, want_entropy: bool):
+def _make_op(logits_fn, n_params: int, temperature: float, chunk_size: int, impl, want_entropy: bool,
+             entropy_grad: bool = False):
     """The chunked op as an mx.custom_function of (h, targets, *trained_head_params).
 
-    Outputs: (log-probs, [entropy], [logsumexp per token, kept for the backward by the CPU path])."""
-    eng = _engine(impl, temperature)
+    Outputs: (log-probs, [entropy], [logsumexp per token, kept for the backward by the CPU path]).
+    The entropy's cotangent is used only with ``entropy_grad`` (else the entropy is a statistic)."""
+    eng = _engine(impl, temperature, entropy_grad)
     off_thread = isinstance(eng, _Fused)  # the CPU path evaluates chunks on the helper thread
 
     @mx.custom_function
@@ -377,60 +402,72 @@ def _make_op(logits_fn, n_params: int, temperature: float, chunk_size: int, impl
         h, targets, *params = primals
         g = cotangents[0] if isinstance(cotangents, (list, tuple)) else cotangents
         lse = outputs[-1] if eng.saves_lse else None
+        # the entropy's cotangent and value (its backward needs H), or None: no entropy gradient
+        gh, ent = (cotangents[1], outputs[1]) if entropy_grad else (None, None)
         dhs, dps = [], [mx.zeros_like(p) for p in params]
         n = h.shape[0]
         if n <= chunk_size:  # one chunk: lazy, as the forward
-            dh, *dps = eng.grads(logits_fn, h, params, targets, g, lse)
+            dh, *dps = eng.grads(logits_fn, h, params, targets, g, lse, gh, ent)
             return (dh, mx.zeros_like(targets), *dps)
         # the accumulators and cotangents travel to the helper thread: evaluated here
-        threaded = off_thread and _evaluable(h, targets, g, *dps, *([] if lse is None else [lse]))
+        extra = [x for x in (lse, gh, ent) if x is not None]
+        threaded = off_thread and _evaluable(h, targets, g, *dps, *extra)
+        part = lambda x, s, e: None if x is None else x[s:e]  # noqa: E731
         for s, e in _chunks(n, chunk_size):
-            hc, tc, gc, lc = _materialize(h[s:e], targets[s:e], g[s:e], None if lse is None else lse[s:e])
+            hc, tc, gc, lc, ghc, ec = _materialize(h[s:e], targets[s:e], g[s:e], part(lse, s, e), part(gh, s, e),
+                                                   part(ent, s, e))
 
-            def step(hc, tc, gc, lc, *acc):
-                grads = eng.grads(logits_fn, hc, params, tc, gc, lc)
+            def step(hc, tc, gc, lc, ghc, ec, *acc):
+                grads = eng.grads(logits_fn, hc, params, tc, gc, lc, ghc, ec)
                 return (grads[0], *[a + b for a, b in zip(acc, grads[1:])])
 
             if threaded:
-                dh, *dps = _outside_trace(step, hc, tc, gc, lc, *dps)
+                dh, *dps = _outside_trace(step, hc, tc, gc, lc, ghc, ec, *dps)
             else:
-                dh, *dps = _materialize(*step(hc, tc, gc, lc, *dps))
+                dh, *dps = _materialize(*step(hc, tc, gc, lc, ghc, ec, *dps))
             dhs.append(dh)
         return (_cat(dhs), mx.zeros_like(targets), *dps)
 
     return op
 
 
-def _make_saved_op(logits_fn, temperature: float, chunk_size: int, impl, want_entropy: bool):
+def _make_saved_op(logits_fn, temperature: float, chunk_size: int, impl, want_entropy: bool,
+                   entropy_grad: bool = False):
     """The chunked op for a frozen head with the backward done in the forward pass.
 
     Each lp_i depends only on h_i, so d lp_i / d h_i is one D-vector J_i; it is computed while the
     chunk's logits are alive (J_i = (W[t_i] - softmax_i @ W) / T for a linear head). The backward
     is then ``dh = g[:, None] * J``: two head matmuls per chunk in all (as naive), instead of three
     with the recompute, for [tokens x D] of memory. A forward-only caller pays the second matmul
-    for nothing: use it where a gradient follows."""
-    eng = _engine(impl, temperature)
+    for nothing: use it where a gradient follows.
+
+    With ``entropy_grad`` each chunk also yields d H_i / d h_i (a second D-vector per token: one more
+    head-gradient matmul per chunk) and the backward is ``g J + gh J_H``."""
+    eng = _engine(impl, temperature, entropy_grad)
 
     @mx.custom_function
     def op(h, targets):
         def chunk(x, t):
-            return eng.saved(logits_fn, x, t, want_entropy)
+            return eng.saved(logits_fn, x, t, want_entropy, entropy_grad)
 
-        lps, js, ents = _forward_chunks(chunk, h, targets, chunk_size, isinstance(eng, _Fused))
-        return (_cat(lps), _cat(js)) + ((_cat(ents),) if want_entropy else ())
+        lps, js, ents, jhs = _forward_chunks(chunk, h, targets, chunk_size, isinstance(eng, _Fused))
+        out = (_cat(lps), _cat(js)) + ((_cat(ents),) if want_entropy else ())
+        return out + ((_cat(jhs),) if entropy_grad else ())
 
     @op.vjp
     def op_vjp(primals, cotangents, outputs):
         h, targets = primals
-        g = cotangents[0]
-        return (g.astype(mx.float32)[:, None] * outputs[1]).astype(h.dtype), mx.zeros_like(targets)
+        dh = cotangents[0].astype(mx.float32)[:, None] * outputs[1]
+        if entropy_grad:
+            dh = dh + cotangents[2].astype(mx.float32)[:, None] * outputs[3]
+        return dh.astype(h.dtype), mx.zeros_like(targets)
 
     return op
 
 
-def _entropy(logits: mx.array, temperature: float) -> mx.array:
-    """Entropy of softmax(logits / T) per row, float32, no gradient (a statistic)."""
-    x = mx.stop_gradient(scaled(logits, temperature))
+def _entropy(logits: mx.array, temperature: float, grad: bool = False) -> mx.array:
+    """Entropy of softmax(logits / T) per row, float32; no gradient (a statistic) unless ``grad``."""
+    x = scaled(logits, temperature) if grad else mx.stop_gradient(scaled(logits, temperature))
     lse = mx.logsumexp(x, axis=-1, keepdims=True)
     p = mx.exp(x - lse)
     return lse[:, 0] - (p * x).sum(axis=-1)
@@ -444,6 +481,7 @@ def token_logprobs(
     chunk_size: int | None = None,
     *,
     return_entropy: bool = False,
+    entropy_grad: bool = False,
     save_grad: bool = False,
 ):
     """Per-token log-probs ``log_softmax(head(hidden) / T)[targets]`` as float32, shape ``targets.shape``.
@@ -458,9 +496,14 @@ def token_logprobs(
     each chunk's d logp / d hidden rows in the forward instead of recomputing the chunk in the
     backward: two head matmuls in all instead of three (see :func:`_make_saved_op`). Gradients flow
     into ``hidden`` and into a float head's weights. With ``return_entropy`` also returns the per-token entropy of
-    softmax(logits / T) (from the same forward logits; no gradient)."""
+    softmax(logits / T) (from the same forward logits); it has no gradient unless ``entropy_grad``,
+    which gives it its exact one (dH/dlogits = -p (log p + H) / T) on every path, at the price of
+    one more exp pass per chunk in the backward, or one more head-gradient matmul per chunk with
+    ``save_grad``, and the reference math instead of a custom kernel."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if entropy_grad and not return_entropy:
+        raise ValueError("entropy_grad=True needs return_entropy=True (the gradient is of the returned entropy)")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     shape = targets.shape
@@ -473,20 +516,21 @@ def token_logprobs(
         return (z, z) if return_entropy else z
     build = _head_builder(head)
     if build is None:  # unknown head type: correct but unchunked
-        lp, ent = _unchunked(head, h, t, temperature, return_entropy)
+        lp, ent = _unchunked(head, h, t, temperature, return_entropy, entropy_grad)
     else:
-        lp, ent = _chunked(build(head), head, h, t, temperature, chunk_size, return_entropy, save_grad)
+        lp, ent = _chunked(build(head), head, h, t, temperature, chunk_size, return_entropy, save_grad, entropy_grad)
     return (lp.reshape(shape), ent.reshape(shape)) if return_entropy else lp.reshape(shape)
 
 
-def _unchunked(head: nn.Module, h, t, temperature: float, want_entropy: bool):
+def _unchunked(head: nn.Module, h, t, temperature: float, want_entropy: bool, entropy_grad: bool = False):
     """(log-probs, entropy or None) through the full logits of a head type HEADS does not know."""
     logits = head.as_linear(h) if hasattr(head, "as_linear") else head(h)
     lp = selective_log_softmax_reference(logits, t, temperature)
-    return lp, (_entropy(logits, temperature) if want_entropy else None)
+    return lp, (_entropy(logits, temperature, grad=entropy_grad) if want_entropy else None)
 
 
-def _chunked(built, head: nn.Module, h, t, temperature: float, chunk_size, want_entropy: bool, save_grad: bool):
+def _chunked(built, head: nn.Module, h, t, temperature: float, chunk_size, want_entropy: bool, save_grad: bool,
+             entropy_grad: bool = False):
     """(log-probs, entropy or None) by the chunked op, for a head with a HEADS builder (``built``)."""
     params, logits_fn = built
     cs = auto_chunk_size(head_vocab(head)) if chunk_size is None else int(chunk_size)
@@ -498,9 +542,10 @@ def _chunked(built, head: nn.Module, h, t, temperature: float, chunk_size, want_
         frozen, fn = params, logits_fn
         params, logits_fn = (), (lambda hc: fn(hc, *frozen))
     if save_grad and not params:
-        outs = _make_saved_op(logits_fn, float(temperature), cs, _chunk_impl(), want_entropy)(h, t)
+        outs = _make_saved_op(logits_fn, float(temperature), cs, _chunk_impl(), want_entropy, entropy_grad)(h, t)
         return outs[0], (outs[2] if want_entropy else None)
-    outs = _make_op(logits_fn, len(params), float(temperature), cs, _chunk_impl(), want_entropy)(h, t, *params)
+    outs = _make_op(logits_fn, len(params), float(temperature), cs, _chunk_impl(), want_entropy,
+                    entropy_grad)(h, t, *params)
     return outs[0], (outs[1] if want_entropy else None)
 
 
