@@ -86,7 +86,7 @@ def test_one_step_changes_lora_and_nothing_frozen(tiny_llama, tmp_path):
     assert any(k.endswith("lora_b") for k in changed)
     rec = s["last"]
     for key in ("reward_mean", "pass_rate", "frac_groups_mixed", "mgpo_weight_mean", "clip_frac", "kl", "entropy",
-                "gen_tokens_per_s", "train_tokens_per_s", "step_s", "peak_memory_mb", "ratio_mean"):
+                "gen_tokens_per_s", "train_tokens_per_s", "step_s", "ref_s", "peak_memory_mb", "ratio_mean"):
         assert key in rec, key
     assert rec["behaviour_logp_absdiff"] < 1e-3  # sampler and trainer agree on the log-probs
     assert rec["ratio_max"] != 1.0  # mu = 2: the second inner update sees a real ratio

@@ -192,11 +192,11 @@ def _slice(batch: dict, i: int, j: int) -> dict:
 
 
 def sequence_logprobs(model: nn.Module, inputs, targets, temperature: float, chunk_size, *, entropy: bool = False,
-                      save_grad: bool = False):
+                      save_grad: bool = False, entropy_grad: bool = False):
     """Per-token log-probs of ``targets`` after ``inputs`` (prompt + completion) at temperature T."""
     h = model.model(inputs)
     return token_logprobs(h, head_of(model), targets, temperature, chunk_size, return_entropy=entropy,
-                          save_grad=save_grad)
+                          save_grad=save_grad, entropy_grad=entropy_grad)
 
 
 def clip_range(cfg: RLConfig) -> tuple[float, float]:
@@ -214,10 +214,11 @@ def make_loss(cfg: RLConfig, units_total: float) -> Callable:
     so that summed micro-batch gradients equal the full batch's."""
     T = cfg.sampling.temperature
     eps_low, eps_high = clip_range(cfg)
+    bonus = bool(cfg.entropy_coef)  # off (None or 0): the op's entropy stays a statistic, the loss as before
 
     def loss_fn(model, mb):
         logp, ent = sequence_logprobs(model, mb["inputs"], mb["targets"], T, cfg.chunk_size, entropy=True,
-                                      save_grad=True)
+                                      save_grad=True, entropy_grad=bonus)
         old = mb["old"] if mb.get("old") is not None else mx.stop_gradient(logp)
         weights = None
         if cfg.tis_cap is not None:  # rollouts from another engine: truncated importance weights
@@ -228,8 +229,12 @@ def make_loss(cfg: RLConfig, units_total: float) -> Callable:
             ref_logp=mb.get("ref"), entropy=ent, ratio_level=cfg.importance_sampling_level, surrogate=cfg.loss,
             weights=weights,
         )
+        loss = out.loss
+        if bonus:  # verl's entropy_coeff: the entropy aggregated as the policy loss is, subtracted
+            loss = loss - objectives.entropy_bonus(ent, mb["mask"], cfg.entropy_coef, cfg.aggregation,
+                                                   cfg.sampling.max_tokens)
         share = aggregation_units(cfg.aggregation, mb["mask"]) / units_total
-        return out.loss * share, (out.totals, mx.stop_gradient(logp))
+        return loss * share, (out.totals, mx.stop_gradient(logp))
 
     return loss_fn
 
@@ -457,6 +462,7 @@ class Trainer:
             _restore(self.model, self.opt, snap)
             mx.eval(self.model.trainable_parameters(), self.opt.state)
         stats = self._statistics(parts, glob, ok)
+        stats["ref_s"] = self._ref_s
         if kept_frac is not None:
             stats["entropy_kept_frac"] = kept_frac
         return ok, stats
@@ -482,8 +488,11 @@ class Trainer:
         batch = _slice(batch, lo, hi)
         B = batch["inputs"].shape[0]
         mbs = [(i, min(i + cfg.micro_batch_size, B)) for i in range(0, B, cfg.micro_batch_size)]
+        self._ref_s = 0.0  # the reference forward's share of train_s (reported as ref_s)
         if cfg.beta > 0:
+            t0 = time.perf_counter()
             batch["ref"] = self._ref_logprobs(batch, mbs)
+            self._ref_s = time.perf_counter() - t0
         if cfg.old_logprobs == "behaviour" and cfg.tis_cap is None:
             batch["old"] = batch["behaviour"]
         # with tis_cap the old policy is the trainer's own (recomputed in the first inner update) and
