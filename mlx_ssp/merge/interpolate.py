@@ -46,6 +46,7 @@ import numpy as np
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
+from mlx_ssp.merge import kernels as K
 from mlx_ssp.merge.kernels import F32, f32, kernel, rnd
 
 
@@ -62,26 +63,66 @@ def _s(v) -> mx.array:
     return mx.array(float(v), dtype=F32)
 
 
-def slerp(t: float, v0: mx.array, v1: mx.array, dot_threshold: float = 0.9995, eps: float = 1e-8) -> mx.array:
-    """Spherical interpolation from ``v0`` (t = 0) to ``v1`` (t = 1), the tensor as one vector.
-    Zero-norm vectors count as norm 1; when ``|cos| > dot_threshold`` the coefficients are the
-    linear ``1 - t`` and ``t`` (mergekit's fallback for nearly parallel vectors)."""
-    a, b = f32(v0), f32(v1)
-    t32 = np.float32(t)
-    one = np.float32(1)
-    if a.size == 0:
-        return a
-    na, nb = _item(_norm(a)), _item(_norm(b))
+def _slerp_sq(cd):
+    return lambda a, b: (mx.square(f32(a.astype(cd))), mx.square(f32(b.astype(cd))))
+
+
+def _slerp_dot(cd):
+    return lambda a, b, na, nb: (f32(a.astype(cd)) / na) * (f32(b.astype(cd)) / nb)
+
+
+def _slerp_mix(cd, out):
+    return lambda a, b, ca, cb: (ca * f32(a.astype(cd)) + cb * f32(b.astype(cd))).astype(cd).astype(out)
+
+
+def slerp_coefficients(t: float, v0: mx.array, v1: mx.array, cd=F32, dot_threshold: float = 0.9995,
+                       eps: float = 1e-8) -> tuple[np.float32, np.float32]:
+    """``(ca, cb)`` with ``slerp = ca * v0 + cb * v1`` (the flat inputs aligned to ``cd``, then in
+    float32): the norms, then the dot of the unit vectors, each summed slice by slice
+    (:func:`.kernels.sums`). Zero-norm vectors count as norm 1; when ``|cos| > dot_threshold`` the
+    coefficients are the linear ``1 - t`` and ``t`` (mergekit's fallback for nearly parallel
+    vectors)."""
+    t32, one = np.float32(t), np.float32(1)
+    n = v0.size
+    sq = kernel(("slerp_sq", str(cd)), lambda: _slerp_sq(cd))
+    sa, sb = K.sums(lambda lo, hi: sq(v0[lo:hi], v1[lo:hi]), n)
+    na, nb = np.sqrt(_item(sa)), np.sqrt(_item(sb))
     na = na if na > eps else one
     nb = nb if nb > eps else one
-    dot = np.clip(_item(mx.sum((a / _s(na)) * (b / _s(nb)))), np.float32(-1), one)
+    dk = kernel(("slerp_dot", str(cd)), lambda: _slerp_dot(cd))
+    (d,) = K.sums(lambda lo, hi: [dk(v0[lo:hi], v1[lo:hi], _s(na), _s(nb))], n)
+    dot = np.clip(_item(d), np.float32(-1), one)
     if abs(dot) > dot_threshold:
-        ca, cb = one - t32, t32
-    else:
-        theta = np.arccos(dot)
-        s = np.sin(theta)
-        ca, cb = np.sin((one - t32) * theta) / s, np.sin(t32 * theta) / s
-    return _s(ca) * a + _s(cb) * b
+        return one - t32, t32
+    theta = np.arccos(dot)
+    s = np.sin(theta)
+    return np.sin((one - t32) * theta) / s, np.sin(t32 * theta) / s
+
+
+def slerp_parts(t: float, v0: mx.array, v1: mx.array, cd=F32, out=None, dot_threshold: float = 0.9995,
+                eps: float = 1e-8) -> list[mx.array]:
+    """Spherical interpolation from ``v0`` (t = 0) to ``v1`` (t = 1), the tensor as one vector
+    (:func:`slerp_coefficients`), as consecutive evaluated slices in ``out`` (default ``cd``): the
+    float32 ``ca * v0 + cb * v1`` rounded once to ``cd``. Inputs stay in their dtype; each slice is
+    aligned to ``cd`` where it is used, so no full-size float32 copy exists."""
+    out = out or cd
+    mx.eval(v0, v1)
+    if v0.size == 0:
+        return [v0.astype(cd).astype(out)]
+    ca, cb = slerp_coefficients(t, v0, v1, cd, dot_threshold, eps)
+    mix = kernel(("slerp_mix", str(cd), str(out)), lambda: _slerp_mix(cd, out))
+    parts = []
+    for lo, hi in K.slices(v0.size):
+        part = mix(v0[lo:hi], v1[lo:hi], _s(ca), _s(cb))
+        mx.eval(part)
+        parts.append(part)
+    return parts
+
+
+def slerp(t: float, v0: mx.array, v1: mx.array, dot_threshold: float = 0.9995, eps: float = 1e-8) -> mx.array:
+    """:func:`slerp_parts` in float32, as one array of ``v0``'s shape."""
+    parts = slerp_parts(t, v0.reshape(-1), v1.reshape(-1), F32, F32, dot_threshold, eps)
+    return (parts[0] if len(parts) == 1 else mx.concatenate(parts)).reshape(v0.shape)
 
 
 def _vectors(x: mx.array, shape: Optional[tuple], row_wise: bool, flatten: bool) -> mx.array:
@@ -204,57 +245,83 @@ def karcher(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = None, ma
     return r(_s(sum(np.float32(a) * n for a, n in zip(alphas, norms))) * mean)
 
 
-def _ms_offset(cd):
-    return lambda w, w0: (f32(w) - f32(w0)).astype(cd)
-
-
-def _ms_sumsq():
-    return lambda a: mx.sum(mx.square(f32(a)), axis=-1)
-
-
-def _ms_dot(cd):
-    return lambda a, b: mx.sum(rnd(f32(a) * f32(b), cd), axis=-1)
-
-
-def _ms_combine(n: int, cd):
-    def f(ws, w0, t):
-        total = f32(ws[0])
-        for w in ws[1:]:
-            total = rnd(total + f32(w), cd)
-        avg = rnd(total / n, cd)
-        return rnd(rnd(t * avg, cd) + rnd(rnd(1 - t, cd) * f32(w0), cd), cd)
+def _ms_terms(n: int, cd):
+    """A slice's terms of model_stock's sums: the squares of each offset ``x_i - base`` (held in
+    ``cd``, as mergekit holds them) and the cd-rounded products of each pair of offsets."""
+    def f(w0, ws):
+        b = f32(w0.astype(cd))
+        offs = [rnd(f32(w.astype(cd)) - b, cd) for w in ws]
+        pairs = [rnd(offs[i] * offs[j], cd) for i in range(n) for j in range(i + 1, n)]
+        return [mx.square(o) for o in offs] + pairs
     return f
+
+
+def _ms_combine(n: int, cd, out):
+    def f(ws, w0, t):
+        total = f32(ws[0].astype(cd))
+        for w in ws[1:]:
+            total = rnd(total + f32(w.astype(cd)), cd)
+        avg = rnd(total / n, cd)
+        res = rnd(rnd(t * avg, cd) + rnd(rnd(1 - t, cd) * f32(w0.astype(cd)), cd), cd)
+        return res.astype(cd).astype(out)
+    return f
+
+
+def _ms_width(shape: Optional[tuple], filter_wise: bool) -> Optional[int]:
+    return shape[-1] if (filter_wise and shape and len(shape) >= 2) else None
+
+
+def model_stock_ratio(base: mx.array, xs: Sequence[mx.array], cd, width: Optional[int] = None) -> mx.array:
+    """Model Stock's interpolation ratio ``t = N cos / (1 + (N - 1) cos)`` (0 where the denominator
+    is below 1e-6 in magnitude) from the mean pairwise cosine of the offsets ``x_i - base`` over the
+    whole flat tensor (shape (1, 1)) or per row of ``width`` elements (shape (rows, 1)); the norms
+    and dots are summed slice by slice (:func:`.kernels.sums`), every step rounded to ``cd``."""
+    n = len(xs)
+    terms = kernel(("ms_terms", n, str(cd)), lambda: _ms_terms(n, cd))
+    got = K.sums(lambda lo, hi: terms(base[lo:hi], [x[lo:hi] for x in xs]), base.size, width)
+    norms = [rnd(mx.sqrt(s), cd) for s in got[:n]]
+    dots = iter(got[n:])
+    cos = []
+    for i in range(n):
+        for j in range(i + 1, n):
+            prod = rnd(norms[i] * norms[j], cd)
+            dot = rnd(next(dots), cd)
+            cos.append(mx.clip(rnd(dot / mx.maximum(prod, 1e-6), cd), -1.0, 1.0))
+    c = rnd(mx.mean(mx.stack(cos), axis=0), cd)[..., None]
+    den = rnd(1 + rnd((n - 1) * c, cd), cd)
+    singular = mx.abs(den) < 1e-6
+    return mx.where(singular, 0.0, rnd(rnd(n * c, cd) / mx.where(singular, 1.0, den), cd))
+
+
+def model_stock_parts(base: mx.array, xs: Sequence[mx.array], cd, out=None, shape: Optional[tuple] = None,
+                      filter_wise: bool = False) -> list[mx.array]:
+    """Model Stock (Jang et al. 2024) of flat tensors: ``t * mean(x) + (1 - t) * base`` with ``t``
+    from :func:`model_stock_ratio` (per row of the last axis with ``filter_wise``), each step
+    rounded to ``cd`` as mergekit computes it; consecutive evaluated slices in ``out`` (default
+    ``cd``). Inputs stay in their dtype (aligned to ``cd`` slice by slice): no full-size copy."""
+    out = out or cd
+    mx.eval(base, *xs)
+    if base.size == 0:
+        return [base.astype(cd).astype(out)]
+    width = _ms_width(shape, filter_wise)
+    t = model_stock_ratio(base, xs, cd, width)
+    mx.eval(t)
+    comb = kernel(("ms_combine", len(xs), str(cd), str(out)), lambda: _ms_combine(len(xs), cd, out))
+    parts = []
+    for lo, hi in K.slices(base.size, width or 1):
+        rows = (-1, width) if width else (1, -1)
+        tt = t[lo // width: hi // width] if width else t
+        part = comb([x[lo:hi].reshape(rows) for x in xs], base[lo:hi].reshape(rows), tt).reshape(-1)
+        mx.eval(part)
+        parts.append(part)
+    return parts
 
 
 def model_stock(base: mx.array, xs: Sequence[mx.array], cd, shape: Optional[tuple] = None,
                 filter_wise: bool = False) -> mx.array:
-    """Model Stock (Jang et al. 2024): the interpolation ratio ``t = N cos / (1 + (N - 1) cos)``
-    from the mean pairwise cosine of the offsets ``x_i - base`` (over the whole tensor, or per row
-    of the last axis with ``filter_wise``), then ``t * mean(x) + (1 - t) * base``; where the
-    denominator is below 1e-6 in magnitude, the base. Every step is rounded to ``cd`` as mergekit
-    computes it (the elementwise ones in fused kernels); returns the flat float32 (cd-valued) result."""
-    width = shape[-1] if (filter_wise and shape and len(shape) >= 2) else None
-    rows = (-1, width) if width else (1, -1)
-    w0 = base.reshape(rows)
-    ws = [x.reshape(rows) for x in xs]
-    off_k = kernel(("ms_offset", str(cd)), lambda: _ms_offset(cd))
-    dot_k = kernel(("ms_dot", str(cd)), lambda: _ms_dot(cd))
-    offsets = [off_k(w, w0) for w in ws]  # held in cd, as mergekit holds them
-    sumsq = kernel(("ms_sumsq",), _ms_sumsq)
-    norms = [rnd(mx.sqrt(sumsq(o)), cd) for o in offsets]
-    cos = []
-    for i in range(len(offsets)):
-        for j in range(i + 1, len(offsets)):
-            prod = rnd(norms[i] * norms[j], cd)
-            dot = rnd(dot_k(offsets[i], offsets[j]), cd)
-            cos.append(mx.clip(rnd(dot / mx.maximum(prod, 1e-6), cd), -1.0, 1.0))
-    c = rnd(mx.mean(mx.stack(cos), axis=0), cd)[..., None]
-    n = len(ws)
-    den = rnd(1 + rnd((n - 1) * c, cd), cd)
-    singular = mx.abs(den) < 1e-6
-    t = mx.where(singular, 0.0, rnd(rnd(n * c, cd) / mx.where(singular, 1.0, den), cd))
-    res = kernel(("ms_combine", n, str(cd)), lambda: _ms_combine(n, cd))(ws, w0, t)
-    return res.reshape(-1)
+    """:func:`model_stock_parts` as one flat float32 array (holding ``cd`` values)."""
+    parts = model_stock_parts(base.reshape(-1), [x.reshape(-1) for x in xs], cd, F32, shape, filter_wise)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
 def nearswap(t: float, a: mx.array, b: mx.array, cd) -> mx.array:

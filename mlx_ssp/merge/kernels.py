@@ -1,15 +1,23 @@
 """The fused-kernel plumbing every merge method shares: compute dtypes, the rounding rule, the
-cache of ``mx.compile`` kernels and the slice size of the elementwise steps.
+cache of ``mx.compile`` kernels, the slice size of the elementwise steps and sliced reductions.
 
 Arithmetic runs in float32; every intermediate that mergekit 0.1.5 materialises in the compute
 dtype ``cd`` is rounded to it (:func:`rnd`), which is how torch computes each bf16 op (in float32,
 result rounded). Elementwise steps run in slices of :data:`CHUNK` elements.
+
+Reductions (:func:`sums`) run slice by slice too, so that no full-size float32 copy of a tensor is
+ever held. Whole-tensor sums add float32 partial sums of :data:`SUM_ROW` elements in float64.
+Deviation (from both mergekit and a plain MLX sum): torch sums float32 in a cascade, MLX's plain
+float32 sum over millions of elements drifts (measured: 7% off for the sum of 32.8M squares, 6e-5
+relative for 2^18 of them); partial sums over rows of 256 are within 2e-9 of the exact value.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
 
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
@@ -59,7 +67,50 @@ def kernel(key, build):
     return k
 
 
-def slices(size: int) -> Iterator[tuple[int, int]]:
-    """``(lo, hi)`` of consecutive slices of :data:`CHUNK` elements covering ``range(size)``."""
-    for lo in range(0, size, CHUNK):
-        yield lo, min(size, lo + CHUNK)
+def slices(size: int, align: int = 1) -> Iterator[tuple[int, int]]:
+    """``(lo, hi)`` of consecutive slices of about :data:`CHUNK` elements covering ``range(size)``;
+    each a multiple of ``align`` elements (whole rows of a row-wise step; at least one row)."""
+    align = max(1, align)
+    step = max(align, CHUNK // align * align)
+    for lo in range(0, size, step):
+        yield lo, min(size, lo + step)
+
+
+#: whole-tensor sums: float32 partial sums over rows of this many elements, added in float64
+SUM_ROW = 256
+
+
+def _row_partials(x: mx.array) -> list[mx.array]:
+    """Float32 sums of the consecutive SUM_ROW-element rows of the flat ``x`` (the tail: one more)."""
+    full = x.size // SUM_ROW * SUM_ROW
+    out = [mx.sum(x[:full].reshape(-1, SUM_ROW), axis=-1)] if full else []
+    if full < x.size:
+        out.append(mx.sum(x[full:], keepdims=True))
+    return out
+
+
+def sums(terms: Callable[[int, int], Sequence[mx.array]], size: int, width: Optional[int] = None) -> list[mx.array]:
+    """Sums of float32 terms over a flat tensor of ``size`` elements, computed slice by slice:
+    ``terms(lo, hi)`` returns the (lazy) terms of elements ``[lo, hi)``, e.g. squares and products.
+
+    ``width`` None: each term's sum over the whole tensor as a float32 array of shape (1,) (partial
+    sums per :data:`SUM_ROW` elements in float32, added in float64, then rounded to float32).
+    ``width`` given: per row of ``width`` elements, MLX's float32 sum along the row (shape (rows,)),
+    the value a full-size ``mx.sum(x.reshape(-1, width), axis=-1)`` gives."""
+    if width:
+        rows: Optional[list[list[mx.array]]] = None
+        for lo, hi in slices(size, width):
+            part = [mx.sum(x.reshape(-1, width), axis=-1) for x in terms(lo, hi)]
+            mx.eval(part)
+            rows = [[p] for p in part] if rows is None else [r + [p] for r, p in zip(rows, part)]
+        return [r[0] if len(r) == 1 else mx.concatenate(r) for r in rows or []]
+    totals: Optional[np.ndarray] = None
+    for lo, hi in slices(size):
+        part = [_row_partials(x) for x in terms(lo, hi)]
+        mx.eval(part)
+        got = np.array([sum(float(np.asarray(p).sum(dtype=np.float64)) for p in ps) for ps in part])
+        totals = got if totals is None else totals + got
+    if totals is None:  # an empty tensor: the terms' count is unknown without a slice
+        n = len(terms(0, 0))
+        totals = np.zeros(n)
+    return [mx.array(np.float32(v)).reshape(1) for v in totals]

@@ -436,9 +436,10 @@ def _required(spec: "MethodSpec", t: TensorInputs, name: str) -> Any:
 
 
 def merge_slerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
-    """``slerp``: from the base (t = 0) to the other model (t = 1)."""
+    """``slerp``: from the base (t = 0) to the other model (t = 1); the inputs stay in their dtype
+    (aligned to the compute dtype slice by slice)."""
     _count(spec, t, n=1)
-    return _finish(I.slerp(_required(spec, t, "t"), t.base().astype(t.cd), _inputs(t)[0]), t)
+    return I.slerp_parts(_required(spec, t, "t"), t.base(), _load(t.models[0]), t.cd, t.out)
 
 
 def merge_nuslerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
@@ -468,8 +469,9 @@ def merge_karcher(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
 
 
 def merge_model_stock(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
+    """``model_stock``: the inputs stay in their dtype (aligned to the compute dtype slice by slice)."""
     _count(spec, t, at_least=2)
-    return _finish(I.model_stock(t.base().astype(t.cd), _inputs(t), t.cd, t.shape, t.shared["filter_wise"]), t)
+    return I.model_stock_parts(t.base(), [_load(x) for x in t.models], t.cd, t.out, t.shape, t.shared["filter_wise"])
 
 
 def merge_nearswap(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
