@@ -66,7 +66,7 @@ class RLConfig(StrictModel):
         "long2short", "prompt_filter", "phases",
         # issue 23: the policy-gradient menu
         "loss", "importance_sampling_level", "seq_eps_low", "seq_eps_high", "cispo_eps_low", "cispo_eps_high",
-        "overlong", "mask_truncated_completions", "top_entropy_quantile", "tis_cap", "tis_mode",
+        "overlong", "mask_truncated_completions", "top_entropy_quantile", "tis_cap", "tis_mode", "entropy_coef",
     })
 
     # data
@@ -110,6 +110,8 @@ class RLConfig(StrictModel):
     top_entropy_quantile: Optional[float] = Field(None, gt=0.0, le=1.0)  # only the top-entropy fraction trains
     tis_cap: Optional[float] = Field(None, gt=0.0)  # IS correction for another engine's rollouts
     tis_mode: Literal["truncate", "mask"] = "truncate"
+    # entropy bonus (verl's entropy_coeff): loss -= coef * aggregated entropy; None or 0 = off
+    entropy_coef: Optional[float] = Field(None, ge=0.0)
 
     # model and optimizer
     fine_tune_type: Literal["lora", "full"] = "lora"

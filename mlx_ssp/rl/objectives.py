@@ -31,6 +31,16 @@ the old policy and the sampler's behaviour log-probs differ; each token's loss i
 detached weight ``w = exp(logp_old - logp_behaviour)``, truncated at the cap (``truncate``: min(w, C))
 or masked above it (``mask``: w if w <= C else 0).
 
+Entropy bonus (``entropy_coef``, as verl's ``actor.entropy_coeff``: ``policy_loss = pg_loss -
+entropy_coeff * agg_loss(entropy, response_mask, loss_agg_mode)`` in its dp_actor; the classic
+exploration bonus of A3C / PPO, Mnih et al. 2016, Schulman et al. 2017 eq. 9):
+:func:`entropy_bonus` is ``coef * aggregate(H)`` over the policy loss's own mask and aggregation,
+subtracted from the loss, so a positive coefficient raises the entropy of softmax(logits / T) at the
+sampling temperature. Its gradient is exact (:func:`mlx_ssp.rl.logprobs.token_logprobs` with
+``entropy_grad``). Deviations: the coefficient is a constant (no schedule); TIS weights do not
+multiply the entropy term (as in verl); with ``top_entropy_quantile`` only the selected tokens carry
+the bonus (the mask is the loss's). TRL's GRPOConfig has no entropy bonus (only the selection).
+
 DAPO's overlong shaping and truncation masking act on rewards and samples, not on this grid: see
 :func:`overlong_penalty` and :func:`truncation_mask`.
 """
@@ -137,6 +147,15 @@ def tis_weight(logp_old: mx.array, behaviour: mx.array, cap: float, mode: str = 
     if mode == "mask":
         return mx.where(w <= cap, w, 0.0)
     raise ValueError(f"unknown tis_mode {mode!r}; valid: {', '.join(TIS_MODES)}")
+
+
+def entropy_bonus(entropy: mx.array, mask: mx.array, coef: float, aggregation: str,
+                  max_tokens: Optional[int] = None) -> mx.array:
+    """``coef * aggregate(entropy)`` with the policy loss's mask and aggregation (a scalar to subtract
+    from the loss; the gradient flows through ``entropy``)."""
+    from mlx_ssp.rl.loss import aggregate  # loss.py imports this module: a call-time import
+
+    return coef * aggregate(entropy.astype(mx.float32), mask, aggregation, max_tokens)
 
 
 # -- DAPO's reward-side pieces (pure, on Python lists) ---------------------------------------------
