@@ -100,3 +100,86 @@ def report() -> tuple[list[tuple[str, str]], list[str]]:
     except Exception:
         pass
     return rows, advice
+
+
+# -- the RL stage's predicted peak (issue 23) -----------------------------------------------------
+
+
+def machine_memory_bytes() -> int | None:
+    """Physical memory of this machine (os.sysconf: Linux and macOS), None where unknown."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def model_config_json(spec: str, revision: str | None = None) -> dict:
+    """A model's config.json without loading its weights: a local directory's, the demo / testbed
+    model's (converted or built locally if needed), or a hub id's from the local hub cache, else
+    that one file fetched from the hub."""
+    import json
+    from pathlib import Path
+
+    from mlx_ssp.errors import UserError
+    from mlx_ssp.models import _REPO_ID, DEMO_NAMES, resolve_model
+
+    p = Path(str(spec)).expanduser()
+    if p.is_dir() or spec in DEMO_NAMES or str(spec).startswith("testbed"):
+        path = (p if p.is_dir() else resolve_model(spec)) / "config.json"
+    elif _REPO_ID.match(str(spec)):
+        try:
+            from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+            cached = try_to_load_from_cache(spec, "config.json", revision=revision)
+            path = Path(cached) if isinstance(cached, str) else Path(hf_hub_download(spec, "config.json", revision=revision))
+        except Exception as e:  # offline, gated, unknown: say so instead of failing the doctor
+            raise UserError(f"config.json of {spec} is neither cached nor reachable ({type(e).__name__})") from None
+    else:
+        raise UserError(f"model {spec} is not a directory or a hub id")
+    if not path.is_file():
+        raise UserError(f"{path} does not exist")
+    return json.loads(path.read_text())
+
+
+def rl_memory(config_path, overrides=(), *, prompt_tokens: int = 256, device: str | None = None,
+              total_bytes: int | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+    """(rows, advice) for a run file's rl: stage: the predicted MLX peak of one step
+    (:func:`mlx_ssp.rl.memory.predict`; the largest over ``rl.phases``), its terms, and a warning
+    when it exceeds this machine's memory."""
+    from mlx_ssp.config import load_file, load_section
+    from mlx_ssp.rl import memory
+
+    data = load_file(config_path, overrides)
+    source = str(config_path or "--set")
+    rl = load_section(data, "rl", source=source)
+    mcfg = load_section(data, "model", source=source)
+    cfg_json = model_config_json(mcfg.path, mcfg.revision)
+    if device is None:
+        import mlx.core as mx
+
+        device = "cpu" if mx.default_device() == mx.cpu else "gpu"
+    if mcfg.dtype is not None:  # model.dtype casts the checkpoint: the training dtype of `auto` off the CPU
+        cfg_json = {**cfg_json, "torch_dtype": mcfg.dtype}
+    variants = [("rl", rl)] + [(f"rl.phases.{ph.name}", c) for ph, c in rl.resolved_phases()]
+    ests = [(n, memory.predict(cfg_json, c, prompt_tokens=prompt_tokens, device=device)) for n, c in variants]
+    name, est = max(ests, key=lambda x: x[1].peak_bytes)
+    gb = 2**30
+    rows = [("rl memory (predicted)", f"{est.peak_bytes / gb:.1f} GiB peak ({name}, {est.dtype}, {prompt_tokens}-token "
+                                      f"prompts; +-{memory.HELD_OUT_ERROR:.0%} held-out error, MLX buffers, not RSS)"),
+            ("  generation", f"{est.gen_bytes / gb:.2f} GiB: " + _terms(est.gen_terms)),
+            ("  update", f"{est.train_bytes / gb:.2f} GiB: " + _terms(est.train_terms))]
+    advice = []
+    total = total_bytes if total_bytes is not None else machine_memory_bytes()
+    if total:
+        rows.append(("machine memory", f"{total / gb:.1f} GiB"))
+        if est.peak_bytes > total:
+            advice.append(f"the rl stage is predicted to need {est.peak_bytes / gb:.1f} GiB, more than this machine's "
+                          f"{total / gb:.1f} GiB: lower rl.micro_batch_size, rl.gen_batch_size, rl.sampling.max_tokens "
+                          f"or rl.chunk_size (the largest terms above first)")
+    return rows, advice
+
+
+def _terms(terms: dict) -> str:
+    return ", ".join(f"{k} {v / 2**30:.2f}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1]) if v > 0)

@@ -1,18 +1,30 @@
-"""``mlx_ssp doctor``: print what :func:`mlx_ssp.doctor.report` measured and what to fix."""
+"""``mlx_ssp doctor [CONFIG]``: print what :func:`mlx_ssp.doctor.report` measured and what to fix;
+with a run file, also the predicted peak memory of its rl: stage (:func:`mlx_ssp.doctor.rl_memory`)."""
 
 from __future__ import annotations
 
 import click
 
+from mlx_ssp.commands.options import set_option
+
 
 @click.command("doctor")
-def cli() -> None:
+@click.argument("config_path", type=click.Path(dir_okay=False, exists=True), required=False)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Prompt length (tokens, chat template included) the rl memory prediction assumes.")
+@set_option
+def cli(config_path, prompt_tokens, overrides) -> None:
     """Print the platform, mlx and mlx-lm versions, the available backends (Metal, CUDA, CPU),
     the BLAS in use and a measured float32 matmul GFLOP/s, with what to do when something is
-    missing."""
-    from mlx_ssp.doctor import report
+    missing. With CONFIG_PATH (a run YAML), also the predicted peak memory of one step of its rl:
+    stage, from the model's config.json (no weights loaded), and a warning when it exceeds this
+    machine's memory."""
+    from mlx_ssp.doctor import report, rl_memory
 
     rows, advice = report()
+    if config_path is not None or overrides:
+        more_rows, more_advice = rl_memory(config_path, overrides, prompt_tokens=prompt_tokens)
+        rows, advice = rows + more_rows, advice + more_advice
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         click.echo(f"{k:<{width}}  {v}")
