@@ -21,6 +21,13 @@ reference, the chunked op runs the same math written out per chunk (:class:`_Fus
 forward's logsumexp for the backward); a kernel is called per chunk as ``impl(logits, targets, T)``
 with its own vjp (:class:`_Impl`).
 
+Entropy (``return_entropy``): the per-token entropy H of softmax(logits / T) from the same logits,
+a statistic without gradient unless ``entropy_grad`` (the RL loss's entropy bonus). Then the backward
+also uses dH/dlogits = -p (log p + H) / T: in the recompute vjp one more element-wise term on the
+recomputed chunk; in the save_grad forward a second per-token D-vector d H / d h (one more
+head-gradient matmul per chunk). Deviation: the custom kernels have no entropy backward, so with
+``entropy_grad`` the reference math runs on every device (:func:`_engine`).
+
 Heads: ``nn.Linear`` (with or without bias), a tied ``nn.Embedding`` (its ``as_linear``),
 ``nn.QuantizedLinear`` and ``nn.QuantizedEmbedding`` (``mx.quantized_matmul``; no gradient into the
 quantized weights, which cannot be trained anyway). Any other head module falls back to the naive,
