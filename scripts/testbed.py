@@ -2,6 +2,13 @@
 
     python scripts/testbed.py build --size small --seed 0      # pretrain (cached; prints the path)
     python scripts/testbed.py calibrate testbed:small:0         # pass@1 by domain and level, pass band, strategies
+    python scripts/testbed.py spread --seeds 0-4                # the learning round's gain over training seeds
+
+`spread` builds (or loads from the cache) ``testbed:micro:BUILD_SEED``, runs one learning round
+(mlx_ssp.testbed.learning: rollout, select, LoRA SFT, held-out eval) per training seed, and prints
+each gain, their mean and standard deviation, and the margin ``mean - 4 SD`` that
+tests/test_testbed_learning.py uses (EXPERIMENTS.md, "The testbed", says why). ``--build-seeds``
+also varies the build seed (one round per build seed, training seed 0).
 
 `build` prints the cache directory and the build report (steps, loss curve, wall time); `calibrate`
 prints one JSON object (mlx_ssp.testbed.calibrate.calibrate) and a table.
@@ -30,7 +37,18 @@ def main() -> None:
     c.add_argument("--n", type=int, default=48, help="held-out problems per domain")
     c.add_argument("--k", type=int, default=8)
     c.add_argument("--seed", type=int, default=0)
+    sp = sub.add_parser("spread")
+    sp.add_argument("--size", default="micro")
+    sp.add_argument("--build-seed", type=int, default=0)
+    sp.add_argument("--seeds", default="0-4", help="training seeds: A-B or a comma list")
+    sp.add_argument("--build-seeds", default=None, help="also vary the build seed (A-B or a comma list; training seed 0)")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a LearningConfig field (JSON value), e.g. --set iters=60")
+    sp.add_argument("-o", "--output", default=None, help="write the per-seed results and the summary as JSON")
     args = ap.parse_args()
+    if args.cmd == "spread":
+        spread(args)
+        return
     if args.cmd == "build":
         from pathlib import Path
 
@@ -57,6 +75,52 @@ def main() -> None:
     for d, r in res["domains"].items():
         print(f"| {d} | {r['pass@1']:.3f} | {r['by_level']} | {r['band_30_70']}/{r['n']} | {r['at_0']} | {r['at_1']} | "
               f"{r['strategies_of_correct']} |", file=sys.stderr)
+
+
+def _seeds(text: str) -> list[int]:
+    if "-" in text:
+        a, b = text.split("-", 1)
+        return list(range(int(a), int(b) + 1))
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def spread(args) -> None:
+    import statistics
+    import tempfile
+
+    from mlx_ssp.config import validate
+    from mlx_ssp.io import write_json_atomic
+    from mlx_ssp.testbed.build import ensure_testbed
+    from mlx_ssp.testbed.learning import LearningConfig, learning_round
+
+    cfg = validate(LearningConfig, {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.set)}, source="--set")
+    runs = [(args.build_seed, s) for s in _seeds(args.seeds)]
+    if args.build_seeds:
+        runs += [(b, 0) for b in _seeds(args.build_seeds) if b != args.build_seed]
+    rows = []
+    for bseed, tseed in runs:
+        t0 = time.perf_counter()
+        model = ensure_testbed(f"testbed:{args.size}:{bseed}", progress=False)
+        build_s = json.loads((model / "build.json").read_text())["seconds"]
+        with tempfile.TemporaryDirectory() as work:
+            r = learning_round(model, work, cfg, seed=tseed)
+        r.update(build_seed=bseed, build_seconds=build_s, round_seconds=round(time.perf_counter() - t0, 1))
+        rows.append(r)
+        print(f"build {bseed} seed {tseed}: base {r['base']:.3f} -> {r['specialist']:.3f}  gain {r['gain']:+.3f}  "
+              f"({r['sft_records']} SFT records, {r['round_seconds']} s)", file=sys.stderr, flush=True)
+
+    def stats(rs):
+        g = [r["gain"] for r in rs]
+        sd = statistics.stdev(g) if len(g) > 1 else float("nan")
+        return {"n": len(g), "mean": statistics.fmean(g), "sd": sd, "min": min(g), "mean_minus_4sd": statistics.fmean(g) - 4 * sd}
+
+    summary = {"config": cfg.model_dump(mode="json"), "size": args.size,
+               "training_seeds": stats([r for r in rows if r["build_seed"] == args.build_seed])}
+    if args.build_seeds:
+        summary["build_seeds"] = stats([r for r in rows if r["seed"] == 0])
+    print(json.dumps(summary, indent=1))
+    if args.output:
+        write_json_atomic(args.output, {"summary": summary, "runs": rows})
 
 
 if __name__ == "__main__":

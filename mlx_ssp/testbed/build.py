@@ -45,6 +45,10 @@ SIZES: dict[str, dict] = {
                  corpus=1500, steps=300, batch_size=32, learning_rate=3e-3),
     "small": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384,
                   corpus=6000, steps=1500, batch_size=32, learning_rate=2e-3),
+    # the CI learning-regression test's model (tests/test_testbed_learning.py): one domain, easy
+    # levels only, so that a short pretraining leaves held-out prompts in the learnable band
+    "micro": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192,
+                  corpus=3000, steps=300, batch_size=32, learning_rate=3e-3, domains=("sum",), levels={"sum": (2, 3)}),
 }
 MAX_SEQ = 96
 
@@ -57,13 +61,15 @@ def pick_strategy(domain: str, names: list[str], rng: random.Random) -> str:
     return rng.choices(names, weights)[0]
 
 
-def corpus(n_per_domain: int, seed: int) -> list[dict]:
+def corpus(n_per_domain: int, seed: int, domains: tuple[str, ...] = DOMAINS,
+           level_ranges: Optional[dict[str, tuple[int, int]]] = None) -> list[dict]:
     """Chat records (``messages``: the prompt, then one strategy's trace) with the designed mix,
-    plus each record's domain, level and strategy (for the build report)."""
+    plus each record's domain, level and strategy (for the build report). ``domains`` / ``level_ranges``
+    narrow the mix (a size's subset); the defaults draw exactly what they always drew."""
     rng = random.Random(f"testbed-corpus:{seed}")
     out = []
-    for d in DOMAINS:
-        lo, hi = LEVELS[d]
+    for d in domains:
+        lo, hi = (level_ranges or {}).get(d, LEVELS[d])
         levels = list(range(lo, hi + 1))
         lw = [LEVEL_DECAY ** j for j in range(len(levels))]
         for _ in range(n_per_domain // (2 if d == "countdown" else 1)):  # countdown problems are costly to draw
@@ -125,7 +131,7 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
     steps = steps or s["steps"]
     t0 = time.perf_counter()
     tmp = out.with_name(out.name + f".tmp{int(time.time() * 1000)}")
-    recs = corpus(corpus_size or s["corpus"], seed)
+    recs = corpus(corpus_size or s["corpus"], seed, tuple(s.get("domains", DOMAINS)), s.get("levels"))
     texts = [m["content"] for r in recs[:4000] for m in r["messages"]]
     tok_dir = train_tokenizer(tmp / "tok", vocab_size=320, corpus=texts)
     make_tiny_model(tmp / "init", "llama", tokenizer_dir=tok_dir, hidden_size=s["hidden_size"],
@@ -169,7 +175,8 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
         m = mix.setdefault(r["domain"], {"levels": {}, "strategies": {}})
         m["levels"][str(r["level"])] = m["levels"].get(str(r["level"]), 0) + 1
         m["strategies"][r["strategy"]] = m["strategies"].get(r["strategy"], 0) + 1
-    info = {"size": size, "seed": seed, "version": VERSION, "steps": steps, **{k: v for k, v in s.items() if k != "steps"},
+    info = {"size": size, "seed": seed, "version": VERSION, "steps": steps, **{k: v for k, v in s.items() if k not in ("steps", "levels")},
+            **({"levels": {d: list(r) for d, r in s["levels"].items()}} if "levels" in s else {}),
             "corpus_records": len(recs), "mix": mix, "losses": losses, "seconds": round(time.perf_counter() - t0, 1),
             "params": int(sum(math.prod(v.shape) for _, v in tree_flatten(model.parameters())))}
     (final / "build.json").write_text(json.dumps(info, indent=1))
