@@ -2,7 +2,8 @@
 
 :class:`MergeConfig` reads the mergekit ``models:`` form: ``models`` (each ``model`` and optional
 ``parameters``), ``merge_method``, ``base_model``, top-level ``parameters``, ``dtype``,
-``out_dtype`` and ``tokenizer_source`` (``base`` or a model reference). A parameter value is a
+``out_dtype``, ``tokenizer_source`` (``base``, ``union`` or a model reference) or mergekit's
+``tokenizer:`` section (:class:`TokenizerConfig`; :mod:`mlx_ssp.merge.tokenizer`). A parameter value is a
 scalar, a gradient list (interpolated over the layer index ``t = i / (L - 1)``; tensors outside the
 layers get ``t = 0``, as in mergekit), or a list of ``{filter: substring, value: ...}`` (first match
 wins; ``filter: "*"`` or no filter matches everything). Per-model parameters beat top-level ones;
@@ -129,6 +130,71 @@ class OutQuantization(StrictModel):
         return self
 
 
+class ZeroEmbedding(StrictModel):
+    """``{kind: zero}``: the token's rows are zeros."""
+
+    kind: Literal["zero"]
+
+
+class ModelTokenEmbedding(StrictModel):
+    """``{kind: model_token, model, token_id | token}``: the rows of one token of one model (its
+    own id there, or looked up by string in its tokenizer)."""
+
+    kind: Literal["model_token"]
+    model: str
+    token_id: Optional[int] = Field(default=None, ge=0)
+    token: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.token_id is None) == (self.token is None):
+            raise ValueError("give exactly one of token_id or token")
+        return self
+
+
+_SOURCE_KINDS = {"zero": ZeroEmbedding, "model_token": ModelTokenEmbedding}
+
+
+class TokenEmbedding(StrictModel):
+    """One entry of ``tokenizer.tokens``: where the token's embedding / LM-head rows come from
+    (a model reference: that model's row of the token; None: mergekit's automatic rule) and
+    whether every model takes them (``force``) even when it has the token."""
+
+    source: Union[ZeroEmbedding, ModelTokenEmbedding, str, None] = None
+    force: bool = False
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _kind(cls, v):
+        # a dict is one of the two kinds: name them (pydantic's union error would not)
+        if isinstance(v, dict):
+            kind = v.get("kind")
+            if kind not in _SOURCE_KINDS:
+                raise ValueError(f"source kind must be one of {', '.join(_SOURCE_KINDS)}, got {kind!r}")
+            return _SOURCE_KINDS[kind].model_validate(v)
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys(cls, data):
+        # entries are keyed by token strings, where the generic message cannot find the valid keys
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - {"source", "force"})
+            if unknown:
+                raise ValueError(f"unknown key(s) {', '.join(unknown)}; valid keys: force, source")
+        return data
+
+
+class TokenizerConfig(StrictModel):
+    """mergekit's ``tokenizer:`` section: the output vocabulary (``source``: ``union`` (default),
+    ``base`` or a model), tokens to add or to give chosen rows (``tokens``), and the embedding rows
+    padded to a multiple of ``pad_to_multiple_of`` (each model's pad rows: the mean of its rows)."""
+
+    source: str = "union"
+    tokens: Optional[dict[str, TokenEmbedding]] = None
+    pad_to_multiple_of: Optional[int] = Field(default=None, ge=1)
+
+
 class MergeConfig(StrictModel):
     """A mergekit YAML file: the ``models:`` form, or the ``slices:`` form (layer ranges)."""
 
@@ -140,6 +206,7 @@ class MergeConfig(StrictModel):
     dtype: DType = None
     out_dtype: DType = None
     tokenizer_source: Optional[str] = None
+    tokenizer: Optional[TokenizerConfig] = None
     out_quantization: Optional[OutQuantization] = None
 
     @field_validator("models", "slices")
@@ -153,7 +220,16 @@ class MergeConfig(StrictModel):
     def _one_form(self):
         if (self.models is None) == (self.slices is None):
             raise ValueError("give exactly one of models: (a merge) or slices: (layer surgery)")
+        if self.tokenizer_source is not None and self.tokenizer is not None:
+            raise ValueError("give tokenizer_source or tokenizer (its source key), not both (as in mergekit)")
         return self
+
+    def tokenizer_settings(self) -> Optional[TokenizerConfig]:
+        """The tokenizer surgery asked for (``tokenizer:``, or ``tokenizer_source`` alone); None:
+        none (the reference's tokenizer files are copied)."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        return None if self.tokenizer_source is None else TokenizerConfig(source=self.tokenizer_source)
 
 
 # ------------------------------------------------------------ parameter values

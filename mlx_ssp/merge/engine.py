@@ -38,9 +38,7 @@ from mlx_ssp.merge.plan import (MergeJob, TensorPlan, base_output_config, code_n
                                 plan_merge)  # (plan_merge: re-export)
 from mlx_ssp.merge.sparsify import dare_seed
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+from mlx_ssp.merge.tokenizer import TOKENIZER_FILES, aligned_fetch, write_tokenizer
 
 
 def _fit_rows(x: mx.array, rows: int, fill) -> mx.array:
@@ -62,10 +60,15 @@ def merge_tensor(job: MergeJob, p: TensorPlan, seed: int) -> list[mx.array]:
         return [job.sources[p.inputs[0]].load(names.get(p.inputs[0], p.name)) if p.inputs else ref_src.load(p.name)]
     rows = p.shape[0] if p.shape else 0
 
+    def fetch(i):
+        return job.sources[i].load(names.get(i, p.name))
+    if p.vocab:  # tokenizer surgery: every input's rows on the output vocabulary
+        fetch = aligned_fetch(job.vocab, fetch, DTYPES[p.cd])
+
     def loader(i):
         def f():
-            x = job.sources[i].load(names.get(i, p.name))
-            if p.shape and x.shape != p.shape:
+            x = fetch(i)
+            if p.shape and x.shape != p.shape and not p.vocab:
                 x = _fit_rows(x, rows, lambda: ref_src.load(p.name))
             return x.reshape(-1)
         return f
@@ -127,7 +130,8 @@ def source_paths(sources, extra: tuple[Path, ...] = ()) -> list[Protected]:
 
 
 def tokenizer_dir(job: MergeJob) -> Path:
-    """Where the tokenizer files are copied from: ``tokenizer_source`` (a model), else the reference."""
+    """Where the tokenizer files are copied from without tokenizer surgery (and in the ``slices:``
+    form): ``tokenizer_source`` (a model), else the reference."""
     src = job.cfg.tokenizer_source
     if src and src != "base":
         match = [s for s in job.sources if s.ref == src]
@@ -187,9 +191,12 @@ def output_config(job: MergeJob) -> dict:
 
 
 def _write_side_files(job: MergeJob, tmp: Path, tok_src: Optional[Path], config_text: str) -> None:
-    """config.json, the tokenizer files (from ``tok_src``, unless None) and the merge config."""
+    """config.json, the tokenizer files (from ``tok_src``, unless None; with tokenizer surgery the
+    output vocabulary's, always, as mergekit saves it) and the merge config."""
     (tmp / "config.json").write_text(json.dumps(output_config(job), indent=2) + "\n")
-    if tok_src is not None:
+    if job.vocab is not None:
+        write_tokenizer(job.vocab, tmp)
+    elif tok_src is not None:
         for f in TOKENIZER_FILES:
             if (tok_src / f).is_file():
                 shutil.copy2(tok_src / f, tmp / f)
@@ -205,7 +212,7 @@ def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_sh
     does not depend on it. ``out_dir`` is checked first (:func:`check_out_dir`) against every input
     and ``protect`` (other files the caller read, e.g. the merge config)."""
     check_out_dir(Path(out_dir), input_paths(job, tuple(protect)), overwrite=overwrite, overwrite_any=overwrite_any)
-    tok_src = tokenizer_dir(job) if copy_tokenizer else None
+    tok_src = tokenizer_dir(job) if copy_tokenizer and job.vocab is None else None
     out_dir = Path(out_dir)
     # lexically absolute: a trailing '..' has no name to build the temporary sibling from
     target = Path(os.path.abspath(out_dir))

@@ -7,6 +7,9 @@ models have is an error, never dropped). Then for every tensor, in the file orde
 model (the base, else the first model): each input has the same shape (vocabulary rows per
 ``vocab_mismatch``); the compute dtype is ``dtype``, else the widest input dtype, the output dtype
 ``out_dtype``, else the compute dtype; every parameter is resolved (filters, gradients, defaults).
+With tokenizer surgery (``tokenizer_source`` / ``tokenizer:``, :mod:`.tokenizer`) the vocabulary-sized
+tensors (embedding, LM head: a :data:`VOCAB_HINTS` name outside the layers) may have any rows (at
+least the model's ``vocab_size``) and are planned with the output vocabulary's rows.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class TensorPlan:
     #: source index -> its tensor's name, where it is not ``name`` (``slices:``: a renumbered layer)
     src_names: Optional[dict[int, str]] = None
     quant: Optional[tuple[int, int, str]] = None  # ``out_quantization``: (bits, group_size, mode) to store it with
+    vocab: bool = False  # tokenizer surgery: the inputs' rows are aligned to the output vocabulary on read
 
 
 @dataclass
@@ -55,6 +59,7 @@ class MergeJob:
     plans: list[TensorPlan]
     ref_config: dict
     n_layers_out: Optional[int] = None  # ``slices:``: the output's layer count (else the reference's)
+    vocab: Any = None  # tokenizer surgery: the :class:`.tokenizer.VocabPlan` (None: none)
 
 
 def base_output_config(job: MergeJob) -> dict:
@@ -63,6 +68,8 @@ def base_output_config(job: MergeJob) -> dict:
     if job.n_layers_out is not None:
         keys = [k for k in ("num_hidden_layers", "n_layer") if k in conf] or ["num_hidden_layers"]
         conf.update({k: job.n_layers_out for k in keys})
+    if job.vocab is not None:  # mergekit: the output tokenizer's size, padded
+        conf["vocab_size"] = job.vocab.rows
     return conf
 
 
@@ -173,6 +180,23 @@ def check_shape(name: str, s: Source, ref_src: Source, vocab_mismatch: str) -> N
                         f"to the reference's rows")
 
 
+def is_vocab_tensor(name: str) -> bool:
+    """An embedding / LM-head tensor (rows indexed by token id): a vocabulary name outside the layers."""
+    return layer_index(name) is None and any(h in name for h in VOCAB_HINTS)
+
+
+def check_vocab_shape(name: str, s: Source, si: int, ref_src: Source, vp) -> None:
+    """Under tokenizer surgery: the non-vocabulary dimensions match the reference's, and the
+    model has a row for each id below its ``vocab_size``."""
+    info, rinfo = s.tensors[name], ref_src.tensors[name]
+    if len(info.shape) != len(rinfo.shape) or info.shape[1:] != rinfo.shape[1:]:
+        raise UserError(f"tensor '{name}': shape {list(info.shape)} in model {s.ref} does not match "
+                        f"{list(rinfo.shape)} in {ref_src.ref} beyond the vocabulary rows")
+    if info.shape[0] < vp.limits[si]:
+        raise UserError(f"tensor '{name}': {info.shape[0]} rows in model {s.ref}, fewer than its vocab_size "
+                        f"{vp.limits[si]}")
+
+
 def tensor_dtypes(codes: list[str], cfg: MergeConfig) -> tuple[str, str]:
     """(compute dtype name, output safetensors code): ``dtype``, else the widest input dtype (torch
     promotes bf16 + fp16 to float32; float64 computes in float32); ``out_dtype``, else the compute
@@ -237,10 +261,16 @@ def plan_tensor(job: MergeJob, spec: MethodSpec, name: str, n_layers: int, vocab
     rinfo = ref_src.tensors[name]
     base = job.base if spec.needs_base else None
     involved = ([base] if spec.needs_base else []) + job.inputs
+    vocab = job.vocab is not None and is_vocab_tensor(name) and len(rinfo.shape) >= 1
     for i in involved:
-        check_shape(name, sources[i], ref_src, vocab_mismatch)
+        if vocab:
+            check_vocab_shape(name, sources[i], i, ref_src, job.vocab)
+        else:
+            check_shape(name, sources[i], ref_src, vocab_mismatch)
     codes = [sources[i].tensors[name].dtype for i in involved]
     if not all(c in sio.FLOAT_CODES for c in codes):
+        if vocab:
+            raise UserError(f"tensor '{name}' is not a float tensor, so its rows cannot follow the new vocabulary")
         return TensorPlan(name, [], None, rinfo.shape, "float32", rinfo.dtype, copy=True)
     cd, out = tensor_dtypes(codes, cfg)
     t = layer_position(name, n_layers)
@@ -250,13 +280,21 @@ def plan_tensor(job: MergeJob, spec: MethodSpec, name: str, n_layers: int, vocab
     per_model = [resolve_per_model(spec, [entry_params.get(sources[i].ref), top], name, t, sources[i].ref)
                  for i in job.inputs]
     check_weight_sum(spec, shared, per_model, name, [sources[i].ref for i in job.inputs])
-    return TensorPlan(name, job.inputs, base, rinfo.shape, cd, out, shared, per_model)
+    shape = (job.vocab.rows, *rinfo.shape[1:]) if vocab else rinfo.shape
+    return TensorPlan(name, job.inputs, base, shape, cd, out, shared, per_model, vocab=vocab)
 
 
 def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label: str = "config") -> MergeJob:
     """Open every model, check every tensor and resolve every parameter; writes nothing. The
     ``slices:`` form is planned by :func:`.slices.plan_slices`."""
     check_parameter_names(cfg, source_label)
+    tok_cfg = cfg.tokenizer_settings()
+    if cfg.slices is not None and (cfg.tokenizer is not None or cfg.tokenizer_source == "union"):
+        raise UserError(f"{source_label}: tokenizer surgery (tokenizer:, tokenizer_source: union) is not supported "
+                        "with slices: (tokenizer_source base or a model copies that model's tokenizer there)")
+    if tok_cfg is not None and cfg.slices is None and vocab_mismatch != "error":
+        raise UserError(f"{source_label}: --vocab-mismatch {vocab_mismatch} does not apply with tokenizer_source / "
+                        "tokenizer: (the rows follow the output vocabulary)")
     if cfg.slices is not None:
         from mlx_ssp.merge.slices import plan_slices
 
@@ -274,6 +312,10 @@ def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label:
     check_layer_counts(sources, configs)
     check_same_tensors(sources, configs, reference)
     job = MergeJob(cfg, sources, base, inputs, reference, [], configs[reference])
+    if tok_cfg is not None:
+        from mlx_ssp.merge.tokenizer import plan_vocab
+
+        job.vocab = plan_vocab(tok_cfg, sources, configs, base, reference)
     n_layers = layer_count(sources[reference], configs[reference])
     job.plans = [plan_tensor(job, spec, name, n_layers, vocab_mismatch)
                  for name in sio.iter_names(sources[reference].tensors)]
