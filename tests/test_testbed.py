@@ -109,3 +109,19 @@ def test_model_spec_names_a_cached_testbed(tmp_path, monkeypatch):
     assert B.parse_spec("testbed") == ("small", 0)
     with pytest.raises(UserError, match="SIZE one of"):
         resolve_model("testbed:huge")
+
+
+def test_micro_narrows_the_mix_and_small_is_unchanged():
+    import hashlib
+
+    from mlx_ssp.testbed import build as B
+
+    # the corpus the v2 `small` models were built from (digest taken before `micro` existed):
+    # adding a size must not shift the default draws
+    digest = hashlib.sha256(json.dumps(B.corpus(40, seed=0)).encode()).hexdigest()
+    assert digest == "95aeaa96920a44966d04db770a2b1a9b9b586c3d288913b075e82c784bab9381"
+    s = B.SIZES["micro"]
+    recs = B.corpus(60, 0, s["domains"], s["levels"])
+    assert {r["domain"] for r in recs} == {"sum"} and {r["level"] for r in recs} == {2, 3}
+    assert not any(P.held_out(P.Problem("sum", tuple(int(x) for x in r["messages"][0]["content"].split()[1:]))) for r in recs)
+    assert B.parse_spec("testbed:micro:4") == ("micro", 4)
