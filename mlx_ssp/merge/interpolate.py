@@ -257,13 +257,15 @@ def _ms_terms(n: int, cd):
 
 
 def _ms_combine(n: int, cd, out):
+    """``t * mean(x) + (1 - t) * base``, each step rounded to ``cd``; the last rounding is the cast
+    to ``cd`` itself (measured: a fused cast beats a float32 result cast in another pass, and
+    ``1 - t`` computed in the kernel beats passing it in)."""
     def f(ws, w0, t):
         total = f32(ws[0].astype(cd))
         for w in ws[1:]:
             total = rnd(total + f32(w.astype(cd)), cd)
         avg = rnd(total / n, cd)
-        res = rnd(rnd(t * avg, cd) + rnd(rnd(1 - t, cd) * f32(w0.astype(cd)), cd), cd)
-        return res.astype(cd).astype(out)
+        return (rnd(t * avg, cd) + rnd(rnd(1 - t, cd) * f32(w0.astype(cd)), cd)).astype(cd).astype(out)
     return f
 
 
@@ -309,8 +311,10 @@ def model_stock_parts(base: mx.array, xs: Sequence[mx.array], cd, out=None, shap
     comb = kernel(("ms_combine", len(xs), str(cd), str(out)), lambda: _ms_combine(len(xs), cd, out))
     parts = []
     for lo, hi in K.slices(base.size, width or 1):
-        rows = (-1, width) if width else (1, -1)
-        tt = t[lo // width: hi // width] if width else t
+        # per row: a column of t against rows of the slice; whole tensor: flat slices and a 0-d t
+        # (measured ~1.4x faster than a (1, n) slice broadcast against a (1, 1) t)
+        rows = (-1, width) if width else (-1,)
+        tt = t[lo // width: hi // width] if width else t.reshape(())
         part = comb([x[lo:hi].reshape(rows) for x in xs], base[lo:hi].reshape(rows), tt).reshape(-1)
         mx.eval(part)
         parts.append(part)
