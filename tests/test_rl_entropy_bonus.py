@@ -143,16 +143,16 @@ def _mb(model, recs, adv):
 
 
 def _lora_model(path, cfg):
-    model, _ = _policy(path, cfg)
+    model, tok = _policy(path, cfg)
     for name, p in tree_flatten(model.trainable_parameters()):  # non-zero lora_b: every path is live
         if name.endswith("lora_b"):
             model.update(_nested(name, mx.random.normal(p.shape, key=mx.random.key(1)) * 0.1))
-    return model
+    return model, tok
 
 
 def test_coef_zero_is_the_loss_of_before(tiny_llama):
     adv = np.random.default_rng(5).normal(size=8).astype(np.float32)
-    model = _lora_model(tiny_llama, _cfg())
+    model, _ = _lora_model(tiny_llama, _cfg())
     mb = _mb(model, _records(), adv)
     units = float(aggregation_units("seq-mean-token-mean", mb["mask"]).item())
 
@@ -169,13 +169,15 @@ def test_coef_zero_is_the_loss_of_before(tiny_llama):
         for (k, g), (_, w) in zip(tree_flatten(got_g), tree_flatten(want_g)):
             assert np.array_equal(np.array(g), np.array(w)), k
     assert "entropy_coef" not in _cfg().model_dump() and _cfg(entropy_coef=0.1).model_dump()["entropy_coef"] == 0.1
+    with pytest.raises(ValueError, match="entropy_coef"):
+        _cfg(entropy_coef=-0.1)
 
 
 @pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean"])
 def test_bonus_gradient_equals_the_naive_formula(tiny_llama, aggregation):
     adv = np.random.default_rng(6).normal(size=8).astype(np.float32)
     cfg = _cfg(entropy_coef=0.05, aggregation=aggregation, chunk_size=7, sampling={"temperature": T, "max_tokens": 4})
-    model = _lora_model(tiny_llama, cfg)
+    model, _ = _lora_model(tiny_llama, cfg)
     mb = _mb(model, _records(), adv)
     units = float(aggregation_units(aggregation, mb["mask"]).item())
 
@@ -199,8 +201,7 @@ def test_bonus_gradient_equals_the_naive_formula(tiny_llama, aggregation):
 
 def test_loop_step_logs_entropy_raises_it_and_trains_lora_only(tiny_llama):
     cfg = _cfg(entropy_coef=1.0, optimizer="sgd", learning_rate=0.5, max_grad_norm=None, chunk_size=5)
-    model = _lora_model(tiny_llama, cfg)
-    _, tok = _policy(tiny_llama, cfg)
+    model, tok = _lora_model(tiny_llama, cfg)
     before_all = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     trainable = {k for k, _ in tree_flatten(model.trainable_parameters())}
     tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
