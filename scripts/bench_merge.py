@@ -253,8 +253,9 @@ def main() -> None:
         # ours, mergekit and the I/O floor back to back, `--repeat` times: this machine's pace
         # drifts by 10-30% within minutes, so each ratio is taken within one round, and the
         # table reports medians over rounds (with the range of the per-round speedups)
-        ours_s, ours_rss, mk_s, mk_rss, floors, cmp_s, same = [], [], [], [], [], [], []
+        ours_s, ours_rss, mk_s, mk_rss, floors, cmp_s, same, loads = [], [], [], [], [], [], [], []
         for r in range(args.repeat):
+            loads.append(round(os.getloadavg()[0], 1))  # a shared machine: the 1-minute load per round
             floors.append(io_floor([Path(m) for m in config_models(cfgs[name])], root / "floor"))
             # with --compare, alternate which tree goes first so that drift favours neither
             order = (None,) if not args.compare else (None, args.compare) if r % 2 == 0 else (args.compare, None)
@@ -281,7 +282,7 @@ def main() -> None:
         row = {"method": name, "rounds": args.repeat, "ours_s": round(med(ours_s), 2), "ours_rss_mib": round(max(ours_rss)),
                "io_floor_s": round(med(floors), 2),
                "ours_over_floor": round(med([o / f for o, f in zip(ours_s, floors)]), 2),
-               "ours_s_all": [round(x, 2) for x in ours_s]}
+               "ours_s_all": [round(x, 2) for x in ours_s], "load_1min": loads}
         if args.compare:
             ratios = [o / c for o, c in zip(ours_s, cmp_s)]
             row.update({"compare_s": round(med(cmp_s), 2), "ours_over_compare": round(med(ratios), 3),
