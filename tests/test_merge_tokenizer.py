@@ -196,7 +196,7 @@ def test_union_order_and_config_errors(models, tmp_path):
     base = {"models": [{"model": str(models["a"]), "parameters": {"weight": 1.0}}], "merge_method": "linear"}
     with pytest.raises(UserError, match="valid keys: force, source"):
         load({**base, "tokenizer": {"tokens": {"x": {"sorce": "a"}}}})
-    with pytest.raises(UserError, match="model_token, zero"):
+    with pytest.raises(UserError, match="one of zero, model_token"):
         load({**base, "tokenizer": {"tokens": {"x": {"source": {"kind": "mean"}}}}})
     with pytest.raises(UserError, match="unknown key 'tokenizer.pad_to'"):
         load({**base, "tokenizer": {"pad_to": 8}})

@@ -9,7 +9,9 @@ by tensor.
 3. Merge in file order, reading each input tensor lazily (only its bytes; LoRA adapters fused on
    the fly) and handing it to the method's registry entry (:data:`.methods.METHODS`); the result
    is written at its planned place in its output shard. ``workers`` tensors (default 2 on the CPU)
-   are merged side by side (:mod:`.parallel`); ``--workers 1`` for the least memory.
+   are merged side by side (:mod:`.parallel`); ``--workers 1`` for the least memory. With tokenizer
+   surgery, each input's embedding / LM-head rows are aligned to the output vocabulary as the
+   tensor is read (:func:`.tokenizer.aligned_fetch`), and the output tokenizer is written with it.
 """
 
 from __future__ import annotations

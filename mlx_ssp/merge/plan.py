@@ -261,7 +261,9 @@ def plan_tensor(job: MergeJob, spec: MethodSpec, name: str, n_layers: int, vocab
     rinfo = ref_src.tensors[name]
     base = job.base if spec.needs_base else None
     involved = ([base] if spec.needs_base else []) + job.inputs
-    vocab = job.vocab is not None and is_vocab_tensor(name) and len(rinfo.shape) >= 1
+    # a vocabulary name whose rows cover the reference's vocabulary (not e.g. BLOOM's word_embeddings_layernorm)
+    vocab = (job.vocab is not None and is_vocab_tensor(name) and len(rinfo.shape) >= 1
+             and rinfo.shape[0] >= job.vocab.limits[job.reference])
     for i in involved:
         if vocab:
             check_vocab_shape(name, sources[i], i, ref_src, job.vocab)

@@ -174,7 +174,7 @@ class TokenChoice:
 
 
 def default_rules(perms: dict[int, np.ndarray], out_ids: dict[str, int], choices: dict[str, TokenChoice],
-                  base: Optional[int]) -> tuple[dict[int, RowRule], set[int]]:
+                  base: Optional[int], names: Optional[dict[int, str]] = None) -> tuple[dict[int, RowRule], set[int]]:
     """mergekit's rules (see the module docstring) for every output token that some model lacks,
     or that ``choices`` forces: (output id -> rule, the forced output ids). ``perms`` maps each
     source index (in merge order) to its :func:`permutation`."""
@@ -205,7 +205,9 @@ def default_rules(perms: dict[int, np.ndarray], out_ids: dict[str, int], choices
             rules[t] = RowRule("copy", ((ch.source, ch.row),))
         else:  # "model": that model's own row of the token
             if perms[ch.source][t] < 0:
-                raise UserError(f"tokenizer.tokens: token {tok!r} takes its rows from a model that lacks it")
+                who = (names or {}).get(ch.source, f"number {ch.source}")
+                raise UserError(f"tokenizer.tokens.{tok}: its source, model {who}, lacks the token "
+                                "(use {kind: model_token, model, token} for another token's row)")
             rules[t] = RowRule("copy", ((ch.source, int(perms[ch.source][t])),))
     return rules, forced
 
@@ -394,7 +396,7 @@ def plan_vocab(tcfg, sources, configs: list[dict], base: Optional[int], referenc
                         "vocabulary); tokenizer surgery needs consecutive ids")
     perms = {i: permutation(out_ids, vocabs[i], n) for i in range(len(sources))}
     choices = _choices(tcfg, sources, lambda i: vocabs[i])
-    rules, forced = default_rules(perms, out_ids, choices, base)
+    rules, forced = default_rules(perms, out_ids, choices, base, {i: s.ref for i, s in enumerate(sources)})
     return VocabPlan(n_vocab=n, rows=padded_rows(n, tcfg.pad_to_multiple_of), perms=perms, rules=rules,
                      forced=forced, limits={i: v.limit for i, v in enumerate(vocabs)},
                      tokenizer_json=out_text, tokenizer_from=sources[out_from].path, new_added=additions,
