@@ -43,7 +43,7 @@ class LearningConfig(StrictModel):
     per_prompt: int = Field(4, ge=1)  # selected correct solutions per prompt (diverse)
     iters: int = Field(40, ge=1)
     batch_size: int = Field(8, ge=1)
-    learning_rate: float = Field(2e-3, gt=0)
+    learning_rate: float = Field(3e-4, gt=0)  # 2e-3 diverged on the first micro design (EXPERIMENTS.md)
     lora_rank: int = Field(8, ge=1)
     eval_n: int = Field(8, ge=1)  # samples per eval task (pass@1 = c / n)
     temperature: float = Field(1.0, gt=0)
