@@ -86,20 +86,19 @@ def read_tokenizer_json(model_dir: Path, ref: str) -> Optional[str]:
 
 
 def vocab_of(tokenizer_json: str, vocab_size: Optional[int], ref: str) -> Vocab:
-    """The :class:`Vocab` of a ``tokenizer.json`` text."""
-    from tokenizers import Tokenizer
-
+    """The :class:`Vocab` of a ``tokenizer.json`` text: the model's token -> id map (a list of
+    pieces for Unigram) and the added tokens, as the library's ``get_vocab(with_added_tokens)``
+    gives them (read from the JSON: building the tokenizer costs far more on 150k vocabularies)."""
     try:
-        tok = Tokenizer.from_str(tokenizer_json)
-    except Exception as e:  # the Rust parser's message names the problem
-        raise UserError(f"model {ref}: unreadable tokenizer.json ({e})") from None
-    ids = tok.get_vocab(with_added_tokens=True)
-    added = {i: _added_dict(a) for i, a in tok.get_added_tokens_decoder().items()}
+        data = json.loads(tokenizer_json)
+        vocab = data["model"]["vocab"]
+        ids = dict(vocab) if isinstance(vocab, dict) else {piece[0]: i for i, piece in enumerate(vocab)}
+        added = {int(a["id"]): {"content": a["content"], **{k: bool(a.get(k, False)) for k in _ADDED_FLAGS}}
+                 for a in data.get("added_tokens") or []}
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise UserError(f"model {ref}: unreadable tokenizer.json ({type(e).__name__}: {e})") from None
+    ids.update({a["content"]: i for i, a in added.items()})
     return Vocab(ids, added, int(vocab_size) if vocab_size else len(ids))
-
-
-def _added_dict(a) -> dict:
-    return {"content": a.content, **{k: bool(getattr(a, k)) for k in _ADDED_FLAGS}}
 
 
 def plain_token(content: str) -> dict:
@@ -119,24 +118,28 @@ def union_additions(vocabs: list[Vocab]) -> list[dict]:
                 added_by_content.setdefault(v.added[i]["content"], v.added[i])
     seen = set(vocabs[0].ids)
     plain = []
-    for v in vocabs:
-        for tok, i in sorted(v.ids.items(), key=lambda kv: kv[1]):
-            if i < v.limit and tok not in seen and tok not in added_by_content:
+    for v in vocabs[1:]:  # the first model's tokens are all seen
+        new = [(i, tok) for tok, i in v.ids.items() if tok not in seen and i < v.limit and tok not in added_by_content]
+        for _, tok in sorted(new):
+            if tok not in seen:
                 plain.append(plain_token(tok))
                 seen.add(tok)
     return plain + [a for c, a in added_by_content.items() if c not in seen]
 
 
-def extend_tokenizer(tokenizer_json: str, additions: list[dict]) -> tuple[str, dict[str, int]]:
-    """``tokenizer.json`` with ``additions`` appended in order (the library assigns the next ids,
-    as transformers' ``add_tokens`` does); returns (its text, its vocabulary)."""
+def extend_tokenizer(tokenizer_json: str, ids: dict[str, int], additions: list[dict]) -> tuple[str, dict[str, int]]:
+    """``tokenizer.json`` (whose vocabulary is ``ids``) with ``additions`` appended in order (the
+    library assigns the next ids, as transformers' ``add_tokens`` does); returns (its text, its
+    vocabulary)."""
     from tokenizers import AddedToken, Tokenizer
 
     tok = Tokenizer.from_str(tokenizer_json)
+    out = dict(ids)
     for a in additions:  # one at a time: the ids follow this order exactly
         at = AddedToken(a["content"], **{k: a[k] for k in _ADDED_FLAGS})
         (tok.add_special_tokens if a["special"] else tok.add_tokens)([at])
-    return tok.to_str(pretty=True), tok.get_vocab(with_added_tokens=True)
+        out[a["content"]] = tok.token_to_id(a["content"])
+    return tok.to_str(pretty=True), out
 
 
 # ------------------------------------------------------------ permutations and row rules (pure)
@@ -145,10 +148,10 @@ def extend_tokenizer(tokenizer_json: str, additions: list[dict]) -> tuple[str, d
 def permutation(out_ids: dict[str, int], model: Vocab, n_out: int) -> np.ndarray:
     """Output id -> the model's row of that token, -1 where it lacks it (or it has no row)."""
     p = np.full(n_out, -1, dtype=np.int64)
-    for tok, i in out_ids.items():
-        j = model.ids.get(tok)
-        if j is not None and j < model.limit:
-            p[i] = j
+    toks = list(out_ids)
+    p[np.fromiter(out_ids.values(), np.int64, len(toks))] = np.fromiter(
+        (model.ids.get(t, -1) for t in toks), np.int64, len(toks))
+    p[p >= model.limit] = -1
     return p
 
 
@@ -365,8 +368,15 @@ def plan_vocab(tcfg, sources, configs: list[dict], base: Optional[int], referenc
     first = base if base is not None else reference
     if texts[first] is None:
         raise UserError(f"model {sources[first].ref} has no tokenizer.json, which tokenizer surgery starts from")
-    vocabs = [vocab_of(texts[i] if texts[i] is not None else texts[first], configs[i].get("vocab_size"), s.ref)
-              for i, s in enumerate(sources)]
+    parsed: dict[str, Vocab] = {}  # fine-tunes of one base share one tokenizer.json: parse it once
+
+    def vocab(i: int) -> Vocab:
+        text = texts[i] if texts[i] is not None else texts[first]
+        if text not in parsed:
+            parsed[text] = vocab_of(text, None, sources[i].ref)
+        v = parsed[text]
+        return Vocab(v.ids, v.added, int(configs[i].get("vocab_size") or len(v.ids)))
+    vocabs = [vocab(i) for i in range(len(sources))]
     src = tcfg.source
     additions: list[dict] = []
     if src == "union":
@@ -387,7 +397,7 @@ def plan_vocab(tcfg, sources, configs: list[dict], base: Optional[int], referenc
     # mergekit: tokenizer.tokens' new tokens are added after the union's, as plain tokens
     additions += [plain_token(t) for t in (tcfg.tokens or {}) if t not in have]
     if additions:
-        out_text, out_ids = extend_tokenizer(texts[out_from], additions)
+        out_text, out_ids = extend_tokenizer(texts[out_from], vocabs[out_from].ids, additions)
     else:
         out_text, out_ids = None, dict(vocabs[out_from].ids)
     n = len(out_ids)
