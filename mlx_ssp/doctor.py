@@ -149,13 +149,17 @@ def rl_memory(config_path, overrides=(), *, prompt_tokens: int = 256, device: st
     (:func:`mlx_ssp.rl.memory.predict`; the largest over ``rl.phases``), its terms, and a warning
     when it exceeds this machine's memory."""
     from mlx_ssp.config import load_file, load_section
+    from mlx_ssp.errors import UserError
     from mlx_ssp.rl import memory
 
     data = load_file(config_path, overrides)
     source = str(config_path or "--set")
     rl = load_section(data, "rl", source=source)
     mcfg = load_section(data, "model", source=source)
-    cfg_json = model_config_json(mcfg.path, mcfg.revision)
+    try:
+        cfg_json = model_config_json(mcfg.path, mcfg.revision)
+    except UserError as e:  # the rest of the doctor's report still stands
+        return [("rl memory (predicted)", f"not predicted: {e}")], []
     if device is None:
         import mlx.core as mx
 

@@ -30,6 +30,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -40,24 +41,22 @@ QWEN3 = {  # config.json of the real models (Hugging Face Qwen/Qwen3-*), weights
     "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, intermediate_size=6144, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     # the grid's cheap shape: Qwen3's proportions (intermediate 3x hidden, head_dim 64-128), few layers
-    "small": dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1536, num_attention_heads=8,
-                  num_key_value_heads=4, head_dim=64, vocab_size=32768, tie_word_embeddings=True),
+    "small": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=768, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, vocab_size=16384, tie_word_embeddings=True),
 }
-BASE = dict(shape="small", batch=1, group=4, prompt=64, completion=8, rank=8, lora_layers=-1, micro=8, steps=1)
+BASE = dict(shape="small", batch=1, group=4, prompt=64, completion=4, rank=8, lora_layers=-1, micro=8, steps=1)
 
 # (tag, overrides of BASE): one term moved at a time; "held" points are kept out of the fit
 GRID = [
     ("real", {"shape": "qwen3-0.6b", "group": 4, "prompt": 128, "micro": 4, "rank": 16}),
-    ("real", {"shape": "qwen3-0.6b", "group": 2, "prompt": 256, "micro": 1, "rank": 16}),
-    ("real", {"shape": "qwen3-1.7b", "group": 2, "prompt": 128, "micro": 2, "rank": 16}),
+    ("real", {"shape": "qwen3-1.7b", "group": 2, "prompt": 64, "completion": 4, "micro": 2, "rank": 16}),
     ("fit", {}),
     ("fit", {"batch": 2}), ("fit", {"group": 8}), ("fit", {"prompt": 192}), ("fit", {"completion": 64}),
-    ("fit", {"micro": 2}), ("fit", {"rank": 64}), ("fit", {"rank": 128, "lora_layers": 2}),
-    ("fit", {"vocab": 8192}), ("fit", {"vocab": 131072}), ("fit", {"layers": 8}), ("fit", {"hidden": 1024}),
-    ("fit", {"prompt": 128, "vocab": 8192, "layers": 8}),
+    ("fit", {"micro": 2}), ("fit", {"rank": 64}), ("fit", {"vocab": 4096}), ("fit", {"vocab": 65536}),
+    ("fit", {"layers": 6}), ("fit", {"hidden": 768}), ("fit", {"prompt": 128, "vocab": 4096, "layers": 6}),
     ("held", {"batch": 2, "group": 2, "prompt": 160, "completion": 32, "micro": 2}),
-    ("held", {"prompt": 128, "completion": 48, "rank": 32, "vocab": 65536}),
-    ("held", {"layers": 6, "hidden": 768, "micro": 1, "group": 2, "prompt": 128}),
+    ("held", {"prompt": 128, "completion": 48, "rank": 32, "vocab": 32768}),
+    ("held", {"layers": 4, "hidden": 512, "micro": 1, "group": 2, "prompt": 128}),
 ]
 
 
@@ -109,7 +108,12 @@ def measure(point: dict, tok_dir: str) -> dict:
     from mlx_ssp.rl.loop import Trainer, setup_model
     from mlx_ssp.tasks import Task
 
+    import gc
+
+    gc.collect()
+    mx.clear_cache()
     rss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    active_before = mx.get_active_memory() / 2**20  # ~0: the previous point's arrays are gone
     cfg_json = model_config(point)
     mx.random.seed(0)
     model = Model(ModelArgs.from_dict(cfg_json))
@@ -130,7 +134,7 @@ def measure(point: dict, tok_dir: str) -> dict:
     return {
         **point, "config": cfg_json, "prompt_tokens": prompt_tokens, "params": params, "trainable": trainable,
         "gen_tokens": max(r["gen_tokens"] for r in recs) // (point["batch"] * point["group"]),
-        "setup_mb": setup_mb,
+        "setup_mb": setup_mb, "active_before_mb": active_before,
         "peak_gen_mb": max(r["peak_memory_gen_mb"] for r in recs),
         "peak_train_mb": max(r["peak_memory_train_mb"] for r in recs),
         "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_start_mb": rss_start,
@@ -141,7 +145,27 @@ def measure(point: dict, tok_dir: str) -> dict:
 # -- fitting ---------------------------------------------------------------------------------------
 
 
-def fit(rows: list[dict]) -> dict:
+def attention_probe(L: int = 1024, heads: int = 4, dim: int = 64) -> dict:
+    """Peak MLX memory of one causal attention, forward alone and forward + backward, in units of
+    its [heads x L x L] float32 score buffer: the coefficients of the prefill and update attention
+    terms (fixed in the fit: the grid's sequences are too short to pin them down)."""
+    import mlx.core as mx
+
+    q, k, v = (mx.random.normal((1, heads, L, dim)) for _ in range(3))
+    mx.eval(q, k, v)
+    scores = heads * L * L * 4
+
+    def peak(fn) -> float:
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        mx.eval(fn())
+        return (mx.get_peak_memory() - base) / scores
+
+    attn = lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=dim**-0.5, mask="causal")
+    return {"forward": peak(lambda: attn(q)), "backward": peak(lambda: mx.grad(lambda q: attn(q).sum())(q))}
+
+
+def fit(rows: list[dict], fixed: dict | None = None) -> dict:
     """Non-negative least-squares coefficients of :mod:`mlx_ssp.rl.memory`'s terms on the "fit" rows
     (each row's residual relative to its peak, so small and large points weigh alike)."""
     from mlx_ssp.rl import memory
@@ -151,9 +175,16 @@ def fit(rows: list[dict]) -> dict:
     for phase in ("gen", "train"):
         X = np.array([memory.features(r["config"], _rl(r), phase=phase, prompt_tokens=r["prompt_tokens"])
                       for r in fit_rows], np.float64)
-        fixed = np.array([memory.fixed_bytes(r["config"], _rl(r), phase=phase) for r in fit_rows], np.float64)
+        base = np.array([memory.fixed_bytes(r["config"], _rl(r), phase=phase) for r in fit_rows], np.float64)
         peak = np.array([r[f"peak_{phase}_mb"] * 2**20 for r in fit_rows], np.float64)
-        out[phase] = [float(c) for c in _nnls(X / peak[:, None], (peak - fixed) / peak)]
+        pinned = (fixed or {}).get(phase, {})  # {term index: coefficient} set from attention_probe
+        free = [i for i in range(X.shape[1]) if i not in pinned]
+        y = peak - base - sum(c * X[:, i] for i, c in pinned.items())
+        coef = np.zeros(X.shape[1])
+        coef[free] = _nnls(X[:, free] / peak[:, None], y / peak)
+        for i, c in pinned.items():
+            coef[i] = c
+        out[phase] = [float(c) for c in coef]
     return out
 
 
@@ -199,19 +230,42 @@ def main() -> None:
     ap.add_argument("--out", default="rl_memory.jsonl", help="results (JSON lines, one per point)")
     ap.add_argument("--fit", default=None, help="refit and report an existing results file only")
     ap.add_argument("--only", default=None, help="comma-separated tags to run (fit, held, real)")
+    ap.add_argument("--jobs", type=int, default=1, help="points run at once (1 for the real shapes: memory)")
     ap.add_argument("--point", default=None, help=argparse.SUPPRESS)  # child: one point as JSON
     ap.add_argument("--tok", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.point:
-        print(json.dumps(measure(json.loads(a.point), a.tok)))
+    if a.point:  # one point, or a list of them run one after another in this process
+        points = json.loads(a.point)
+        for p in points if isinstance(points, list) else [points]:
+            print(json.dumps(measure(p, a.tok)), flush=True)
         return
     if a.fit:
         rows = [json.loads(x) for x in Path(a.fit).read_text().splitlines() if x.strip()]
     else:
         rows = run_all(a)
-    coefs = fit(rows)
+    probe = attention_probe()
+    print(f"# attention probe (L 1024, 4 heads, float32): peak / scores = {probe['forward']:.2f} forward, "
+          f"{probe['backward']:.2f} forward + backward")
+    pinned = {"gen": {2: probe["forward"]}, "train": {1: probe["backward"]}}
+    coefs = fit(rows, pinned)
     print("# fitted coefficients (gen, train):", json.dumps(coefs))
     report(rows, coefs)
+    loo_errors(rows, pinned)
+
+
+def loo_errors(rows: list[dict], pinned: dict) -> None:
+    """Leave-one-out: each fit point predicted by the coefficients fitted on the others."""
+    from mlx_ssp.rl import memory
+
+    fit_rows = [r for r in rows if r["tag"] == "fit"]
+    errs = []
+    for i, r in enumerate(fit_rows):
+        coefs = fit(fit_rows[:i] + fit_rows[i + 1 :], pinned)
+        est = memory.predict(r["config"], _rl(r), prompt_tokens=r["prompt_tokens"], coefficients=coefs)
+        errs += [est.gen_bytes / 2**20 / r["peak_gen_mb"] - 1, est.train_bytes / 2**20 / r["peak_train_mb"] - 1]
+    if errs:
+        print(f"# leave-one-out over {len(fit_rows)} fit points: max |error| {100 * max(map(abs, errs)):.1f}%, "
+              f"mean {100 * float(np.mean(np.abs(errs))):.1f}%")
 
 
 def run_all(a) -> list[dict]:
@@ -221,21 +275,34 @@ def run_all(a) -> list[dict]:
     tags = set(a.only.split(",")) if a.only else {"fit", "held", "real"}
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} "
           f"{platform.system()}, {os.cpu_count()} cores, float32, mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}")
-    rows = []
+    # points already in --out are kept and not run again (a stopped run resumes)
+    rows = [json.loads(x) for x in Path(a.out).read_text().splitlines() if x.strip()] if Path(a.out).is_file() else []
+    done = [{k: r[k] for k in (*BASE, "tag", *(k for k in ("hidden", "layers", "vocab") if k in r))} for r in rows]
     with tempfile.TemporaryDirectory(prefix="rlmem_tok_") as tmp:
         tok = str(make_tiny_model(Path(tmp) / "tok", "qwen3"))
-        for tag, over in GRID:
-            if tag not in tags:
-                continue
-            point = {**BASE, **over, "tag": tag}
-            res = subprocess.run([sys.executable, __file__, "--point", json.dumps(point), "--tok", tok],
+        todo = [p for p in ({**BASE, **over, "tag": tag} for tag, over in GRID) if p["tag"] in tags and p not in done]
+
+        def one(points: list[dict]) -> list[dict]:
+            res = subprocess.run([sys.executable, __file__, "--point", json.dumps(points), "--tok", tok],
                                  capture_output=True, text=True)
+            got = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
             if res.returncode != 0:
-                raise RuntimeError(f"point {point} failed:\n{res.stderr[-3000:]}")
-            rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-            print(json.dumps({k: rows[-1][k] for k in ("tag", "shape", "setup_mb", "peak_gen_mb", "peak_train_mb",
-                                                       "rss_mb", "step_s")}), flush=True)
-            write_jsonl_atomic(a.out, rows)
+                print(f"# points {points[len(got):]} failed:\n{res.stderr[-3000:]}", flush=True)
+            return got
+
+        # the real shapes one per process (their RSS is theirs); the grid's cheap points --jobs
+        # processes, each running its share in turn (the MLX peaks are reset per phase by the loop
+        # and every point frees its model first; the RSS of those is the process's running maximum)
+        real = [[p] for p in todo if p["tag"] == "real"]
+        grid = [p for p in todo if p["tag"] != "real"]
+        batches = real + [grid[i :: a.jobs] for i in range(a.jobs) if grid[i :: a.jobs]]
+        with ThreadPoolExecutor(a.jobs if not real else 1) as pool:
+            for got in pool.map(one, batches):
+                for row in got:
+                    rows.append(row)
+                    print(json.dumps({k: row[k] for k in ("tag", "shape", "setup_mb", "peak_gen_mb", "peak_train_mb",
+                                                          "rss_mb", "step_s")}), flush=True)
+                write_jsonl_atomic(a.out, rows)
     return rows
 
 

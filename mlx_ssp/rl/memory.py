@@ -11,18 +11,21 @@ on measured steps (``scripts/bench_rl_memory.py``; BENCHMARKS.md, "RL step memor
   in the update also the current and the accumulated gradients);
 - generation: the KV cache (rows x (prompt + completion, rounded up to mlx-lm's 256-token cache
   step) x kv_heads x head_dim x layers x 2), the float32 logits of the decoded rows (rows x vocab),
-  and the prefill's attention scores (rows x heads x prompt^2), each times its coefficient;
+  and the prefill's attention scores (up to 8 prompts x heads x min(prompt, 2048) x prompt: a prompt
+  is prefilled once for its G samples, in mlx-lm's 2048-token steps), each times its coefficient;
 - update: the activations kept for the backward (micro-batch rows x sequence x hidden x layers),
-  the attention scores (micro-batch rows x heads x sequence^2 x layers) and the chunked log-prob
+  one layer's attention scores (micro-batch rows x heads x sequence^2: the CPU's attention vjp
+  recomputes them layer by layer in the backward, not kept from the forward) and the chunked log-prob
   op's [chunk x vocab] float32 buffers (:func:`mlx_ssp.rl.logprobs.auto_chunk_size`), each times
   its coefficient; a constant per phase.
 
 Deviations and limits (docs/rl.md, "Memory model"): coefficients come from float32 runs on a Linux
 CPU; a bf16 run is predicted by halving every term measured in the training dtype (weights, KV,
-activations), not by a bf16 measurement, and Metal's fused attention does not materialise the
-scores, so on a Mac the attention terms are an upper bound. Dense decoder-only configs only
-(``num_experts`` / quantized configs are refused). The prediction is MLX's peak (allocated
-buffers), not the process RSS, which adds MLX's buffer cache, Python and the libraries.
+activations, attention scores), not by a bf16 measurement; whether Metal's attention backward
+materialises the scores as the CPU's does was not measured (a fused Metal VJP was still an open
+mlx pull request, #3241, when this was written). Dense decoder-only configs only (``num_experts`` /
+quantized configs are refused). The prediction is MLX's peak (allocated buffers), not the process
+RSS, which adds MLX's buffer cache, Python and the libraries.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1}
 #: mlx-lm's KVCache grows its buffers in steps of this many tokens
 KV_STEP = 256
+#: prompts prefilled together (mlx-lm's default prefill batch) and tokens per prefill step
+PREFILL_BATCH, PREFILL_STEP = 8, 2048
 #: a block's linear layers, (name, in features, out features) as functions of the shape (Qwen3 / Llama)
 BLOCK_LINEARS = {
     "self_attn.q_proj": lambda s: (s.hidden, s.heads * s.head_dim),
@@ -47,14 +52,19 @@ BLOCK_LINEARS = {
     "mlp.up_proj": lambda s: (s.hidden, s.intermediate),
     "mlp.down_proj": lambda s: (s.intermediate, s.hidden),
 }
-#: fitted coefficients (scripts/bench_rl_memory.py, 2026-12-01, float32, Linux x86_64, mlx 0.32.4);
-#: order as in :func:`features`
+#: fitted coefficients, in :func:`features` order (``scripts/bench_rl_memory.py --fit``, 2026-12-01,
+#: float32, Linux x86_64, mlx 0.32.4, 9 grid points): KV 1.95 (mlx-lm grows the cache by
+#: concatenation: old and new buffers coexist), the decode logits 0 (too small to resolve), the
+#: attention terms pinned by the script's one-attention probe (1.19 forward, 3.50 forward +
+#: backward), activations 25.7 values per token, hidden unit and layer, the log-prob chunk 3.01
+#: [chunk x vocab] buffers (the op's design: 3), and 0.33 MiB constant in the update
 COEFFICIENTS = {
-    "gen": [1.0, 1.0, 1.0, 0.0],
-    "train": [1.0, 1.0, 1.0, 0.0],
+    "gen": [1.9470, 0.0, 1.1880, 0.0],
+    "train": [25.721, 3.5015, 3.0123, 0.3266],
 }
-#: largest relative error of the fitted predictor on the held-out points (BENCHMARKS.md)
-HELD_OUT_ERROR = 0.15
+#: the relative error the predictor is stated to have: the leave-one-out maximum on the fitted grid
+#: (5.0%, BENCHMARKS.md "RL step memory"), rounded up; not measured at the real shapes
+HELD_OUT_ERROR = 0.06
 
 
 @dataclass(frozen=True)
@@ -146,11 +156,15 @@ def features(config: Mapping[str, Any], rl, *, phase: str, prompt_tokens: int, d
     if phase == "gen":
         kv = s["gen_rows"] * s["kv_tokens"] * shape.kv_heads * shape.head_dim * shape.layers * 2 * b
         logits = s["gen_rows"] * shape.vocab * 4
-        prefill = s["gen_rows"] * shape.heads * prompt_tokens**2 * 4
+        # a prompt is prefilled once for its G samples (shared prefixes), up to 8 prompts together,
+        # in steps of mlx-lm's 2048 tokens: one step's [heads x step x prompt] scores at a time
+        prefill = min(rl.batch_size, PREFILL_BATCH) * shape.heads * min(prompt_tokens, PREFILL_STEP) * prompt_tokens * 4
         return [float(kv), float(logits), float(prefill), float(2**20)]
     if phase == "train":
         act = s["mb_rows"] * s["seq"] * shape.hidden * shape.layers * b
-        attn = s["mb_rows"] * shape.heads * s["seq"] ** 2 * shape.layers * b
+        # one layer's scores at a time: the CPU's attention vjp recomputes them in the backward
+        # (measured: peak ~3.5x one [heads x L x L] score buffer, whatever the depth)
+        attn = s["mb_rows"] * shape.heads * s["seq"] ** 2 * b
         chunk = s["chunk_tokens"] * shape.vocab * 4
         return [float(act), float(attn), float(chunk), float(2**20)]
     raise ValueError(f"phase must be gen or train, got {phase!r}")
