@@ -6,8 +6,8 @@
 
 `spread` builds (or loads from the cache) ``testbed:micro:BUILD_SEED``, runs one learning round
 (mlx_ssp.testbed.learning: rollout, select, LoRA SFT, held-out eval) per training seed, and prints
-each gain, their mean and standard deviation, and the margin ``mean - 4 SD`` that
-tests/test_testbed_learning.py uses (EXPERIMENTS.md, "The testbed", says why). ``--build-seeds``
+each gain, their mean and standard deviation, and the margin ``mean - 4 SD`` that a CI learning
+test would use once a design learns (EXPERIMENTS.md, "The testbed": none does yet). ``--build-seeds``
 also varies the build seed (one round per build seed, training seed 0).
 
 `build` prints the cache directory and the build report (steps, loss curve, wall time); `calibrate`
