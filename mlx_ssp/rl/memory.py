@@ -62,9 +62,10 @@ COEFFICIENTS = {
     "gen": [1.9470, 0.0, 1.1880, 0.0],
     "train": [25.721, 3.5015, 3.0123, 0.3266],
 }
-#: the relative error the predictor is stated to have: the leave-one-out maximum on the fitted grid
-#: (5.0%, BENCHMARKS.md "RL step memory"), rounded up; not measured at the real shapes
-HELD_OUT_ERROR = 0.06
+#: the relative error the predictor is stated to have: the largest over every measured point with
+#: these coefficients (6.6%: 9 fit points, 5 grid points that finished after the fit, 2 held out;
+#: leave-one-out 5.0%; BENCHMARKS.md "RL step memory"), rounded up; not measured at the real shapes
+HELD_OUT_ERROR = 0.07
 
 
 @dataclass(frozen=True)
