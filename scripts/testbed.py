@@ -106,13 +106,17 @@ def spread(args) -> None:
             r = learning_round(model, work, cfg, seed=tseed)
         r.update(build_seed=bseed, build_seconds=build_s, round_seconds=round(time.perf_counter() - t0, 1))
         rows.append(r)
-        print(f"build {bseed} seed {tseed}: base {r['base']:.3f} -> {r['specialist']:.3f}  gain {r['gain']:+.3f}  "
+        after = "no SFT data" if r["gain"] is None else f"{r['specialist']:.3f}  gain {r['gain']:+.3f}"
+        print(f"build {bseed} seed {tseed}: base {r['base']:.3f} -> {after}  "
               f"({r['sft_records']} SFT records, {r['round_seconds']} s)", file=sys.stderr, flush=True)
 
     def stats(rs):
-        g = [r["gain"] for r in rs]
-        sd = statistics.stdev(g) if len(g) > 1 else float("nan")
-        return {"n": len(g), "mean": statistics.fmean(g), "sd": sd, "min": min(g), "mean_minus_4sd": statistics.fmean(g) - 4 * sd}
+        g = [r["gain"] for r in rs if r["gain"] is not None]  # rounds with too little SFT data have none
+        nan = float("nan")
+        sd = statistics.stdev(g) if len(g) > 1 else nan
+        mean = statistics.fmean(g) if g else nan
+        return {"n": len(g), "no_data": len(rs) - len(g), "mean": mean, "sd": sd, "min": min(g) if g else nan,
+                "mean_minus_4sd": mean - 4 * sd}
 
     summary = {"config": cfg.model_dump(mode="json"), "size": args.size,
                "training_seeds": stats([r for r in rows if r["build_seed"] == args.build_seed])}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,7 +39,7 @@ from mlx_ssp.merge.plan import (MergeJob, TensorPlan, base_output_config, code_n
                                 plan_merge)  # (plan_merge: re-export)
 from mlx_ssp.merge.sparsify import dare_seed
 
-from mlx_ssp.merge.tokenizer import TOKENIZER_FILES, aligned_fetch, write_tokenizer
+from mlx_ssp.merge.tokenizer import TOKENIZER_FILES, aligned_fetch, copy_tokenizer_files, write_tokenizer
 
 
 def _fit_rows(x: mx.array, rows: int, fill) -> mx.array:
@@ -199,9 +198,7 @@ def _write_side_files(job: MergeJob, tmp: Path, tok_src: Optional[Path], config_
     if job.vocab is not None:
         write_tokenizer(job.vocab, tmp)
     elif tok_src is not None:
-        for f in TOKENIZER_FILES:
-            if (tok_src / f).is_file():
-                shutil.copy2(tok_src / f, tmp / f)
+        copy_tokenizer_files(tok_src, tmp)
     (tmp / "mergekit_config.yml").write_text(config_text or "")
 
 

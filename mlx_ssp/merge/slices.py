@@ -32,7 +32,7 @@ from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.config import _LAYER, MergeConfig, layer_index
 from mlx_ssp.merge.methods import METHODS
 from mlx_ssp.merge.passthrough import MAX_INPUTS
-from mlx_ssp.merge.plan import (VOCAB_HINTS, MergeJob, TensorPlan, check_weight_sum, layer_count,
+from mlx_ssp.merge.plan import (MergeJob, is_vocab_tensor, TensorPlan, check_weight_sum, layer_count,
                                 mark_out_quantization, resolve_per_model, resolve_shared, tensor_dtypes)
 from mlx_ssp.merge.sources import open_source, read_model_config
 
@@ -175,8 +175,7 @@ def plan_slices(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label
         if p.name in seen:  # two names mapping to one output (a layer pattern this module misreads)
             raise UserError(f"tensor '{p.name}' would be written twice; the layer names are not understood")
         seen.add(p.name)
-    rows = {(p.name, p.shape[0]) for p in plans
-            if p.shape and layer_index(p.name) is None and any(h in p.name for h in VOCAB_HINTS)}
+    rows = {(p.name, p.shape[0]) for p in plans if p.shape and is_vocab_tensor(p.name)}
     if len({r for _, r in rows}) > 1:
         each = ", ".join(f"{n}: {r}" for n, r in sorted(rows))
         raise UserError(f"the vocabulary-sized tensors come from models with different vocabularies ({each}); "

@@ -416,18 +416,21 @@ def plan_vocab(tcfg, sources, configs: list[dict], base: Optional[int], referenc
 # ------------------------------------------------------------ writing
 
 
+def copy_tokenizer_files(src: Path, out_dir: Path, files=None) -> None:
+    """Copy the tokenizer files ``src`` has (``files``: default :data:`TOKENIZER_FILES`) byte for byte."""
+    for f in (TOKENIZER_FILES if files is None else files):
+        if (src / f).is_file():
+            shutil.copy2(src / f, out_dir / f)
+
+
 def write_tokenizer(vp: VocabPlan, out_dir: Path) -> None:
     """The output's tokenizer files: the source's, copied byte for byte when its vocabulary is the
     output's; else the rewritten ``tokenizer.json`` with a consistent ``tokenizer_config.json``."""
     src = vp.tokenizer_from
     if vp.tokenizer_json is None:
-        for f in TOKENIZER_FILES:
-            if (src / f).is_file():
-                shutil.copy2(src / f, out_dir / f)
+        copy_tokenizer_files(src, out_dir)
         return
-    for f in _SIDE_FILES:
-        if (src / f).is_file():
-            shutil.copy2(src / f, out_dir / f)
+    copy_tokenizer_files(src, out_dir, _SIDE_FILES)
     (out_dir / "tokenizer.json").write_text(vp.tokenizer_json, encoding="utf-8")
     conf_file = src / "tokenizer_config.json"
     if conf_file.is_file():

@@ -106,9 +106,18 @@ def parse_spec(spec: str) -> tuple[str, int]:
 
 def ensure_testbed(spec: str = "testbed", *, progress: bool = True) -> Path:
     """The cached testbed model of ``spec``, built first if missing (minutes on a 2-core CPU)."""
+    from mlx_ssp.errors import UserError
+
     size, seed = parse_spec(spec)
     out = testbed_dir(size, seed)
     if (out / "build.json").is_file():
+        built = json.loads((out / "build.json").read_text())
+        # the cache is keyed by size, seed and VERSION only: a size whose settings were changed since
+        # must not silently reuse the old build
+        stale = sorted(k for k, v in SIZES[size].items() if k in built and built[k] != v)
+        if stale:
+            raise UserError(f"cached testbed {out} was built with other settings ({', '.join(stale)} differ from "
+                            f"SIZES[{size!r}]); delete it to rebuild, or bump testbed VERSION")
         return out
     return build(size, seed, out, progress=progress)
 

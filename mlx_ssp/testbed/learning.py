@@ -91,8 +91,8 @@ def learning_round(model_dir: str | Path, work: str | Path, cfg: LearningConfig 
     times["rollout_select"] = time.perf_counter() - tic
     out = {"base": base["pass@1"], "rollout_reward": sum(r["reward"] for r in recs) / max(1, len(recs)),
            "sft_records": len(train), "seed": seed}
-    if len(train) < cfg.batch_size:  # nothing to learn from: report it as no gain rather than fail obscurely
-        return {**out, "specialist": base["pass@1"], "gain": 0.0, "times": times, "note": "too little SFT data"}
+    if len(train) < cfg.batch_size:  # nothing to learn from: no gain to report (None, not a made-up 0)
+        return {**out, "specialist": None, "gain": None, "times": times, "note": "too little SFT data"}
     tic = time.perf_counter()
     write_jsonl_atomic(work / "select" / "train.jsonl", train)
     scfg = validate(SFTConfig, {
