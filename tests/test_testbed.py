@@ -109,6 +109,11 @@ def test_model_spec_names_a_cached_testbed(tmp_path, monkeypatch):
     assert B.parse_spec("testbed") == ("small", 0)
     with pytest.raises(UserError, match="SIZE one of"):
         resolve_model("testbed:huge")
+    # a cached build whose settings differ from the size's now is refused, not silently reused
+    info = json.loads((built / "build.json").read_text())
+    (built / "build.json").write_text(json.dumps({**info, "hidden_size": 999}))
+    with pytest.raises(UserError, match="hidden_size differ"):
+        resolve_model("testbed:tiny:0")
 
 
 def test_micro_narrows_the_mix_and_small_is_unchanged():
