@@ -67,7 +67,8 @@ COEFFICIENTS = {
 #: leave-one-out 5.0%; BENCHMARKS.md "RL step memory"), rounded up. At a real shape (the demo model,
 #: 256-token prompts, G 8, 128 tokens; bench_rl.py) it holds at 2 rows per micro-batch (+9% update,
 #: +22% generation) but under-predicts 8 rows in one micro-batch 2.6x (16.8 GiB measured vs 6.5):
-#: a term that grows faster than the rows is missing (not found yet)
+#: the excess is the chunked log-prob op's own (scripts/probe_update_memory.py: 9.0 GiB at 4 rows of
+#: 384 tokens vs 4.0 for a naive full-logits loss), an open defect of the op
 HELD_OUT_ERROR = 0.07
 
 
