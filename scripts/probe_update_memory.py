@@ -2,7 +2,7 @@
 model (LoRA r8 on every block), by rows of 384 random tokens, against the body alone and against
 naive full logits (BENCHMARKS.md, "RL step memory": the chunked op's excess at 4+ rows).
 
-    python scripts/probe_update_memory.py ROWS[,ROWS...] [LENGTH] [logp|naive|body] [SAVE_GRAD 0|1] [CHUNK]
+    python scripts/probe_update_memory.py ROWS[,ROWS...] [LENGTH] [logp|naive|body|bodyeval] [SAVE_GRAD 0|1] [CHUNK]
     python scripts/probe_update_memory.py 2,4 384 logp
 """
 import sys, time, mlx_ssp, mlx.core as mx, mlx.nn as nn
@@ -23,7 +23,10 @@ for B in [int(x) for x in sys.argv[1].split(",")]:
             lg = m(x[:, :-1]).astype(mx.float32) / 0.8
             lp = mx.take_along_axis(lg, x[:, 1:, None], axis=-1)[..., 0] - mx.logsumexp(lg, axis=-1)
             return lp.sum()
-        h = m.model(x[:, :-1]); return (h * h).sum()   # body only: no head
+        h = m.model(x[:, :-1])
+        if mode == "bodyeval":  # the body with its output evaluated inside the gradient trace
+            mx.eval(h)
+        return (h * h).sum()   # body only: no head
     mx.reset_peak_memory(); t = time.perf_counter()
     l, g = nn.value_and_grad(model, loss)(model); mx.eval(l, g)
     print(mode, B, L, f"peak {mx.get_peak_memory()/2**30:.2f} GiB  {time.perf_counter()-t:.1f} s", flush=True)
