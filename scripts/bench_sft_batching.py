@@ -56,29 +56,13 @@ def records(tok, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-class Items:
-    """The token dataset interface the batchers read (``len``, ``[i]``, ``itemlen``)."""
-
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
-
-    def itemlen(self, i):
-        return len(self.items[i][0])
-
-
-def sorted_batches(items: Items, bs: int, max_len: int, seed: int):
+def sorted_batches(items, bs: int, max_len: int, seed: int):
     from mlx_ssp.sft.batches import make_masked_iterate_batches
 
     return list(make_masked_iterate_batches(seed)(items, bs, max_len, loop=False))
 
 
-def random_batches(items: Items, bs: int, max_len: int, seed: int):
+def random_batches(items, bs: int, max_len: int, seed: int):
     from mlx_ssp.sft.batches import masked_batch
 
     order = np.random.RandomState(seed).permutation(len(items))
@@ -111,13 +95,14 @@ def main() -> None:
         a.records, a.hidden, a.layers, a.repeats = 16, 64, 2, 1
     from mlx_lm import load
     from mlx_ssp.finetune.lora import LoRAConfig, attach_lora
+    from mlx_ssp.sft.episodes import TokenDataset
     from mlx_ssp.testing import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench_sft_batching_") as tmp:
         path = make_tiny_model(Path(tmp) / "m", "qwen3", hidden_size=a.hidden, num_layers=a.layers,
                                intermediate_size=3 * a.hidden, seed=0)
         model, tok = load(str(path))
-    items = Items(records(tok, a.records, seed=0))
+    items = TokenDataset(records(tok, a.records, seed=0))
     kinds = {"sorted": sorted_batches(items, a.batch_size, a.max_seq_length, 0),
              "random": random_batches(items, a.batch_size, a.max_seq_length, 0)}
     stats = {}

@@ -288,6 +288,13 @@ def _engine(impl, temperature: float, entropy_grad: bool = False):
     return _Impl(impl, temperature)
 
 
+def _on_helper_thread(impl) -> bool:
+    """Whether chunks are evaluated on the helper thread: on the CPU path (the reference chosen for
+    the device) only; the entropy-gradient fallback to the reference on Metal/CUDA stays on the
+    calling thread (the helper was never run there)."""
+    return impl is selective_log_softmax_reference
+
+
 # -- the chunked op -----------------------------------------------------------------------------
 
 
@@ -389,9 +396,7 @@ def _make_op(logits_fn, n_params: int, temperature: float, chunk_size: int, impl
     Outputs: (log-probs, [entropy], [logsumexp per token, kept for the backward by the CPU path]).
     The entropy's cotangent is used only with ``entropy_grad`` (else the entropy is a statistic)."""
     eng = _engine(impl, temperature, entropy_grad)
-    # the CPU path (the reference chosen for the device) evaluates chunks on the helper thread; the
-    # entropy-gradient fallback on Metal/CUDA stays on this thread (the helper was never run there)
-    off_thread = isinstance(eng, _Fused) and impl is selective_log_softmax_reference
+    off_thread = _on_helper_thread(impl)
 
     @mx.custom_function
     def op(h, targets, *params):
@@ -459,8 +464,7 @@ def _make_saved_op(logits_fn, temperature: float, chunk_size: int, impl, want_en
         def chunk(x, t):
             return eng.saved(logits_fn, x, t, want_entropy, entropy_grad)
 
-        lps, js, ents, jhs = _forward_chunks(chunk, h, targets, chunk_size,
-                                             isinstance(eng, _Fused) and impl is selective_log_softmax_reference)
+        lps, js, ents, jhs = _forward_chunks(chunk, h, targets, chunk_size, _on_helper_thread(impl))
         out = (_cat(lps), _cat(js)) + ((_cat(ents),) if want_entropy else ())
         return out + ((_cat(jhs),) if entropy_grad else ())
 

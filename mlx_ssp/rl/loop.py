@@ -439,7 +439,7 @@ class Trainer:
         (totals over micro-batches, inner updates and ranks, divided once: see
         :func:`mlx_ssp.rl.loss.finalize_totals`), whatever ``micro_batch_size`` and the world size."""
         cfg = self.cfg
-        batch, mbs, units = self._plan(batch)
+        batch, mbs, units, ref_s = self._plan(batch)
         kept_frac = batch.pop("entropy_kept_frac", None)
         loss_and_grad = nn.value_and_grad(self.model, make_loss(cfg, units))
         # with one inner update nothing is applied before the finiteness check: no snapshot needed
@@ -462,14 +462,15 @@ class Trainer:
             _restore(self.model, self.opt, snap)
             mx.eval(self.model.trainable_parameters(), self.opt.state)
         stats = self._statistics(parts, glob, ok)
-        stats["ref_s"] = self._ref_s
+        stats["ref_s"] = ref_s
         if kept_frac is not None:
             stats["entropy_kept_frac"] = kept_frac
         return ok, stats
 
-    def _plan(self, batch: dict) -> tuple[dict, list[tuple[int, int]], float]:
-        """(this rank's block of the batch, its micro-batch bounds, the batch's aggregation units),
-        with the reference log-probs (KL) and the behaviour log-probs as old log-probs attached."""
+    def _plan(self, batch: dict) -> tuple[dict, list[tuple[int, int]], float, float]:
+        """(this rank's block of the batch, its micro-batch bounds, the batch's aggregation units,
+        the seconds of the reference forward), with the reference log-probs (KL) and the behaviour
+        log-probs as old log-probs attached."""
         cfg = self.cfg
         B = batch["inputs"].shape[0]
         if cfg.top_entropy_quantile is not None:
@@ -488,16 +489,16 @@ class Trainer:
         batch = _slice(batch, lo, hi)
         B = batch["inputs"].shape[0]
         mbs = [(i, min(i + cfg.micro_batch_size, B)) for i in range(0, B, cfg.micro_batch_size)]
-        self._ref_s = 0.0  # the reference forward's share of train_s (reported as ref_s)
+        ref_s = 0.0  # the reference forward's share of train_s (reported as ref_s)
         if cfg.beta > 0:
             t0 = time.perf_counter()
             batch["ref"] = self._ref_logprobs(batch, mbs)
-            self._ref_s = time.perf_counter() - t0
+            ref_s = time.perf_counter() - t0
         if cfg.old_logprobs == "behaviour" and cfg.tis_cap is None:
             batch["old"] = batch["behaviour"]
         # with tis_cap the old policy is the trainer's own (recomputed in the first inner update) and
         # the sampler's mismatch enters as a truncated weight (make_loss)
-        return batch, mbs, units
+        return batch, mbs, units, ref_s
 
     def _accumulate(self, loss_and_grad, batch: dict, mbs, inner: int, old_parts: list, parts: list):
         """(summed gradients, summed loss) of one inner update over this rank's micro-batches; each
