@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import yaml
+
 import mlx_ssp  # noqa: F401
 from mlx_ssp._blas import loaded_path
 
@@ -62,6 +64,7 @@ class Shape:
     system: Optional[str] = None  # None: each tool's own default
     warmup: int = 2
     micro_batch_size: Optional[int] = None  # ours only; None: the rl default
+    ours_set: tuple = ()  # ours only: extra rl keys, ("share_prefix", False), ...
 
 
 def padded_system(model: Path, n_tokens: int) -> tuple[str, list[int]]:
@@ -107,6 +110,7 @@ def run_ours(model: Path, work: Path, steps: int, shape: Shape) -> dict:
         rl["system"] = shape.system
     if shape.micro_batch_size is not None:
         rl["micro_batch_size"] = shape.micro_batch_size
+    rl.update(dict(shape.ours_set))
     path = work / "ours.yaml"
     path.write_text(json.dumps({"model": str(model), "seed": 0, "rl": rl}))
     subprocess.run([sys.executable, "-m", "mlx_ssp.cli", "rl", str(path), "--restart"], check=True,
@@ -192,6 +196,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
     ap.add_argument("--micro-batch-size", type=int, default=None,
                     help="ours: sequences per training forward/backward (default: the rl default)")
+    ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=YAML",
+                    help="ours: one more rl key, e.g. share_prefix=false (repeatable)")
     ap.add_argument("--no-cpu-rerun", action="store_true", help="skip mlx-lm-lora's second run that reads CPU time")
     a = ap.parse_args()
     if a.steps <= a.warmup:
@@ -200,7 +206,8 @@ def main() -> None:
     from mlx_ssp.testing import make_tiny_model
 
     shape = Shape(batch=a.batch, group=a.group, max_tokens=a.max_tokens, warmup=a.warmup,
-                  micro_batch_size=a.micro_batch_size)
+                  micro_batch_size=a.micro_batch_size,
+                  ours_set=tuple((k, yaml.safe_load(v)) for k, v in (kv.split("=", 1) for kv in a.ours_set)))
     with tempfile.TemporaryDirectory(prefix="bench_rl_") as tmp:
         if a.model:
             models = [(a.model, lambda work: resolve_model(a.model))]

@@ -27,9 +27,10 @@ Each step (VibeThinker-1.5B section 3.4; GRPO, DeepSeekMath arXiv:2402.03300 sec
 Metrics (one JSON line per step in ``metrics.jsonl``, ``pass@1`` and ``correct_len_mean`` among them; token statistics are exact whole-batch
 values: sums and counts over micro-batches, inner updates and ranks, divided once), checkpoints
 every ``checkpoint_every`` steps in ``checkpoints/step_NNNNNNN`` (adapters or weights, optimizer
-state, RNG and stream state) and a resumable run directory. Deviations: no prefix sharing between the G samples of a prompt
-(the rollout engine's choice); the reference for KL with full fine-tuning is a second copy of
-the model (only LoRA can switch the adapters off).
+state, RNG and stream state) and a resumable run directory. The G samples of a prompt share its prefill
+in the rollout engine and in every training forward (``share_prefix``: the prefix all rows of a
+micro-batch share runs once, :mod:`mlx_ssp.rl.prefix`). Deviation: the reference for KL with full
+fine-tuning is a second copy of the model (only LoRA can switch the adapters off).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from mlx_ssp.finetune.optim import OPTIMIZERS, build_optimizer, warmup_constant
 from mlx_ssp.finetune.seed import step_seed
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.logprobs import head_of, token_logprobs
+from mlx_ssp.rl.prefix import shareable, shared_prefix_len, suffix_hidden
 from mlx_ssp.rl.loss import aggregation_units, finalize_totals, merge_totals, policy_loss, token_totals
 from mlx_ssp.rl.kernels import grouped_advantages
 from mlx_ssp.rl import objectives
@@ -192,11 +194,22 @@ def _slice(batch: dict, i: int, j: int) -> dict:
 
 
 def sequence_logprobs(model: nn.Module, inputs, targets, temperature: float, chunk_size, *, entropy: bool = False,
-                      save_grad: bool = False, entropy_grad: bool = False):
-    """Per-token log-probs of ``targets`` after ``inputs`` (prompt + completion) at temperature T."""
-    h = model.model(inputs)
-    return token_logprobs(h, head_of(model), targets, temperature, chunk_size, return_entropy=entropy,
-                          save_grad=save_grad, entropy_grad=entropy_grad)
+                      save_grad: bool = False, entropy_grad: bool = False, prefix: int = 0):
+    """Per-token log-probs of ``targets`` after ``inputs`` (prompt + completion) at temperature T
+    (and the entropy with ``entropy``). ``prefix`` > 0: the rows' first ``prefix`` tokens are
+    identical and carry no loss; they run once (:mod:`mlx_ssp.rl.prefix`) and their positions
+    get log-prob and entropy 0."""
+    if prefix <= 0:
+        h = model.model(inputs)
+        return token_logprobs(h, head_of(model), targets, temperature, chunk_size, return_entropy=entropy,
+                              save_grad=save_grad, entropy_grad=entropy_grad)
+    h = suffix_hidden(model, inputs, prefix)
+    out = token_logprobs(h, head_of(model), targets[:, prefix:], temperature, chunk_size, return_entropy=entropy,
+                         save_grad=save_grad, entropy_grad=entropy_grad)
+    pad = mx.zeros((inputs.shape[0], prefix), mx.float32)
+    if entropy:
+        return tuple(mx.concatenate([pad, x], axis=1) for x in out)
+    return mx.concatenate([pad, out], axis=1)
 
 
 def clip_range(cfg: RLConfig) -> tuple[float, float]:
@@ -218,7 +231,7 @@ def make_loss(cfg: RLConfig, units_total: float) -> Callable:
 
     def loss_fn(model, mb):
         logp, ent = sequence_logprobs(model, mb["inputs"], mb["targets"], T, cfg.chunk_size, entropy=True,
-                                      save_grad=True, entropy_grad=bonus)
+                                      save_grad=True, entropy_grad=bonus, prefix=mb.get("prefix", 0))
         old = mb["old"] if mb.get("old") is not None else mx.stop_gradient(logp)
         weights = None
         if cfg.tis_cap is not None:  # rollouts from another engine: truncated importance weights
@@ -304,6 +317,7 @@ class Trainer:
         self.skipped_total = 0
         self.last_good_ckpt: Optional[str] = None
         self._prompt_cache: dict[str, list[int]] = {}
+        self._shareable = shareable(model) and (ref_model is None or shareable(ref_model))
         sched = warmup_constant(cfg.learning_rate, cfg.warmup_steps)
         wd = {"weight_decay": cfg.weight_decay} if OPTIMIZERS[cfg.optimizer].weight_decay else {}
         self.opt = build_optimizer(cfg.optimizer, sched, wd, what="rl.optimizer")
@@ -508,6 +522,7 @@ class Trainer:
         grads_sum, loss_sum = None, 0.0
         for k, (i, j) in enumerate(mbs):
             mb = _slice(batch, i, j)
+            mb["prefix"] = self._prefix(batch, i, j)
             if recompute:
                 mb["old"] = old_parts[k] if inner > 0 else None
             (loss, (totals, logp)), grads = loss_and_grad(self.model, mb)
@@ -550,13 +565,19 @@ class Trainer:
             stats["loss"] = float("nan")
         return stats
 
+    def _prefix(self, batch: dict, i: int, j: int) -> int:
+        """Tokens rows i..j-1 share before any loss token, run once (0: off or not worth it)."""
+        if not (self.cfg.share_prefix and self._shareable):
+            return 0
+        return shared_prefix_len(np.asarray(batch["inputs"][i:j]), np.asarray(batch["mask"][i:j]))
+
     def _entropies(self, batch: dict, mbs) -> mx.array:
         """Per-token entropy of the current policy at the sampling temperature (no gradient)."""
         T = self.cfg.sampling.temperature
         parts = []
         for i, j in mbs:
             _, ent = sequence_logprobs(self.model, batch["inputs"][i:j], batch["targets"][i:j], T, self.cfg.chunk_size,
-                                       entropy=True)
+                                       entropy=True, prefix=self._prefix(batch, i, j))
             mx.eval(ent)
             parts.append(mx.stop_gradient(ent))
         return mx.concatenate(parts)
@@ -570,7 +591,8 @@ class Trainer:
             ctx, model = adapters_disabled(self.model), self.model
         with ctx:
             for i, j in mbs:
-                lp = sequence_logprobs(model, batch["inputs"][i:j], batch["targets"][i:j], T, self.cfg.chunk_size)
+                lp = sequence_logprobs(model, batch["inputs"][i:j], batch["targets"][i:j], T, self.cfg.chunk_size,
+                                       prefix=self._prefix(batch, i, j))
                 mx.eval(lp)
                 parts.append(lp)
         return mx.stop_gradient(mx.concatenate(parts))

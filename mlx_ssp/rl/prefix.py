@@ -1,0 +1,79 @@
+"""Shared prompt prefixes in the trainer's forward passes (issue 23).
+
+The G samples of one prompt are G rows that start with the same prompt tokens. The update's
+forward + backward, the reference forward and the entropy pass used to run the prompt once per row;
+at the demo shape (256-token prompt, G = 8, 128 completion tokens) that is 8 x 384 = 3,072 body
+tokens where 256 + 8 x 128 = 1,280 carry information. Here the longest prefix that every row of a
+micro-batch shares, and on which no row has a loss token, is run once (batch 1), its keys and
+values are broadcast to the B rows, and only the rows' suffixes run through the body, attending to
+that cache. The gradient flows back through the broadcast (a sum over rows) into the prefix's
+forward, so LoRA weights on the prompt's path get exactly the gradient of the unshared forward.
+
+Identity: log-probs, and gradients, equal the unshared forward's up to float reassociation
+(different matmul shapes); on the prefix positions they are 0, which every use masks out (the
+prefix ends at or before the first loss token of any row). Where the model's cache is not the plain
+mlx-lm ``KVCache`` (sliding windows, SSM layers), or the rows share fewer than
+:data:`MIN_PREFIX` tokens, the forward is the plain one.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+#: Shorter common prefixes are not worth a second, batch-1 forward.
+MIN_PREFIX = 8
+
+
+class _TracedCache(KVCache):
+    """A KVCache whose update is a concatenation: differentiable, with no preallocated buffer
+    written in place (mlx-lm's slice update), so the backward sees the prefix's keys and values."""
+
+    def update_and_fetch(self, keys, values):
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+        self.offset += keys.shape[2]
+        return self.keys, self.values
+
+    def broadcast(self, rows: int) -> None:
+        self.keys = mx.broadcast_to(self.keys, (rows, *self.keys.shape[1:]))
+        self.values = mx.broadcast_to(self.values, (rows, *self.values.shape[1:]))
+
+
+def shareable(model: nn.Module) -> bool:
+    """Whether every layer of ``model`` uses mlx-lm's plain KVCache (what :class:`_TracedCache` replaces)."""
+    make = getattr(model, "make_cache", None)
+    if make is not None:
+        return all(type(c) is KVCache for c in make())
+    return hasattr(model, "layers") or hasattr(getattr(model, "model", None), "layers")
+
+
+def shared_prefix_len(inputs: np.ndarray, mask: np.ndarray) -> int:
+    """Length of the longest prefix all rows of ``inputs`` [B, L] share with no loss token in it
+    (``mask`` [B, L] is on targets, target j follows input j), or 0 when not worth sharing."""
+    inputs, mask = np.asarray(inputs), np.asarray(mask)
+    if inputs.shape[0] < 2:
+        return 0
+    differs = (inputs != inputs[:1]).any(axis=0)
+    p = int(np.argmax(differs)) if differs.any() else inputs.shape[1]
+    loss = mask.any(axis=0)
+    if loss.any():
+        p = min(p, int(np.argmax(loss)))
+    # the suffix must keep at least one position, and the prefix be worth a second forward
+    p = min(p, inputs.shape[1] - 1)
+    return p if p >= MIN_PREFIX else 0
+
+
+def suffix_hidden(model: nn.Module, inputs: mx.array, prefix: int) -> mx.array:
+    """Final hidden states [B, L - prefix, D] of the rows' suffixes, with the shared ``prefix``
+    tokens (``inputs[0, :prefix]``, identical in every row) run once and broadcast as a KV cache."""
+    cache = [_TracedCache() for _ in model.model.layers]
+    model.model(inputs[:1, :prefix], cache=cache)
+    for c in cache:
+        c.broadcast(inputs.shape[0])
+    return model.model(inputs[:, prefix:], cache=cache)

@@ -1,0 +1,116 @@
+"""Shared prompt prefixes in the trainer's forwards (mlx_ssp.rl.prefix): same log-probs, same
+gradients, same update as running every row's prompt."""
+
+from __future__ import annotations
+
+import mlx_ssp  # noqa: F401
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+from mlx_ssp.models import load_model
+from mlx_ssp.rl.config import RLConfig
+from mlx_ssp.rl.logprobs import head_of, head_vocab
+from mlx_ssp.rl.loop import Trainer, build_batch, sequence_logprobs, setup_model
+from mlx_ssp.rl.prefix import MIN_PREFIX, shareable, shared_prefix_len
+from mlx_ssp.tasks import Task
+
+
+def test_shared_prefix_len():
+    a = np.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]] * 3)
+    a[1, 10] = 0  # rows first differ at position 10
+    m = np.zeros(a.shape, np.float32)
+    assert shared_prefix_len(a, m) == 10
+    m[2, 9] = 1  # a loss token at 9 in one row: the prefix stops before it
+    assert shared_prefix_len(a, m) == 9
+    assert shared_prefix_len(a[:1], m[:1]) == 0  # one row: nothing to share
+    m[0, MIN_PREFIX - 1] = 1
+    assert shared_prefix_len(a, m) == 0  # too short to be worth a second forward
+    same = np.ones((2, 12), np.int64)
+    assert shared_prefix_len(same, np.zeros((2, 12))) == 11  # the suffix keeps a position
+
+
+def _lora_model(path):
+    model, tok, _ = load_model(str(path))
+    setup_model(model, RLConfig(lora={"rank": 4}))
+    # non-zero lora_b so the adapters change the prompt's keys and values (lora_b starts at 0)
+    params = tree_map(lambda p: p + 0.05 * mx.random.normal(p.shape, key=mx.random.key(3)),
+                      model.trainable_parameters())
+    model.update(params)
+    return model, tok
+
+
+def _group_rows(vocab, P=20, C=9, B=4, seed=0):
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, vocab, P)
+    rows = np.stack([np.concatenate([prompt, rng.integers(0, vocab, C)]) for _ in range(B)])
+    mask = np.zeros((B, P + C - 1), np.float32)
+    mask[:, P - 1:] = 1
+    mask[2, -3:] = 0  # a shorter row
+    return mx.array(rows[:, :-1]), mx.array(rows[:, 1:]), mask
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_shared_prefix_logprobs_and_gradients_equal_unshared(tiny_qwen3, entropy):
+    model, _ = _lora_model(tiny_qwen3)
+    assert shareable(model)
+    inputs, targets, mask = _group_rows(head_vocab(head_of(model)))
+    p = shared_prefix_len(np.asarray(inputs), mask)
+    assert p == 19
+    m, w = mx.array(mask), mx.random.normal(targets.shape, key=mx.random.key(4))
+
+    def loss(mdl, prefix):
+        out = sequence_logprobs(mdl, inputs, targets, 0.7, None, prefix=prefix, save_grad=True, entropy=entropy,
+                                entropy_grad=entropy)
+        lp = out[0] + 0.3 * out[1] if entropy else out
+        return (lp * m * w).sum()
+
+    l0, g0 = nn.value_and_grad(model, lambda mdl: loss(mdl, 0))(model)
+    l1, g1 = nn.value_and_grad(model, lambda mdl: loss(mdl, p))(model)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5)
+    for (k, a), (_, b) in zip(tree_flatten(g0), tree_flatten(g1)):
+        scale = float(mx.abs(a).max()) + 1e-6
+        assert float(mx.abs(a - b).max()) / scale < 1e-4, k
+    lp0 = sequence_logprobs(model, inputs, targets, 0.7, None)
+    lp1 = sequence_logprobs(model, inputs, targets, 0.7, None, prefix=p)
+    np.testing.assert_allclose(np.asarray(lp1) * mask, np.asarray(lp0) * mask, atol=1e-5)
+    assert not np.asarray(lp1)[:, :p].any()  # the prefix positions are 0 (masked by every use)
+
+
+def _tasks():
+    return [Task(id=f"t{i}", domain="toy", prompt="p", answer="-", verifier="exact") for i in range(4)]
+
+
+@pytest.mark.parametrize("options", [dict(beta=0.1), dict(beta=0.0, entropy_coef=0.01, top_entropy_quantile=0.5,
+                                                           importance_sampling_level="sequence")])
+def test_update_with_shared_prefix_equals_unshared(tiny_llama, options):
+    """A whole update (KL to the adapters-off reference, entropy selection and bonus, GSPO) moves the
+    LoRA weights the same with and without sharing, at any micro-batch size."""
+    rng = np.random.default_rng(1)
+    vocab = 300
+    prompts = [rng.integers(0, vocab, 18 + 3 * g).tolist() for g in range(2)]
+    recs = []
+    for g in range(2):
+        for _ in range(4):
+            c = int(rng.integers(2, 7))
+            recs.append({"prompt_token_ids": prompts[g], "token_ids": rng.integers(0, vocab, c).tolist(),
+                         "logprobs": [-1.0] * c})
+    adv = rng.normal(size=8).astype(np.float32)
+    moved = {}
+    for share in (False, True):
+        for mbs in (8, 4, 3):
+            cfg = RLConfig(batch_size=2, group_size=4, micro_batch_size=mbs, optimizer="sgd", learning_rate=1.0,
+                           max_grad_norm=None, share_prefix=share, progress=False, lora={"rank": 4}, **options)
+            model, tok = _lora_model(tiny_llama)
+            before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+            tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
+            ok, _ = tr._update(build_batch(recs, adv))
+            assert ok
+            moved[share, mbs] = {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
+    ref = moved[False, 8]
+    assert max(np.abs(v).max() for v in ref.values()) > 1e-3  # the step did something
+    for key, got in moved.items():
+        for k in ref:
+            np.testing.assert_allclose(got[k], ref[k], rtol=1e-3, atol=1e-5, err_msg=f"{key} {k}")
