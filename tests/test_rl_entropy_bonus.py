@@ -207,7 +207,7 @@ def test_loop_step_logs_entropy_raises_it_and_trains_lora_only(tiny_llama):
     tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
     recs = _records()
     batch = build_batch(recs, np.zeros(8, np.float32))  # no advantage: only the bonus moves the policy
-    ent0 = tr._entropies(batch, [(0, 8)])
+    ent0 = tr._entropies(batch)
     ok, stats = tr._update(batch)
     assert ok and np.isfinite(stats["entropy"]) and stats["entropy"] > 0
     after = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
@@ -215,5 +215,5 @@ def test_loop_step_logs_entropy_raises_it_and_trains_lora_only(tiny_llama):
     assert changed and changed <= trainable
     # the step ascends the entropy: the mean over completion tokens rises
     m = batch["mask"]
-    ent1 = tr._entropies(batch, [(0, 8)])
+    ent1 = tr._entropies(batch)
     assert float((ent1 * m).sum() / m.sum()) > float((ent0 * m).sum() / m.sum())

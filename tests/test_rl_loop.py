@@ -141,8 +141,8 @@ def poison_loss(monkeypatch, is_bad) -> None:
     def poisoned(cfg_, units):
         fn = real(cfg_, units)
 
-        def f(model, mb):
-            loss, aux = fn(model, mb)
+        def f(model, mb, hidden=None):
+            loss, aux = fn(model, mb, hidden)
             calls["n"] += 1
             return (loss * mx.nan if is_bad(calls["n"]) else loss), aux
 

@@ -14,7 +14,7 @@ from mlx_ssp.models import load_model
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.logprobs import head_of, head_vocab
 from mlx_ssp.rl.loop import Trainer, build_batch, sequence_logprobs, setup_model
-from mlx_ssp.rl.prefix import MIN_PREFIX, shareable, shared_prefix_len
+from mlx_ssp.rl.prefix import MIN_PREFIX, blocks, shareable, shared_prefix_len
 from mlx_ssp.tasks import Task
 
 
@@ -111,6 +111,57 @@ def test_update_with_shared_prefix_equals_unshared(tiny_llama, options):
             moved[share, mbs] = {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
     ref = moved[False, 8]
     assert max(np.abs(v).max() for v in ref.values()) > 1e-3  # the step did something
+    for key, got in moved.items():
+        for k in ref:
+            np.testing.assert_allclose(got[k], ref[k], rtol=1e-3, atol=1e-5, err_msg=f"{key} {k}")
+
+
+def test_blocks_follow_the_groups():
+    g1, g2 = [5] * 12, [5] * 8 + [6] * 4  # the two prompts share an 8-token system prompt
+    rows = np.array([g1 + [1, 2], g1 + [3, 4], g1 + [5, 6], g2 + [1, 2], g2 + [7, 8], [9] * 14])
+    mask = np.zeros(rows.shape, np.float32)
+    mask[:, 11:] = 1
+    assert blocks(rows, mask) == [(0, 3, 11), (3, 5, 11), (5, 6, 0)]
+
+
+def test_layout_and_the_two_phase_gradient(tiny_llama, monkeypatch):
+    """Pieces fit one chunk of the op where a row does; a row longer than a chunk gets its
+    gradient in two phases (the body's output evaluated outside the trace). The prefix's backward
+    runs once per block. Same update in every layout."""
+    import mlx_ssp.rl.loop as loop
+
+    calls = []
+    real = loop.piece_value_and_grad
+    monkeypatch.setattr(loop, "piece_value_and_grad",
+                        lambda *a: calls.append((a[2]["inputs"].shape[0], a[-1])) or real(*a))
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, 300, 16).tolist()
+    recs = [{"prompt_token_ids": prompt, "token_ids": rng.integers(0, 300, c).tolist(), "logprobs": [-1.0] * c}
+            for c in (3, 6, 9, 4)]
+    adv = rng.normal(size=4).astype(np.float32)
+    moved = {}
+    for share, chunk in ((False, None), (True, None), (True, 5), (False, 5), (True, 24)):
+        cfg = RLConfig(batch_size=1, group_size=4, micro_batch_size=4, optimizer="sgd", learning_rate=1.0,
+                       max_grad_norm=None, chunk_size=chunk, beta=0.1, progress=False, lora={"rank": 4},
+                       share_prefix=share)
+        model, tok = _lora_model(tiny_llama)
+        before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+        tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
+        batch = build_batch(recs, adv)
+        del calls[:]
+        ok, _ = tr._update(batch)
+        assert ok
+        layout = tr._layout(batch)
+        if share:
+            assert [p for p, _ in layout] == [15]  # the prompt minus its last token
+        if chunk == 5:  # suffix 9 (24 unshared) > 5 tokens: one row per piece, each in two phases
+            assert calls == [(1, True)] * 4
+        elif chunk == 24:  # 2 rows x 9 suffix tokens fit one chunk of 24
+            assert layout == [(15, [(0, 2), (2, 4)])] and calls == [(2, False)] * 2
+        else:
+            assert calls == [(4, False)]
+        moved[share, chunk] = {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
+    ref = moved[False, None]
     for key, got in moved.items():
         for k in ref:
             np.testing.assert_allclose(got[k], ref[k], rtol=1e-3, atol=1e-5, err_msg=f"{key} {k}")

@@ -40,14 +40,13 @@ import json
 import math
 import shutil
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlx_ssp import distributed as dist
 from mlx_ssp.errors import UserError
@@ -58,8 +57,8 @@ from mlx_ssp.finetune.lora import adapters_disabled, attach_lora
 from mlx_ssp.finetune.optim import OPTIMIZERS, build_optimizer, warmup_constant
 from mlx_ssp.finetune.seed import step_seed
 from mlx_ssp.rl.config import RLConfig
-from mlx_ssp.rl.logprobs import head_of, token_logprobs
-from mlx_ssp.rl.prefix import shareable, shared_prefix_len, suffix_hidden
+from mlx_ssp.rl.logprobs import auto_chunk_size, head_of, head_vocab, token_logprobs
+from mlx_ssp.rl.prefix import blocks, hidden_after, prefix_kv, shareable, suffix_hidden
 from mlx_ssp.rl.loss import aggregation_units, finalize_totals, merge_totals, policy_loss, token_totals
 from mlx_ssp.rl.kernels import grouped_advantages
 from mlx_ssp.rl import objectives
@@ -193,23 +192,82 @@ def _slice(batch: dict, i: int, j: int) -> dict:
 # -- loss ----------------------------------------------------------------------------------------
 
 
+def sequence_hidden_states(model: nn.Module, inputs, prefix: int = 0) -> mx.array:
+    """Final hidden states of ``inputs`` [B, L]: of every position, or with ``prefix`` > 0 of the
+    positions after the shared prefix (run once: :mod:`mlx_ssp.rl.prefix`), [B, L - prefix, D]."""
+    return model.model(inputs) if prefix <= 0 else suffix_hidden(model, inputs, prefix)
+
+
 def sequence_logprobs(model: nn.Module, inputs, targets, temperature: float, chunk_size, *, entropy: bool = False,
-                      save_grad: bool = False, entropy_grad: bool = False, prefix: int = 0):
+                      save_grad: bool = False, entropy_grad: bool = False, prefix: int = 0,
+                      hidden: mx.array | None = None):
     """Per-token log-probs of ``targets`` after ``inputs`` (prompt + completion) at temperature T
     (and the entropy with ``entropy``). ``prefix`` > 0: the rows' first ``prefix`` tokens are
-    identical and carry no loss; they run once (:mod:`mlx_ssp.rl.prefix`) and their positions
-    get log-prob and entropy 0."""
-    if prefix <= 0:
-        h = model.model(inputs)
-        return token_logprobs(h, head_of(model), targets, temperature, chunk_size, return_entropy=entropy,
-                              save_grad=save_grad, entropy_grad=entropy_grad)
-    h = suffix_hidden(model, inputs, prefix)
+    identical and carry no loss; they run once and their positions get log-prob and entropy 0.
+    ``hidden``: the body's output (:func:`sequence_hidden_states`) when the caller has it."""
+    h = sequence_hidden_states(model, inputs, prefix) if hidden is None else hidden
     out = token_logprobs(h, head_of(model), targets[:, prefix:], temperature, chunk_size, return_entropy=entropy,
                          save_grad=save_grad, entropy_grad=entropy_grad)
+    if prefix <= 0:
+        return out
     pad = mx.zeros((inputs.shape[0], prefix), mx.float32)
     if entropy:
         return tuple(mx.concatenate([pad, x], axis=1) for x in out)
     return mx.concatenate([pad, out], axis=1)
+
+
+def _set_params(model: nn.Module, names, arrays) -> None:
+    model.update(tree_unflatten(list(zip(names, arrays))))
+
+
+def piece_value_and_grad(model: nn.Module, loss_fn: Callable, mb: dict, kv, names, arrays, two_phase: bool):
+    """((loss, aux), d loss / d trainable arrays, d loss / d prefix kv) of one piece of rows.
+
+    ``kv``: the block's shared-prefix keys and values (:func:`mlx_ssp.rl.prefix.prefix_kv`,
+    evaluated, no graph) that the rows' suffixes attend to, or None (no prefix: the rows run
+    whole). Their gradient is returned so that the prefix's own backward runs once per block
+    (:func:`prefix_grads`), however many pieces the block has.
+
+    ``two_phase`` (a piece whose log-prob tokens span more than one chunk of the op: a row longer
+    than a chunk): the chunked op evaluates its input chunk by chunk, and inside a gradient trace
+    that evaluation keeps every intermediate of the body's forward for the tape (2.5x the body's
+    memory at 4 rows of 384 tokens on the demo model, BENCHMARKS "RL step memory"). So the body's
+    output h is evaluated outside any trace, dL/dh comes from the loss as a function of h, and the
+    body's gradient is its vjp with that cotangent: one more body forward, the body's own memory.
+    The head must be frozen there (LoRA). Callers restore the model's parameters afterwards."""
+    n, p = len(arrays), mb.get("prefix", 0)
+    kv_flat = [x for pair in kv for x in pair] if kv else []
+
+    def body(*xs):
+        _set_params(model, names, xs[:n])
+        if not kv_flat:
+            return model.model(mb["inputs"])
+        return hidden_after(model, mb["inputs"][:, p:], list(zip(xs[n::2], xs[n + 1::2])))
+
+    primals = [*arrays, *kv_flat]
+    if not two_phase:
+        grad_fn = mx.value_and_grad(lambda *xs: loss_fn(model, mb, body(*xs)), argnums=list(range(len(primals))))
+        (loss, aux), g = grad_fn(*primals)
+    else:
+        h = body(*primals)
+        mx.eval(h)
+        (loss, aux), dh = mx.value_and_grad(lambda x: loss_fn(model, mb, x))(h)
+        mx.eval(loss, aux, dh)
+        del h
+        _, g = mx.vjp(body, primals, [dh])
+    return (loss, aux), list(g[:n]), list(g[n:])
+
+
+def prefix_grads(model: nn.Module, tokens: mx.array, dkv: list, names, arrays) -> list:
+    """d loss / d trainable arrays through a block's shared prefix ``tokens`` [1, P], given the
+    summed gradient ``dkv`` of its keys and values over the block's pieces (chain rule: the
+    prefix's forward, then its backward, once per block)."""
+    def f(*xs):
+        _set_params(model, names, xs)
+        return [x for pair in prefix_kv(model, tokens) for x in pair]
+
+    _, g = mx.vjp(f, list(arrays), dkv)
+    return list(g)
 
 
 def clip_range(cfg: RLConfig) -> tuple[float, float]:
@@ -223,15 +281,16 @@ def clip_range(cfg: RLConfig) -> tuple[float, float]:
 
 
 def make_loss(cfg: RLConfig, units_total: float) -> Callable:
-    """loss(model, mb) for one micro-batch, scaled by its share of the batch's aggregation units
-    so that summed micro-batch gradients equal the full batch's."""
+    """loss(model, mb, hidden=None) for one micro-batch, scaled by its share of the batch's
+    aggregation units so that summed micro-batch gradients equal the full batch's; ``hidden``: the
+    body's output when the caller computed it (:func:`piece_value_and_grad`)."""
     T = cfg.sampling.temperature
     eps_low, eps_high = clip_range(cfg)
     bonus = bool(cfg.entropy_coef)  # off (None or 0): the op's entropy stays a statistic, the loss as before
 
-    def loss_fn(model, mb):
+    def loss_fn(model, mb, hidden=None):
         logp, ent = sequence_logprobs(model, mb["inputs"], mb["targets"], T, cfg.chunk_size, entropy=True,
-                                      save_grad=True, entropy_grad=bonus, prefix=mb.get("prefix", 0))
+                                      save_grad=True, entropy_grad=bonus, prefix=mb.get("prefix", 0), hidden=hidden)
         old = mb["old"] if mb.get("old") is not None else mx.stop_gradient(logp)
         weights = None
         if cfg.tis_cap is not None:  # rollouts from another engine: truncated importance weights
@@ -318,6 +377,10 @@ class Trainer:
         self.last_good_ckpt: Optional[str] = None
         self._prompt_cache: dict[str, list[int]] = {}
         self._shareable = shareable(model) and (ref_model is None or shareable(ref_model))
+        head = head_of(model)
+        self._chunk_tokens = cfg.chunk_size or auto_chunk_size(head_vocab(head))
+        self._frozen_head = not any(mx.issubdtype(v.dtype, mx.floating)
+                                    for _, v in tree_flatten(head.trainable_parameters()))
         sched = warmup_constant(cfg.learning_rate, cfg.warmup_steps)
         wd = {"weight_decay": cfg.weight_decay} if OPTIMIZERS[cfg.optimizer].weight_decay else {}
         self.opt = build_optimizer(cfg.optimizer, sched, wd, what="rl.optimizer")
@@ -453,9 +516,10 @@ class Trainer:
         (totals over micro-batches, inner updates and ranks, divided once: see
         :func:`mlx_ssp.rl.loss.finalize_totals`), whatever ``micro_batch_size`` and the world size."""
         cfg = self.cfg
-        batch, mbs, units, ref_s = self._plan(batch)
+        batch, units, ref_s = self._plan(batch)
         kept_frac = batch.pop("entropy_kept_frac", None)
-        loss_and_grad = nn.value_and_grad(self.model, make_loss(cfg, units))
+        loss_fn = make_loss(cfg, units)
+        layout = self._layout(batch)
         # with one inner update nothing is applied before the finiteness check: no snapshot needed
         snap = _snapshot(self.model, self.opt) if cfg.mu > 1 else None
         glob: dict[str, float] = {}  # loss, grad norm: already global (all-reduced), mean over mu
@@ -463,7 +527,7 @@ class Trainer:
         old_parts: list[mx.array] = []
         ok = True
         for inner in range(cfg.mu):
-            grads_sum, loss_sum = self._accumulate(loss_and_grad, batch, mbs, inner, old_parts, parts)
+            grads_sum, loss_sum = self._accumulate(loss_fn, batch, layout, inner, old_parts, parts)
             grads_sum, loss_sum = self._all_reduce(grads_sum, loss_sum)
             gnorm = _grad_norm(grads_sum)
             if not (math.isfinite(loss_sum) and _finite(gnorm)):
@@ -481,17 +545,15 @@ class Trainer:
             stats["entropy_kept_frac"] = kept_frac
         return ok, stats
 
-    def _plan(self, batch: dict) -> tuple[dict, list[tuple[int, int]], float, float]:
-        """(this rank's block of the batch, its micro-batch bounds, the batch's aggregation units,
-        the seconds of the reference forward), with the reference log-probs (KL) and the behaviour
-        log-probs as old log-probs attached."""
+    def _plan(self, batch: dict) -> tuple[dict, float, float]:
+        """(this rank's share of the batch, the batch's aggregation units, the seconds of the
+        reference forward), with the reference log-probs (KL) and the behaviour log-probs as old
+        log-probs attached."""
         cfg = self.cfg
-        B = batch["inputs"].shape[0]
         if cfg.top_entropy_quantile is not None:
             # the cut is over the whole batch's tokens (before ranks and micro-batches split it), from
             # the policy at the start of the step, so micro-batch size and world size change nothing
-            full = [(i, min(i + cfg.micro_batch_size, B)) for i in range(0, B, cfg.micro_batch_size)]
-            ent = self._entropies(batch, full)
+            ent = self._entropies(batch)
             thr = objectives.entropy_threshold(ent, batch["mask"], cfg.top_entropy_quantile)
             n_before = float(batch["mask"].sum().item())
             batch["mask"] = objectives.top_entropy_mask(ent, batch["mask"], thr)
@@ -501,41 +563,84 @@ class Trainer:
         # batch; loss shares are of the global units, so the summed gradients are the batch's
         lo, hi = dist.shard_bounds(batch["inputs"].shape[0], dist.rank(), dist.size())
         batch = _slice(batch, lo, hi)
-        B = batch["inputs"].shape[0]
-        mbs = [(i, min(i + cfg.micro_batch_size, B)) for i in range(0, B, cfg.micro_batch_size)]
         ref_s = 0.0  # the reference forward's share of train_s (reported as ref_s)
         if cfg.beta > 0:
             t0 = time.perf_counter()
-            batch["ref"] = self._ref_logprobs(batch, mbs)
+            batch["ref"] = self._ref_logprobs(batch)
             ref_s = time.perf_counter() - t0
         if cfg.old_logprobs == "behaviour" and cfg.tis_cap is None:
             batch["old"] = batch["behaviour"]
         # with tis_cap the old policy is the trainer's own (recomputed in the first inner update) and
         # the sampler's mismatch enters as a truncated weight (make_loss)
-        return batch, mbs, units, ref_s
+        return batch, units, ref_s
 
-    def _accumulate(self, loss_and_grad, batch: dict, mbs, inner: int, old_parts: list, parts: list):
-        """(summed gradients, summed loss) of one inner update over this rank's micro-batches; each
-        micro-batch's totals go to ``parts``. ``recompute``: the first inner update's log-probs are
+    def _layout(self, batch: dict) -> list[tuple[int, list[tuple[int, int]]]]:
+        """(shared prefix length, pieces of rows) for each block of rows (:func:`mlx_ssp.rl.prefix.blocks`:
+        a group's rows share its prompt; one block of the whole batch, prefix 0, without sharing).
+
+        A block's prefix runs once per pass; its rows go in pieces of at most ``micro_batch_size``
+        rows whose log-prob tokens also fit one chunk of the op, where a row does (over more chunks
+        the op evaluates its input inside the gradient trace: see :func:`piece_value_and_grad`,
+        which a row longer than a chunk takes alone). Gradients accumulate, so the update is the
+        same whatever the layout (tests/test_rl_prefix.py)."""
+        inputs = np.asarray(batch["inputs"])
+        n, L = inputs.shape
+        if self.cfg.share_prefix and self._shareable:
+            spans = blocks(inputs, np.asarray(batch["mask"]))
+        else:
+            spans = [(0, n, 0)]
+        out = []
+        for i, j, p in spans:
+            per = max(1, min(self.cfg.micro_batch_size, self._chunk_tokens // max(1, L - p)))
+            out.append((p, [(a, min(a + per, j)) for a in range(i, j, per)]))
+        return out
+
+    def _accumulate(self, loss_fn, batch: dict, layout, inner: int, old_parts: list, parts: list):
+        """(summed gradients, summed loss) of one inner update over this rank's pieces of rows;
+        each piece's totals go to ``parts``. A block's prefix keys and values are computed once
+        (no graph), each piece's gradient reaches them, and the prefix's backward runs once with
+        their sum (:func:`prefix_grads`). ``recompute``: the first inner update's log-probs are
         the old log-probs of the later ones (kept in ``old_parts``)."""
         recompute = self.cfg.old_logprobs == "recompute" or self.cfg.tis_cap is not None
-        grads_sum, loss_sum = None, 0.0
-        for k, (i, j) in enumerate(mbs):
-            mb = _slice(batch, i, j)
-            mb["prefix"] = self._prefix(batch, i, j)
-            if recompute:
-                mb["old"] = old_parts[k] if inner > 0 else None
-            (loss, (totals, logp)), grads = loss_and_grad(self.model, mb)
-            if inner == 0:  # sampler vs trainer log-probs of the same tokens: should be ~1e-5
-                totals = {**totals, **behaviour_totals(logp, mb["behaviour"], mb["mask"])}
-            keys, vec = _stacked(totals)
-            mx.eval(loss, grads, vec, logp)
-            if inner == 0 and recompute:
-                old_parts.append(logp)
-            loss_sum += float(loss.item())
-            grads_sum = grads if grads_sum is None else tree_map(lambda a, b: a + b, grads_sum, grads)
-            parts.append(dict(zip(keys, vec.tolist())))
-        return grads_sum, loss_sum
+        names, arrays = (list(x) for x in zip(*tree_flatten(self.model.trainable_parameters())))
+        L = batch["inputs"].shape[1]
+        grads_sum, loss_sum, k = None, 0.0, 0
+
+        def add(acc, g):
+            return g if acc is None else [a + b for a, b in zip(acc, g)]
+
+        try:
+            for p, pieces in layout:
+                first = batch["inputs"][pieces[0][0]:pieces[0][0] + 1, :p]
+                kv = prefix_kv(self.model, first) if p else None
+                if kv:
+                    mx.eval(kv)
+                dkv = None
+                for i, j in pieces:
+                    mb = _slice(batch, i, j)
+                    mb["prefix"] = p
+                    if recompute:
+                        mb["old"] = old_parts[k] if inner > 0 else None
+                    two = (j - i) * (L - p) > self._chunk_tokens and self._frozen_head
+                    (loss, (totals, logp)), grads, gkv = piece_value_and_grad(self.model, loss_fn, mb, kv, names,
+                                                                               arrays, two)
+                    if inner == 0:  # sampler vs trainer log-probs of the same tokens: should be ~1e-5
+                        totals = {**totals, **behaviour_totals(logp, mb["behaviour"], mb["mask"])}
+                    keys, vec = _stacked(totals)
+                    mx.eval(loss, grads, gkv, vec, logp)
+                    if inner == 0 and recompute:
+                        old_parts.append(logp)
+                    loss_sum += float(loss.item())
+                    grads_sum, dkv, k = add(grads_sum, grads), add(dkv, gkv), k + 1
+                    parts.append(dict(zip(keys, vec.tolist())))
+                if p:
+                    grads_sum = add(grads_sum, prefix_grads(self.model, first, dkv, names, arrays))
+                    mx.eval(grads_sum)
+        finally:
+            _set_params(self.model, names, arrays)  # the parameters, not the transforms' tracers
+        if grads_sum is None:
+            return None, loss_sum
+        return tree_unflatten(list(zip(names, grads_sum))), loss_sum
 
     def _all_reduce(self, grads_sum, loss_sum: float):
         """Gradients and loss summed over ranks (unchanged on one)."""
@@ -565,37 +670,31 @@ class Trainer:
             stats["loss"] = float("nan")
         return stats
 
-    def _prefix(self, batch: dict, i: int, j: int) -> int:
-        """Tokens rows i..j-1 share before any loss token, run once (0: off or not worth it)."""
-        if not (self.cfg.share_prefix and self._shareable):
-            return 0
-        return shared_prefix_len(np.asarray(batch["inputs"][i:j]), np.asarray(batch["mask"][i:j]))
-
-    def _entropies(self, batch: dict, mbs) -> mx.array:
-        """Per-token entropy of the current policy at the sampling temperature (no gradient)."""
+    def _forward(self, model: nn.Module, batch: dict, entropy: bool = False) -> mx.array:
+        """Per-token log-probs (or entropies) of ``model`` on the batch, no gradient, in the update's
+        layout: each block's prefix runs once, its pieces attend to it."""
         T = self.cfg.sampling.temperature
         parts = []
-        for i, j in mbs:
-            _, ent = sequence_logprobs(self.model, batch["inputs"][i:j], batch["targets"][i:j], T, self.cfg.chunk_size,
-                                       entropy=True, prefix=self._prefix(batch, i, j))
-            mx.eval(ent)
-            parts.append(mx.stop_gradient(ent))
-        return mx.concatenate(parts)
-
-    def _ref_logprobs(self, batch: dict, mbs) -> mx.array:
-        T = self.cfg.sampling.temperature
-        parts = []
-        if self.ref_model is not None:
-            ctx, model = _nullctx(), self.ref_model
-        else:
-            ctx, model = adapters_disabled(self.model), self.model
-        with ctx:
-            for i, j in mbs:
-                lp = sequence_logprobs(model, batch["inputs"][i:j], batch["targets"][i:j], T, self.cfg.chunk_size,
-                                       prefix=self._prefix(batch, i, j))
-                mx.eval(lp)
-                parts.append(lp)
+        for p, pieces in self._layout(batch):
+            kv = prefix_kv(model, batch["inputs"][pieces[0][0]:pieces[0][0] + 1, :p]) if p else None
+            for i, j in pieces:
+                h = hidden_after(model, batch["inputs"][i:j, p:], kv) if p else model.model(batch["inputs"][i:j])
+                out = sequence_logprobs(model, batch["inputs"][i:j], batch["targets"][i:j], T, self.cfg.chunk_size,
+                                        entropy=entropy, prefix=p, hidden=h)
+                x = out[1] if entropy else out
+                mx.eval(x)
+                parts.append(x)
         return mx.stop_gradient(mx.concatenate(parts))
+
+    def _entropies(self, batch: dict) -> mx.array:
+        """Per-token entropy of the current policy at the sampling temperature (no gradient)."""
+        return self._forward(self.model, batch, entropy=True)
+
+    def _ref_logprobs(self, batch: dict) -> mx.array:
+        if self.ref_model is not None:
+            return self._forward(self.ref_model, batch)
+        with adapters_disabled(self.model):
+            return self._forward(self.model, batch)
 
     # -- checkpoints -------------------------------------------------------------------------
     def trained_weights(self) -> dict[str, mx.array]:
@@ -628,11 +727,6 @@ class Trainer:
         self.skipped_total = int(state["skipped_total"])
         self.last_good_ckpt = str(ckpt)
         mx.eval(self.model.parameters(), self.opt.state)
-
-
-@contextmanager
-def _nullctx():
-    yield
 
 
 def latest_checkpoint(out_dir: Path) -> Optional[Path]:

@@ -69,11 +69,46 @@ def shared_prefix_len(inputs: np.ndarray, mask: np.ndarray) -> int:
     return p if p >= MIN_PREFIX else 0
 
 
+def prefix_kv(model: nn.Module, tokens: mx.array) -> list[tuple[mx.array, mx.array]]:
+    """Each layer's (keys, values) [1, kv_heads, P, head_dim] for the prefix ``tokens`` [1, P]."""
+    cache = [_TracedCache() for _ in model.model.layers]
+    model.model(tokens, cache=cache)
+    return [(c.keys, c.values) for c in cache]
+
+
+def hidden_after(model: nn.Module, suffix: mx.array, kv: list[tuple[mx.array, mx.array]]) -> mx.array:
+    """Final hidden states [B, S, D] of the rows ``suffix`` [B, S] after a shared prefix whose
+    per-layer keys and values are ``kv`` (:func:`prefix_kv`), broadcast to the B rows. The
+    gradient reaches ``kv`` as the sum over rows."""
+    cache = []
+    for k, v in kv:
+        c = _TracedCache()
+        c.keys, c.values, c.offset = k, v, k.shape[2]
+        c.broadcast(suffix.shape[0])
+        cache.append(c)
+    return model.model(suffix, cache=cache)
+
+
 def suffix_hidden(model: nn.Module, inputs: mx.array, prefix: int) -> mx.array:
     """Final hidden states [B, L - prefix, D] of the rows' suffixes, with the shared ``prefix``
     tokens (``inputs[0, :prefix]``, identical in every row) run once and broadcast as a KV cache."""
-    cache = [_TracedCache() for _ in model.model.layers]
-    model.model(inputs[:1, :prefix], cache=cache)
-    for c in cache:
-        c.broadcast(inputs.shape[0])
-    return model.model(inputs[:, prefix:], cache=cache)
+    return hidden_after(model, inputs[:, prefix:], prefix_kv(model, inputs[:1, :prefix]))
+
+
+def blocks(inputs: np.ndarray, mask: np.ndarray) -> list[tuple[int, int, int]]:
+    """The rows cut into runs of consecutive rows that share a prefix (a group's prompt):
+    (first row, end row, prefix length; 0 where nothing is shared). A run's prefix is what its
+    first two rows share (:func:`shared_prefix_len`), and the run goes on while the next row shares
+    all of it, so the next group's rows start a new run instead of shrinking the prefix to the
+    system prompt that every group has in common."""
+    inputs, mask = np.asarray(inputs), np.asarray(mask)
+    out, i, n = [], 0, inputs.shape[0]
+    while i < n:
+        p = shared_prefix_len(inputs[i:i + 2], mask[i:i + 2]) if i + 1 < n else 0
+        j = i + 1
+        if p:
+            while j < n and (inputs[j, :p] == inputs[i, :p]).all() and not mask[j, :p].any():
+                j += 1
+        out.append((i, j, p))
+        i = j
+    return out
