@@ -2,8 +2,12 @@
 model (LoRA r8 on every block), by rows of 384 random tokens, against the body alone and against
 naive full logits (BENCHMARKS.md, "RL step memory": the chunked op's excess at 4+ rows).
 
-    python scripts/probe_update_memory.py ROWS[,ROWS...] [LENGTH] [logp|naive|body|bodyeval] [SAVE_GRAD 0|1] [CHUNK]
+    python scripts/probe_update_memory.py ROWS[,ROWS...] [LENGTH] [logp|naive|body|bodyeval|twophase] [SAVE_GRAD 0|1] [CHUNK]
     python scripts/probe_update_memory.py 2,4 384 logp
+
+``twophase``: the trainer's path for a piece over more than one log-prob chunk
+(:func:`mlx_ssp.rl.loop.piece_value_and_grad` with ``two_phase``: the body's output evaluated
+outside the trace, then the body's vjp), on the same summed log-probs.
 """
 import sys, time, mlx_ssp, mlx.core as mx, mlx.nn as nn
 from mlx_ssp.models import load_model
@@ -28,5 +32,13 @@ for B in [int(x) for x in sys.argv[1].split(",")]:
             mx.eval(h)
         return (h * h).sum()   # body only: no head
     mx.reset_peak_memory(); t = time.perf_counter()
-    l, g = nn.value_and_grad(model, loss)(model); mx.eval(l, g)
+    if mode == "twophase":
+        from mlx.utils import tree_flatten
+        from mlx_ssp.rl.loop import piece_value_and_grad
+        names, arrays = zip(*tree_flatten(model.trainable_parameters()))
+        lfn = lambda m, mb, h: (sequence_logprobs(m, mb["inputs"], x[:, 1:], 0.8, None, save_grad=True, hidden=h).sum(), ())  # noqa: E731
+        (l, _), g, _ = piece_value_and_grad(model, lfn, {"inputs": x[:, :-1]}, None, list(names), list(arrays), True)
+        mx.eval(l, g)
+    else:
+        l, g = nn.value_and_grad(model, loss)(model); mx.eval(l, g)
     print(mode, B, L, f"peak {mx.get_peak_memory()/2**30:.2f} GiB  {time.perf_counter()-t:.1f} s", flush=True)

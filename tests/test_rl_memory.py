@@ -13,17 +13,20 @@ QWEN3_06B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, int
                  tie_word_embeddings=True, torch_dtype="bfloat16")
 RL = {"batch_size": 2, "group_size": 4, "sampling": {"temperature": 1.0, "max_tokens": 256}, "micro_batch_size": 16,
       "lora": {"rank": 16, "num_layers": -1}}
+# a fixed log-prob chunk, so that the pieces' rows follow micro_batch_size (with the automatic one a
+# larger vocabulary means smaller pieces, and less activation memory: a real effect, not monotonic)
+RL_CHUNK = {**RL, "chunk_size": 4096}
 
-# Measured by scripts/bench_rl_memory.py (BENCHMARKS.md, "RL step memory"; float32, Linux CPU): the
-# grid point of another shape than the rest (hidden 512, 4 layers); its model config, rl: section,
-# prompt length and MLX peaks in MiB.
+# Measured by scripts/bench_rl_memory.py (BENCHMARKS.md, "RL step memory"; float32, Linux CPU,
+# 2026-12-01 21:11 UTC, the trainer's block layout): the held-out grid point of another shape than
+# the rest (hidden 512, 4 layers); its model config, rl: section, prompt length and MLX peaks in MiB.
 MEASURED = {
     "config": {"model_type": "qwen3", "hidden_size": 512, "num_hidden_layers": 4, "intermediate_size": 1536,
-               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32768,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 16384,
                "tie_word_embeddings": True},
-    "rl": {"batch_size": 2, "group_size": 4, "sampling": {"temperature": 1.0, "max_tokens": 16}, "micro_batch_size": 8,
+    "rl": {"batch_size": 1, "group_size": 2, "sampling": {"temperature": 1.0, "max_tokens": 4}, "micro_batch_size": 1,
            "lora": {"rank": 8, "num_layers": -1}, "optimizer": "adamw"},
-    "prompt_tokens": 173, "peak_gen_mb": 152.2, "peak_train_mb": 1019.2,
+    "prompt_tokens": 128, "peak_gen_mb": 91.7, "peak_train_mb": 115.6,
 }
 
 
@@ -73,10 +76,10 @@ def test_each_size_term_grows_the_peak(path, small, large, phase):
     def peaks(v):
         where, _, key = path.partition(".")
         if where == "prompt_tokens":
-            return _peaks(prompt_tokens=v)
+            return _peaks(rl=RL_CHUNK, prompt_tokens=v)
         if where == "config":
-            return _peaks(config=dict(QWEN3_06B, **{key: v}))
-        return _peaks(rl=_with(RL, key, v))
+            return _peaks(config=dict(QWEN3_06B, **{key: v}), rl=RL_CHUNK)
+        return _peaks(rl=_with(RL_CHUNK, key, v))
 
     lo, hi = peaks(small), peaks(large)
     assert hi[0] >= lo[0] and hi[1] >= lo[1]
@@ -147,3 +150,16 @@ def test_doctor_takes_the_largest_phase(tmp_path, tiny_qwen3):
     rl = dict(RL, phases=[{"name": "short"}, {"name": "long", "sampling": {"max_tokens": 2048}}])
     rows, _ = doctor.rl_memory(_run_file(tmp_path, tiny_qwen3, rl), device="cpu")
     assert "rl.phases.long" in rows[0][1]
+
+
+def test_shared_prefixes_and_pieces_in_the_update_term():
+    """The update holds one piece's suffixes (or the prefix's backward), not micro-batch x sequence:
+    sharing lowers the predicted activations; a sliding-window model or LoRA dropout does not share."""
+    rl = _with(RL_CHUNK, "sampling.max_tokens", 64)
+    shared = memory.predict(QWEN3_06B, rl, prompt_tokens=1024, dtype="float32").train_terms["activations"]
+    unshared = memory.predict(QWEN3_06B, _with(rl, "share_prefix", False), prompt_tokens=1024,
+                              dtype="float32").train_terms["activations"]
+    assert shared < unshared / 2
+    window = memory.predict(dict(QWEN3_06B, sliding_window=512), rl, prompt_tokens=1024, dtype="float32")
+    dropout = memory.predict(QWEN3_06B, _with(rl, "lora.dropout", 0.1), prompt_tokens=1024, dtype="float32")
+    assert window.train_terms["activations"] == dropout.train_terms["activations"] == unshared

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_ssp.models import load_model
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.logprobs import head_of, head_vocab
-from mlx_ssp.rl.loop import Trainer, build_batch, sequence_logprobs, setup_model
+from mlx_ssp.rl.loop import Trainer, build_batch, make_loss, sequence_logprobs, setup_model
 from mlx_ssp.rl.prefix import MIN_PREFIX, blocks, shareable, shared_prefix_len
 from mlx_ssp.tasks import Task
 
@@ -111,6 +111,16 @@ def test_update_with_shared_prefix_equals_unshared(tiny_llama, options):
             moved[share, mbs] = {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
     ref = moved[False, 8]
     assert max(np.abs(v).max() for v in ref.values()) > 1e-3  # the step did something
+    # and the layout machinery against the plain definition: one nn.value_and_grad of the whole
+    # batch's loss (SGD at learning rate 1 moves the weights by minus the gradient)
+    cfg = RLConfig(batch_size=2, group_size=4, micro_batch_size=8, progress=False, lora={"rank": 4}, **options)
+    model, tok = _lora_model(tiny_llama)
+    tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
+    batch, units, _ = tr._plan(build_batch(recs, adv))
+    batch.pop("entropy_kept_frac", None)
+    (_, _), grads = nn.value_and_grad(model, make_loss(cfg, units))(model, {**batch, "old": None})
+    for k, g in tree_flatten(grads):
+        np.testing.assert_allclose(-np.array(g), ref[k], rtol=1e-3, atol=1e-5, err_msg=f"definition {k}")
     for key, got in moved.items():
         for k in ref:
             np.testing.assert_allclose(got[k], ref[k], rtol=1e-3, atol=1e-5, err_msg=f"{key} {k}")
@@ -122,6 +132,12 @@ def test_blocks_follow_the_groups():
     mask = np.zeros(rows.shape, np.float32)
     mask[:, 11:] = 1
     assert blocks(rows, mask) == [(0, 3, 11), (3, 5, 11), (5, 6, 0)]
+    # a shard that starts with a group's last row: that row alone, not a block over the system prompt
+    assert blocks(rows[2:], mask[2:]) == [(0, 1, 0), (1, 3, 11), (3, 4, 0)]
+    # rows that share nothing stay one unshared run (micro-batched together)
+    lone = np.stack([np.full(14, v) for v in (1, 2, 3)])
+    assert blocks(lone, mask[:3]) == [(0, 3, 0)]
+    assert blocks(rows[:0], mask[:0]) == []
 
 
 def test_layout_and_the_two_phase_gradient(tiny_llama, monkeypatch):
@@ -165,3 +181,28 @@ def test_layout_and_the_two_phase_gradient(tiny_llama, monkeypatch):
     for key, got in moved.items():
         for k in ref:
             np.testing.assert_allclose(got[k], ref[k], rtol=1e-3, atol=1e-5, err_msg=f"{key} {k}")
+
+
+def test_two_inner_updates_and_a_rank_without_rows(tiny_llama):
+    """mu = 2 (the second update's old log-probs are the first's, per piece) gives the same weights
+    shared or not; a rank with no rows lays out nothing."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 300, 20).tolist()
+    recs = [{"prompt_token_ids": prompt, "token_ids": rng.integers(0, 300, c).tolist(), "logprobs": [-1.0] * c}
+            for c in (3, 6, 5, 4)]
+    adv = rng.normal(size=4).astype(np.float32)
+    moved = {}
+    for share in (False, True):
+        cfg = RLConfig(batch_size=1, group_size=4, micro_batch_size=2, mu=2, optimizer="sgd", learning_rate=0.05,
+                       max_grad_norm=None, share_prefix=share, progress=False, lora={"rank": 4})
+        model, tok = _lora_model(tiny_llama)
+        before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+        tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
+        batch = build_batch(recs, adv)
+        ok, stats = tr._update(batch)
+        assert ok
+        moved[share] = {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
+        empty = {k: (v[:0] if isinstance(v, mx.array) else v) for k, v in batch.items()}
+        assert tr._layout(empty) == []
+    for k in moved[False]:
+        np.testing.assert_allclose(moved[True][k], moved[False][k], rtol=1e-3, atol=1e-5, err_msg=k)

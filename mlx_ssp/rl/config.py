@@ -82,7 +82,7 @@ class RLConfig(StrictModel):
     sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=1.0, max_tokens=256))
     gen_batch_size: int = Field(64, ge=1)  # sequences decoded together by the rollout engine
     micro_batch_size: int = Field(16, ge=1)  # sequences per training forward/backward (grads accumulate)
-    # run the prompt prefix a micro-batch's rows share once, as a broadcast KV cache (rl/prefix.py)
+    # run the prompt prefix a block of rows (a group) shares once per pass, as a broadcast KV cache (rl/prefix.py)
     share_prefix: bool = True
     mu: int = Field(1, ge=1)  # inner updates per batch
     old_logprobs: Literal["recompute", "behaviour"] = "recompute"

@@ -28,8 +28,8 @@ Metrics (one JSON line per step in ``metrics.jsonl``, ``pass@1`` and ``correct_l
 values: sums and counts over micro-batches, inner updates and ranks, divided once), checkpoints
 every ``checkpoint_every`` steps in ``checkpoints/step_NNNNNNN`` (adapters or weights, optimizer
 state, RNG and stream state) and a resumable run directory. The G samples of a prompt share its prefill
-in the rollout engine and in every training forward (``share_prefix``: the prefix all rows of a
-micro-batch share runs once, :mod:`mlx_ssp.rl.prefix`). Deviation: the reference for KL with full
+in the rollout engine and in every training forward (``share_prefix``: the prefix a block of rows,
+a group, shares runs once per pass, :mod:`mlx_ssp.rl.prefix`). Deviation: the reference for KL with full
 fine-tuning is a second copy of the model (only LoRA can switch the adapters off).
 """
 
@@ -379,6 +379,8 @@ class Trainer:
         self._shareable = shareable(model) and (ref_model is None or shareable(ref_model))
         head = head_of(model)
         self._chunk_tokens = cfg.chunk_size or auto_chunk_size(head_vocab(head))
+        # a forward computed twice (prefix kv, two-phase) must be the same function both times
+        self._recompute_safe = cfg.fine_tune_type != "lora" or not cfg.lora.dropout
         self._frozen_head = not any(mx.issubdtype(v.dtype, mx.floating)
                                     for _, v in tree_flatten(head.trainable_parameters()))
         sched = warmup_constant(cfg.learning_rate, cfg.warmup_steps)
@@ -581,14 +583,17 @@ class Trainer:
         A block's prefix runs once per pass; its rows go in pieces of at most ``micro_batch_size``
         rows whose log-prob tokens also fit one chunk of the op, where a row does (over more chunks
         the op evaluates its input inside the gradient trace: see :func:`piece_value_and_grad`,
-        which a row longer than a chunk takes alone). Gradients accumulate, so the update is the
-        same whatever the layout (tests/test_rl_prefix.py)."""
+        which a row longer than a chunk takes alone; with a trained head, full fine-tuning, it
+        stays in one trace and pays that memory). Gradients accumulate, so the update is the
+        same whatever the layout (tests/test_rl_prefix.py). With LoRA dropout the layout is the
+        unshared one and there is no two-phase path: both recompute a forward, which would draw
+        other dropout masks than the loss saw."""
         inputs = np.asarray(batch["inputs"])
         n, L = inputs.shape
-        if self.cfg.share_prefix and self._shareable:
+        if self.cfg.share_prefix and self._shareable and self._recompute_safe:
             spans = blocks(inputs, np.asarray(batch["mask"]))
         else:
-            spans = [(0, n, 0)]
+            spans = [(0, n, 0)] if n else []  # a rank with no rows has nothing to lay out
         out = []
         for i, j, p in spans:
             per = max(1, min(self.cfg.micro_batch_size, self._chunk_tokens // max(1, L - p)))
@@ -621,7 +626,7 @@ class Trainer:
                     mb["prefix"] = p
                     if recompute:
                         mb["old"] = old_parts[k] if inner > 0 else None
-                    two = (j - i) * (L - p) > self._chunk_tokens and self._frozen_head
+                    two = (j - i) * (L - p) > self._chunk_tokens and self._frozen_head and self._recompute_safe
                     (loss, (totals, logp)), grads, gkv = piece_value_and_grad(self.model, loss_fn, mb, kv, names,
                                                                                arrays, two)
                     if inner == 0:  # sampler vs trainer log-probs of the same tokens: should be ~1e-5
@@ -631,9 +636,11 @@ class Trainer:
                     if inner == 0 and recompute:
                         old_parts.append(logp)
                     loss_sum += float(loss.item())
-                    grads_sum, dkv, k = add(grads_sum, grads), add(dkv, gkv), k + 1
+                    # the cache's gradient summed in float32 (bf16 training), cast once for the prefix's backward
+                    grads_sum, dkv, k = add(grads_sum, grads), add(dkv, [g.astype(mx.float32) for g in gkv]), k + 1
                     parts.append(dict(zip(keys, vec.tolist())))
                 if p:
+                    dkv = [g.astype(x.dtype) for g, x in zip(dkv, (x for pair in kv for x in pair))]
                     grads_sum = add(grads_sum, prefix_grads(self.model, first, dkv, names, arrays))
                     mx.eval(grads_sum)
         finally:

@@ -52,24 +52,20 @@ BLOCK_LINEARS = {
     "mlp.up_proj": lambda s: (s.hidden, s.intermediate),
     "mlp.down_proj": lambda s: (s.intermediate, s.hidden),
 }
-#: fitted coefficients, in :func:`features` order (``scripts/bench_rl_memory.py --fit``, 2026-12-01,
-#: float32, Linux x86_64, mlx 0.32.4, 9 grid points): KV 1.95 (mlx-lm grows the cache by
-#: concatenation: old and new buffers coexist), the decode logits 0 (too small to resolve), the
-#: attention terms pinned by the script's one-attention probe (1.19 forward, 3.50 forward +
-#: backward), activations 25.7 values per token, hidden unit and layer, the log-prob chunk 3.01
-#: [chunk x vocab] buffers (the op's design: 3), and 0.33 MiB constant in the update
+#: fitted coefficients, in :func:`features` order (``scripts/bench_rl_memory.py --fit``, refitted
+#: 2026-12-01 21:11 UTC after the trainer's block layout, float32, Linux x86_64, mlx 0.32.4, 12 grid
+#: points): KV 1.52 (mlx-lm grows the cache by concatenation: old and new buffers coexist), the
+#: decode logits 2.44, the attention terms pinned by the script's one-attention probe (1.19
+#: forward, 3.50 forward + backward), activations 22.8 values per token, hidden unit and layer,
+#: the log-prob chunk 2.96 [chunk x vocab] buffers (the op's design: 3), no constant in the update
 COEFFICIENTS = {
-    "gen": [1.9470, 0.0, 1.1880, 0.0],
-    "train": [25.721, 3.5015, 3.0123, 0.3266],
+    "gen": [1.5221, 2.4414, 1.1880, 0.7495],
+    "train": [22.824, 3.5010, 2.9561, 0.0],
 }
-#: the relative error the predictor is stated to have: the largest over every measured point with
-#: these coefficients (6.6%: 9 fit points, 5 grid points that finished after the fit, 2 held out;
-#: leave-one-out 5.0%; BENCHMARKS.md "RL step memory"), rounded up. At a real shape (the demo model,
-#: 256-token prompts, G 8, 128 tokens; bench_rl.py) it holds at 2 rows per micro-batch (+9% update,
-#: +22% generation) but under-predicts 8 rows in one micro-batch 2.6x (16.8 GiB measured vs 6.5):
-#: the excess is the chunked log-prob op's own (scripts/probe_update_memory.py: 9.0 GiB at 4 rows of
-#: 384 tokens vs 4.0 for a naive full-logits loss), an open defect of the op
-HELD_OUT_ERROR = 0.07
+#: the relative error the predictor is stated to have: the largest over the grid's held-out points
+#: with these coefficients (8.0%; fit points 7.7%, leave-one-out 16.2%; BENCHMARKS.md "RL step
+#: memory"), rounded up. Real shapes are in BENCHMARKS.md (Qwen3-0.6B, the demo model)
+HELD_OUT_ERROR = 0.08
 
 
 @dataclass(frozen=True)
@@ -85,6 +81,7 @@ class ModelShape:
     vocab: int
     tied: bool
     dtype: str  # the checkpoint's torch_dtype (the training dtype of ``train_dtype: auto`` off the CPU)
+    shareable: bool = True  # full attention in every layer: the trainer shares prompt prefixes
 
     @property
     def params(self) -> int:
@@ -112,6 +109,9 @@ def shape_from_config(config: Mapping[str, Any]) -> ModelShape:
         head_dim=int(c.get("head_dim") or c["hidden_size"] // heads), vocab=int(c["vocab_size"]),
         tied=bool(c.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
         dtype=str(c.get("torch_dtype") or config.get("torch_dtype") or "bfloat16"),
+        # sliding-window layers get mlx-lm's rotating cache, which the trainer does not share
+        shareable=not ((c.get("sliding_window") and c.get("use_sliding_window", True))
+                       or any("sliding" in str(t) for t in c.get("layer_types") or ())),
     )
 
 
@@ -140,15 +140,24 @@ def train_dtype(rl, shape: ModelShape, device: str = "cpu") -> str:
 
 
 def _sizes(shape: ModelShape, rl, prompt_tokens: int) -> dict:
-    """Row and token counts of one step."""
+    """Row and token counts of one step, in the trainer's layout (:meth:`mlx_ssp.rl.loop.Trainer._layout`):
+    with ``share_prefix`` a group's G rows share its prompt (all but its last token), which runs
+    once per pass, and the rows' suffixes (the completions) go in pieces of at most
+    ``micro_batch_size`` rows whose log-prob tokens fit one chunk of the op."""
     from mlx_ssp.rl.logprobs import auto_chunk_size
+    from mlx_ssp.rl.prefix import MIN_PREFIX
 
     rows = rl.batch_size * rl.group_size
     seq = prompt_tokens + rl.sampling.max_tokens - 1  # the padded training length (inputs)
-    mb_rows = min(rl.micro_batch_size, rows)
     chunk = rl.chunk_size or auto_chunk_size(shape.vocab)
-    return {"rows": rows, "gen_rows": min(rows, rl.gen_batch_size), "seq": seq, "mb_rows": mb_rows,
-            "chunk_tokens": min(chunk, mb_rows * seq),
+    shared = (rl.share_prefix and rl.group_size > 1 and prompt_tokens > MIN_PREFIX and shape.shareable
+              and (rl.fine_tune_type != "lora" or not rl.lora.dropout))
+    prefix = prompt_tokens - 1 if shared else 0
+    block = rl.group_size if shared else rows
+    suffix = seq - prefix
+    piece = max(1, min(rl.micro_batch_size, block, chunk // max(1, suffix)))
+    return {"rows": rows, "gen_rows": min(rows, rl.gen_batch_size), "seq": seq, "prefix": prefix, "suffix": suffix,
+            "mb_rows": piece, "chunk_tokens": min(chunk, piece * suffix),
             "kv_tokens": KV_STEP * math.ceil((prompt_tokens + rl.sampling.max_tokens) / KV_STEP)}
 
 
@@ -166,10 +175,13 @@ def features(config: Mapping[str, Any], rl, *, phase: str, prompt_tokens: int, d
         prefill = min(rl.batch_size, PREFILL_BATCH) * shape.heads * min(prompt_tokens, PREFILL_STEP) * prompt_tokens * 4
         return [float(kv), float(logits), float(prefill), float(2**20)]
     if phase == "train":
-        act = s["mb_rows"] * s["seq"] * shape.hidden * shape.layers * b
+        # the larger of a piece's backward (its rows' suffixes) and the prefix's own (once a block)
+        tokens = max(s["mb_rows"] * s["suffix"], s["prefix"])
+        act = tokens * shape.hidden * shape.layers * b
         # one layer's scores at a time: the CPU's attention vjp recomputes them in the backward
-        # (measured: peak ~3.5x one [heads x L x L] score buffer, whatever the depth)
-        attn = s["mb_rows"] * shape.heads * s["seq"] ** 2 * b
+        # (measured: peak ~3.5x one [heads x L x L] score buffer, whatever the depth); a piece's
+        # suffix queries see the prefix's keys too
+        attn = max(s["mb_rows"] * s["suffix"] * s["seq"], s["prefix"] ** 2) * shape.heads * b
         chunk = s["chunk_tokens"] * shape.vocab * 4
         return [float(act), float(attn), float(chunk), float(2**20)]
     raise ValueError(f"phase must be gen or train, got {phase!r}")

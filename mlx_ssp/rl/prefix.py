@@ -3,11 +3,14 @@
 The G samples of one prompt are G rows that start with the same prompt tokens. The update's
 forward + backward, the reference forward and the entropy pass used to run the prompt once per row;
 at the demo shape (256-token prompt, G = 8, 128 completion tokens) that is 8 x 384 = 3,072 body
-tokens where 256 + 8 x 128 = 1,280 carry information. Here the longest prefix that every row of a
-micro-batch shares, and on which no row has a loss token, is run once (batch 1), its keys and
-values are broadcast to the B rows, and only the rows' suffixes run through the body, attending to
-that cache. The gradient flows back through the broadcast (a sum over rows) into the prefix's
-forward, so LoRA weights on the prompt's path get exactly the gradient of the unshared forward.
+tokens where 256 + 8 x 128 = 1,280 carry information. Here the rows are cut into blocks of
+consecutive rows that share a prefix with no loss token in it (:func:`blocks`: a group's prompt);
+a block's prefix runs once at batch 1 (:func:`prefix_kv`, its per-layer keys and values), and the
+block's rows, in pieces, run only their suffixes attending to that cache broadcast to their rows
+(:func:`hidden_after`). The gradient flows back through the broadcast (a sum over rows) into the
+cache; the trainer sums it over a block's pieces and runs the prefix's backward once
+(:func:`mlx_ssp.rl.loop.prefix_grads`), so LoRA weights on the prompt's path get the gradient of
+the unshared forward (the chain rule).
 
 Identity: log-probs, and gradients, equal the unshared forward's up to float reassociation
 (different matmul shapes); on the prefix positions they are 0, which every use masks out (the
@@ -100,15 +103,26 @@ def blocks(inputs: np.ndarray, mask: np.ndarray) -> list[tuple[int, int, int]]:
     (first row, end row, prefix length; 0 where nothing is shared). A run's prefix is what its
     first two rows share (:func:`shared_prefix_len`), and the run goes on while the next row shares
     all of it, so the next group's rows start a new run instead of shrinking the prefix to the
-    system prompt that every group has in common."""
+    system prompt that every group has in common. A row that shares less with the next than the
+    next shares with the one after (the last row of a group cut off by a data-parallel shard) is a
+    run of its own, and consecutive rows that share nothing form one unshared run (micro-batched
+    as before)."""
     inputs, mask = np.asarray(inputs), np.asarray(mask)
     out, i, n = [], 0, inputs.shape[0]
+
+    def pair(a: int) -> int:
+        return shared_prefix_len(inputs[a:a + 2], mask[a:a + 2]) if a + 1 < n else 0
+
     while i < n:
-        p = shared_prefix_len(inputs[i:i + 2], mask[i:i + 2]) if i + 1 < n else 0
-        j = i + 1
+        p, j = pair(i), i + 1
+        if p and pair(i + 1) > p:
+            p = 0  # a lone row before a group that shares more: not a block with it
         if p:
             while j < n and (inputs[j, :p] == inputs[i, :p]).all() and not mask[j, :p].any():
                 j += 1
-        out.append((i, j, p))
+        if not p and out and out[-1][2] == 0 and out[-1][1] == i:
+            out[-1] = (out[-1][0], j, 0)  # extend the previous unshared run
+        else:
+            out.append((i, j, p))
         i = j
     return out
