@@ -63,6 +63,13 @@ def test_source_splits_are_disjoint_graded_and_verified():
     assert all(held(t) for t in splits["eval"] + splits["probe"]) and not any(held(t) for t in splits["train"])
     seen = {r["messages"][0]["content"] for r in corpus(120, seed=0)}
     assert not seen & (prompts["eval"] | prompts["probe"])
+    # train_space: held_out: train prompts unseen in pretraining too, still disjoint from eval / probe
+    ho = validate(TasksConfig, {"seed": 5, "domains": {"s": {"source": "testbed:sum", "params": {
+        "levels": [2, 4], "train_space": "held_out"}, "sizes": {"train": 30, "probe": 10, "eval": 10}}}})
+    ho_train = build_split(ho, "train")
+    assert all(held(t) for t in ho_train)
+    ho_held_out = {t.prompt for s_ in ("probe", "eval") for t in build_split(ho, s_)}
+    assert len(ho_held_out) == 20 and not {t.prompt for t in ho_train} & ho_held_out
     t = splits["eval"][0]
     nums = t.metadata["numbers"]
     assert verify(f"answer {sum(nums)}", t).reward == 1.0 and verify("answer -1", t).reason == "wrong_answer"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -35,6 +36,7 @@ class LearningConfig(StrictModel):
 
     domain: str = "sum"
     levels: tuple[int, int] = (2, 3)
+    train_space: Literal["seen", "held_out"] = "seen"  # where train prompts come from (source param)
     tasks_seed: int = 11  # fixed: the seeds that vary are the SFT's and the sampler's
     n_train: int = Field(64, ge=1)
     n_eval: int = Field(64, ge=1)
@@ -45,6 +47,7 @@ class LearningConfig(StrictModel):
     batch_size: int = Field(8, ge=1)
     learning_rate: float = Field(3e-4, gt=0)  # 2e-3 diverged on the first micro design (EXPERIMENTS.md)
     lora_rank: int = Field(8, ge=1)
+    lora_scale: float = Field(20.0, gt=0)  # mlx-lm's default; large for a 64-wide model (EXPERIMENTS.md)
     eval_n: int = Field(8, ge=1)  # samples per eval task (pass@1 = c / n)
     temperature: float = Field(1.0, gt=0)
     max_tokens: int = Field(48, ge=1)
@@ -68,7 +71,7 @@ def learning_round(model_dir: str | Path, work: str | Path, cfg: LearningConfig 
     times: dict[str, float] = {}
     tic = time.perf_counter()
     tcfg = validate(TasksConfig, {"seed": cfg.tasks_seed, "domains": {cfg.domain: {
-        "source": f"testbed:{cfg.domain}", "params": {"levels": list(cfg.levels)},
+        "source": f"testbed:{cfg.domain}", "params": {"levels": list(cfg.levels), "train_space": cfg.train_space},
         "sizes": {"train": cfg.n_train, "probe": cfg.n_probe, "eval": cfg.n_eval}}}})
     splits = {s: build_split(tcfg, s) for s in ("train", "probe", "eval")}
     write_tasks(work / "probe.jsonl", splits["probe"])
@@ -97,7 +100,7 @@ def learning_round(model_dir: str | Path, work: str | Path, cfg: LearningConfig 
     write_jsonl_atomic(work / "select" / "train.jsonl", train)
     scfg = validate(SFTConfig, {
         "domains": {cfg.domain: {"data": str(work / "select"), "probe_tasks": str(work / "probe.jsonl")}},
-        "out_dir": str(work / "sft"), "lora": {"rank": cfg.lora_rank, "num_layers": -1},
+        "out_dir": str(work / "sft"), "lora": {"rank": cfg.lora_rank, "scale": cfg.lora_scale, "num_layers": -1},
         "learning_rate": cfg.learning_rate, "iters": cfg.iters, "batch_size": cfg.batch_size, "max_seq_length": 96,
         "save_every": cfg.iters, "report_every": cfg.iters, "val_batches": 0, "seed": seed,
         "probe": {"k": 1, "max_tasks": cfg.n_probe, "sampling": sampling.model_dump(), "progress": False}})

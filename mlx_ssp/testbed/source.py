@@ -5,7 +5,8 @@ Source params: ``levels: [min, max]`` (terms / numbers per problem; default the 
 over the levels from its own seed (as every procedural source: :mod:`mlx_ssp.tasks.procedural`) and
 skips problems of the splits drawn before it. Eval and probe draw only from the held-out quarter of
 the problem space (:func:`~mlx_ssp.testbed.problems.held_out`), which the testbed's pretraining
-corpus never contains; train draws from the rest. A task's metadata holds the numbers, the countdown
+corpus never contains; train draws from the rest, or with ``train_space: held_out`` from the
+held-out quarter too (problems the model never saw, still disjoint from eval and probe). A task's metadata holds the numbers, the countdown
 target and the level; ``answer`` is the number (sum, diff) or None (countdown: any valid expression).
 
 Verifier: the last ``answer X`` line of the completion, checked by
@@ -44,8 +45,9 @@ def _generate(domain: str, params: dict, seed: int, n: int, exclude: set[str], w
         if len(items) == n:
             break
         p = draw(domain, rng, rng.randint(lo, hi), int(params.get("max_term", 9)))
-        if p.prompt in seen or p.prompt in exclude or held_out(p) != (split != "train"):
-            continue  # eval and probe: only problems pretraining never saw; train: only the others
+        unseen = split != "train" or params.get("train_space") == "held_out"
+        if p.prompt in seen or p.prompt in exclude or held_out(p) != unseen:
+            continue  # eval and probe: only problems pretraining never saw; train: the others, or unseen ones too
         seen.add(p.prompt)
         meta = {"numbers": list(p.numbers), "target": p.target, "level": p.level, "testbed": domain}
         items.append(Item(f"{split}-{idx}", p.prompt, None if p.answer is None else str(p.answer), meta))
