@@ -49,6 +49,7 @@ SIZES: dict[str, dict] = {
     # levels only, so that a short pretraining leaves held-out prompts in the learnable band
     "micro": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192,
                   corpus=3000, steps=300, batch_size=32, learning_rate=3e-3, domains=("sum",), levels={"sum": (2, 3)}),
+    # micro with 4x the traces per step (batch 128): measured, does not learn either (EXPERIMENTS.md)
     "nano": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192,
                  corpus=12000, steps=300, batch_size=128, learning_rate=3e-3, domains=("sum",), levels={"sum": (2, 3)}),
 }

@@ -14,7 +14,7 @@ smallest, through the project's own stage functions and nothing hand-written:
 
 :func:`learning_round` returns the gain; a CI regression test is to require it above a margin set
 from its seed-to-seed spread, measured by ``scripts/testbed.py spread`` (not in the suite yet: no
-``micro`` design has learnt so far, EXPERIMENTS.md). Deviations from the paper's Spectrum phase: the teacher is the model itself (rejection
+``micro`` / ``nano`` design has learnt so far, EXPERIMENTS.md). Deviations from the paper's Spectrum phase: the teacher is the model itself (rejection
 sampling, as ``mlx_ssp run`` does by default), one checkpoint only (``save_every = iters``: the
 Pass@K checkpoint choice has a single candidate, so the probe costs one pass), and the sizes are
 those of a CI test, not of a training run.
