@@ -206,3 +206,31 @@ def test_two_inner_updates_and_a_rank_without_rows(tiny_llama):
         assert tr._layout(empty) == []
     for k in moved[False]:
         np.testing.assert_allclose(moved[True][k], moved[False][k], rtol=1e-3, atol=1e-5, err_msg=k)
+
+
+def test_a_run_saved_before_share_prefix_existed_resumes(tiny_llama, tmp_path):
+    """A setting added later (share_prefix) is absent from older runs' rl_config.json: at its
+    default the run resumes; set otherwise it is a different run."""
+    import json
+
+    from mlx_ssp.errors import UserError
+    from mlx_ssp.rl.loop import train
+    from mlx_ssp.verify import VerifyResult, register
+
+    register("rl_prefix_test_any")(lambda completion, task: VerifyResult(float(len(completion) % 2), "correct"))
+    tasks = [Task(id=f"t{i}", domain="toy", prompt=f"prompt number {i}", answer="-", verifier="rl_prefix_test_any")
+             for i in range(4)]
+    kw = dict(batch_size=1, group_size=2, sampling={"temperature": 1.0, "max_tokens": 3}, progress=False,
+              checkpoint_every=1, lora={"rank": 4})
+    model, tok = _lora_model(tiny_llama)
+    train(model, tok, tasks, RLConfig(steps=1, **kw), tmp_path)
+    saved = tmp_path / "rl_config.json"
+    rec = json.loads(saved.read_text())
+    del rec["rl"]["share_prefix"]  # as a run saved before the setting existed
+    saved.write_text(json.dumps(rec))
+    model, tok = _lora_model(tiny_llama)
+    assert train(model, tok, tasks, RLConfig(steps=2, **kw), tmp_path)["steps"] == 2
+    saved.write_text(json.dumps(rec))
+    model, tok = _lora_model(tiny_llama)
+    with pytest.raises(UserError, match="share_prefix"):
+        train(model, tok, tasks, RLConfig(steps=3, share_prefix=False, **kw), tmp_path)
