@@ -234,7 +234,7 @@ def piece_value_and_grad(model: nn.Module, loss_fn: Callable, mb: dict, kv, name
     memory at 4 rows of 384 tokens on the demo model, BENCHMARKS "RL step memory"). So the body's
     output h is evaluated outside any trace, dL/dh comes from the loss as a function of h, and the
     body's gradient is its vjp with that cotangent: one more body forward, the body's own memory.
-    The head must be frozen there (LoRA). Callers restore the model's parameters afterwards."""
+    The head must be frozen there (LoRA). The model holds ``arrays`` again afterwards."""
     n, p = len(arrays), mb.get("prefix", 0)
     kv_flat = [x for pair in kv for x in pair] if kv else []
 
@@ -245,16 +245,19 @@ def piece_value_and_grad(model: nn.Module, loss_fn: Callable, mb: dict, kv, name
         return hidden_after(model, mb["inputs"][:, p:], list(zip(xs[n::2], xs[n + 1::2])))
 
     primals = [*arrays, *kv_flat]
-    if not two_phase:
-        grad_fn = mx.value_and_grad(lambda *xs: loss_fn(model, mb, body(*xs)), argnums=list(range(len(primals))))
-        (loss, aux), g = grad_fn(*primals)
-    else:
-        h = body(*primals)
-        mx.eval(h)
-        (loss, aux), dh = mx.value_and_grad(lambda x: loss_fn(model, mb, x))(h)
-        mx.eval(loss, aux, dh)
-        del h
-        _, g = mx.vjp(body, primals, [dh])
+    try:
+        if not two_phase:
+            grad_fn = mx.value_and_grad(lambda *xs: loss_fn(model, mb, body(*xs)), argnums=list(range(len(primals))))
+            (loss, aux), g = grad_fn(*primals)
+        else:
+            h = body(*primals)
+            mx.eval(h)
+            (loss, aux), dh = mx.value_and_grad(lambda x: loss_fn(model, mb, x))(h)
+            mx.eval(loss, aux, dh)
+            del h
+            _, g = mx.vjp(body, primals, [dh])
+    finally:
+        _set_params(model, names, arrays)  # the parameters again, not the transform's tracers
     return (loss, aux), list(g[:n]), list(g[n:])
 
 
@@ -266,7 +269,10 @@ def prefix_grads(model: nn.Module, tokens: mx.array, dkv: list, names, arrays) -
         _set_params(model, names, xs)
         return [x for pair in prefix_kv(model, tokens) for x in pair]
 
-    _, g = mx.vjp(f, list(arrays), dkv)
+    try:
+        _, g = mx.vjp(f, list(arrays), dkv)
+    finally:
+        _set_params(model, names, arrays)
     return list(g)
 
 
