@@ -209,8 +209,9 @@ def test_two_inner_updates_and_a_rank_without_rows(tiny_llama):
 
 
 def test_a_run_saved_before_share_prefix_existed_resumes(tiny_llama, tmp_path):
-    """A setting added later (share_prefix) is absent from older runs' rl_config.json: at its
-    default the run resumes; set otherwise it is a different run."""
+    """A setting added later (share_prefix) is absent from older runs' rl_config.json, and left out
+    of dumps at its default (RLConfig.OMIT_AT_DEFAULT): the run resumes; set otherwise it is a
+    different run."""
     import json
 
     from mlx_ssp.errors import UserError
@@ -226,7 +227,7 @@ def test_a_run_saved_before_share_prefix_existed_resumes(tiny_llama, tmp_path):
     train(model, tok, tasks, RLConfig(steps=1, **kw), tmp_path)
     saved = tmp_path / "rl_config.json"
     rec = json.loads(saved.read_text())
-    del rec["rl"]["share_prefix"]  # as a run saved before the setting existed
+    assert "share_prefix" not in rec["rl"]  # as a run saved before the setting existed
     saved.write_text(json.dumps(rec))
     model, tok = _lora_model(tiny_llama)
     assert train(model, tok, tasks, RLConfig(steps=2, **kw), tmp_path)["steps"] == 2

@@ -93,13 +93,9 @@ def load_optimizer_state(optimizer, model, ckpt: Path, *, hint: str) -> None:
     optimizer.state = tree_map_with_path(lambda path, _: saved[path], optimizer.state)
 
 
-def check_fingerprint(old: dict, new: dict, *, where: Path, hint: str, defaults: dict | None = None) -> None:
-    """Stop when a saved fingerprint ``old`` differs from ``new`` in any key (a resume would mix two runs).
-    ``defaults``: the values of keys a saved run may predate (a setting added later); such a key
-    missing from ``old`` counts as its default, so a run saved before it existed still resumes
-    when the new run leaves it at the default."""
-    defaults = defaults or {}
-    changed = sorted(k for k in set(old) | set(new) if old.get(k, defaults.get(k)) != new.get(k))
+def check_fingerprint(old: dict, new: dict, *, where: Path, hint: str) -> None:
+    """Stop when a saved fingerprint ``old`` differs from ``new`` in any key (a resume would mix two runs)."""
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     if changed:
         raise UserError(f"{where} holds a run with different settings ({', '.join(changed)}); {hint}")
 

@@ -67,6 +67,7 @@ class RLConfig(StrictModel):
         # issue 23: the policy-gradient menu
         "loss", "importance_sampling_level", "seq_eps_low", "seq_eps_high", "cispo_eps_low", "cispo_eps_high",
         "overlong", "mask_truncated_completions", "top_entropy_quantile", "tis_cap", "tis_mode", "entropy_coef",
+        "share_prefix",  # shared prompt prefixes in training
     })
 
     # data

@@ -816,10 +816,8 @@ def _start_or_resume(tr: Trainer, metrics_path: Path, resume: bool) -> None:
     if ckpt is not None:
         saved = out / "rl_config.json"
         if saved.is_file():
-            # settings added since the run was saved (share_prefix, ...) resume at their defaults
-            defaults = fingerprint({"rl": RLConfig().model_dump(mode="json")})
             ckpts.check_fingerprint(fingerprint(json.loads(saved.read_text())), fingerprint(record), where=out,
-                                    hint="pass --restart to start afresh", defaults=defaults)
+                                    hint="pass --restart to start afresh")
         tr.load_checkpoint(ckpt)
         if dist.is_main():
             ckpts.trim_metrics(metrics_path, tr.step_no)
