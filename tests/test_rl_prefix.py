@@ -83,32 +83,38 @@ def _tasks():
     return [Task(id=f"t{i}", domain="toy", prompt="p", answer="-", verifier="exact") for i in range(4)]
 
 
+def _group(rng, prompt: list[int], lengths) -> list[dict]:
+    """Rollout records of one group: the same prompt, random completions of ``lengths`` tokens."""
+    return [{"prompt_token_ids": prompt, "token_ids": rng.integers(0, 300, c).tolist(), "logprobs": [-1.0] * c}
+            for c in lengths]
+
+
+def _update(path, cfg: RLConfig, recs, adv):
+    """(trainer, batch, how far one update moved each LoRA array) on a fresh policy."""
+    model, tok = _lora_model(path)
+    before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+    tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
+    batch = build_batch(recs, adv)
+    ok, _ = tr._update(batch)
+    assert ok
+    return tr, batch, {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
+
+
 @pytest.mark.parametrize("options", [dict(beta=0.1), dict(beta=0.0, entropy_coef=0.01, top_entropy_quantile=0.5,
                                                            importance_sampling_level="sequence")])
 def test_update_with_shared_prefix_equals_unshared(tiny_llama, options):
     """A whole update (KL to the adapters-off reference, entropy selection and bonus, GSPO) moves the
     LoRA weights the same with and without sharing, at any micro-batch size."""
     rng = np.random.default_rng(1)
-    vocab = 300
-    prompts = [rng.integers(0, vocab, 18 + 3 * g).tolist() for g in range(2)]
-    recs = []
-    for g in range(2):
-        for _ in range(4):
-            c = int(rng.integers(2, 7))
-            recs.append({"prompt_token_ids": prompts[g], "token_ids": rng.integers(0, vocab, c).tolist(),
-                         "logprobs": [-1.0] * c})
+    recs = [r for g in range(2) for r in _group(rng, rng.integers(0, 300, 18 + 3 * g).tolist(),
+                                                 rng.integers(2, 7, 4).tolist())]
     adv = rng.normal(size=8).astype(np.float32)
     moved = {}
     for share in (False, True):
         for mbs in (8, 4, 3):
             cfg = RLConfig(batch_size=2, group_size=4, micro_batch_size=mbs, optimizer="sgd", learning_rate=1.0,
                            max_grad_norm=None, share_prefix=share, progress=False, lora={"rank": 4}, **options)
-            model, tok = _lora_model(tiny_llama)
-            before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
-            tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
-            ok, _ = tr._update(build_batch(recs, adv))
-            assert ok
-            moved[share, mbs] = {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
+            moved[share, mbs] = _update(tiny_llama, cfg, recs, adv)[2]
     ref = moved[False, 8]
     assert max(np.abs(v).max() for v in ref.values()) > 1e-3  # the step did something
     # and the layout machinery against the plain definition: one nn.value_and_grad of the whole
@@ -116,7 +122,7 @@ def test_update_with_shared_prefix_equals_unshared(tiny_llama, options):
     cfg = RLConfig(batch_size=2, group_size=4, micro_batch_size=8, progress=False, lora={"rank": 4}, **options)
     model, tok = _lora_model(tiny_llama)
     tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
-    batch, units, _ = tr._plan(build_batch(recs, adv))
+    batch, _, units, _ = tr._plan(build_batch(recs, adv))
     batch.pop("entropy_kept_frac", None)
     (_, _), grads = nn.value_and_grad(model, make_loss(cfg, units))(model, {**batch, "old": None})
     for k, g in tree_flatten(grads):
@@ -151,22 +157,15 @@ def test_layout_and_the_two_phase_gradient(tiny_llama, monkeypatch):
     monkeypatch.setattr(loop, "piece_value_and_grad",
                         lambda *a: calls.append((a[2]["inputs"].shape[0], a[-1])) or real(*a))
     rng = np.random.default_rng(2)
-    prompt = rng.integers(0, 300, 16).tolist()
-    recs = [{"prompt_token_ids": prompt, "token_ids": rng.integers(0, 300, c).tolist(), "logprobs": [-1.0] * c}
-            for c in (3, 6, 9, 4)]
+    recs = _group(rng, rng.integers(0, 300, 16).tolist(), (3, 6, 9, 4))
     adv = rng.normal(size=4).astype(np.float32)
     moved = {}
     for share, chunk in ((False, None), (True, None), (True, 5), (False, 5), (True, 24)):
         cfg = RLConfig(batch_size=1, group_size=4, micro_batch_size=4, optimizer="sgd", learning_rate=1.0,
                        max_grad_norm=None, chunk_size=chunk, beta=0.1, progress=False, lora={"rank": 4},
                        share_prefix=share)
-        model, tok = _lora_model(tiny_llama)
-        before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
-        tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
-        batch = build_batch(recs, adv)
         del calls[:]
-        ok, _ = tr._update(batch)
-        assert ok
+        tr, batch, moved[share, chunk] = _update(tiny_llama, cfg, recs, adv)
         layout = tr._layout(batch)
         if share:
             assert [p for p, _ in layout] == [15]  # the prompt minus its last token
@@ -176,7 +175,6 @@ def test_layout_and_the_two_phase_gradient(tiny_llama, monkeypatch):
             assert layout == [(15, [(0, 2), (2, 4)])] and calls == [(2, False)] * 2
         else:
             assert calls == [(4, False)]
-        moved[share, chunk] = {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
     ref = moved[False, None]
     for key, got in moved.items():
         for k in ref:
@@ -187,21 +185,13 @@ def test_two_inner_updates_and_a_rank_without_rows(tiny_llama):
     """mu = 2 (the second update's old log-probs are the first's, per piece) gives the same weights
     shared or not; a rank with no rows lays out nothing."""
     rng = np.random.default_rng(3)
-    prompt = rng.integers(0, 300, 20).tolist()
-    recs = [{"prompt_token_ids": prompt, "token_ids": rng.integers(0, 300, c).tolist(), "logprobs": [-1.0] * c}
-            for c in (3, 6, 5, 4)]
+    recs = _group(rng, rng.integers(0, 300, 20).tolist(), (3, 6, 5, 4))
     adv = rng.normal(size=4).astype(np.float32)
     moved = {}
     for share in (False, True):
         cfg = RLConfig(batch_size=1, group_size=4, micro_batch_size=2, mu=2, optimizer="sgd", learning_rate=0.05,
                        max_grad_norm=None, share_prefix=share, progress=False, lora={"rank": 4})
-        model, tok = _lora_model(tiny_llama)
-        before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
-        tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
-        batch = build_batch(recs, adv)
-        ok, stats = tr._update(batch)
-        assert ok
-        moved[share] = {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
+        tr, batch, moved[share] = _update(tiny_llama, cfg, recs, adv)
         empty = {k: (v[:0] if isinstance(v, mx.array) else v) for k, v in batch.items()}
         assert tr._layout(empty) == []
     for k in moved[False]:

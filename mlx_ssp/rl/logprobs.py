@@ -133,7 +133,8 @@ def _head_builder(head: nn.Module):
     return None
 
 
-def _trainable(head: nn.Module) -> bool:
+def head_trainable(head: nn.Module) -> bool:
+    """Whether the head has float parameters that train (full fine-tuning), so it gets a gradient."""
     return any(mx.issubdtype(v.dtype, mx.floating) for _, v in tree_flatten(head.trainable_parameters()))
 
 
@@ -158,6 +159,11 @@ def auto_chunk_size(vocab: int, budget_bytes: int = CHUNK_BYTES) -> int:
     overhead, so the budget, not speed, sets the default."""
     per_token = LIVE_CHUNK_BUFFERS * 4 * max(1, vocab)
     return max(16, (budget_bytes // per_token) // 16 * 16)
+
+
+def chunk_tokens(head: nn.Module, chunk_size: int | None = None) -> int:
+    """Tokens per chunk of :func:`token_logprobs` for ``head``: ``chunk_size``, or the automatic one."""
+    return auto_chunk_size(head_vocab(head)) if chunk_size is None else int(chunk_size)
 
 
 # -- per-chunk engines ----------------------------------------------------------------------------
@@ -547,10 +553,10 @@ def _chunked(built, head: nn.Module, h, t, temperature: float, chunk_size, want_
              entropy_grad: bool = False):
     """(log-probs, entropy or None) by the chunked op, for a head with a HEADS builder (``built``)."""
     params, logits_fn = built
-    cs = auto_chunk_size(head_vocab(head)) if chunk_size is None else int(chunk_size)
+    cs = chunk_tokens(head, chunk_size)
     if h.shape[0] > cs:
         mx.eval(*params)  # chunks are built on a helper thread: its inputs must be evaluated
-    if not _trainable(head):
+    if not head_trainable(head):
         # frozen head (LoRA, quantized): weights are constants of the op, so its backward
         # never computes (or keeps buffers for) a head gradient nobody asked for
         frozen, fn = params, logits_fn

@@ -57,7 +57,7 @@ from mlx_ssp.finetune.lora import adapters_disabled, attach_lora
 from mlx_ssp.finetune.optim import OPTIMIZERS, build_optimizer, warmup_constant
 from mlx_ssp.finetune.seed import step_seed
 from mlx_ssp.rl.config import RLConfig
-from mlx_ssp.rl.logprobs import auto_chunk_size, head_of, head_vocab, token_logprobs
+from mlx_ssp.rl.logprobs import chunk_tokens, head_of, head_trainable, token_logprobs
 from mlx_ssp.rl.prefix import blocks, hidden_after, prefix_kv, shareable, suffix_hidden
 from mlx_ssp.rl.loss import aggregation_units, finalize_totals, merge_totals, policy_loss, token_totals
 from mlx_ssp.rl.kernels import grouped_advantages
@@ -220,6 +220,11 @@ def _set_params(model: nn.Module, names, arrays) -> None:
     model.update(tree_unflatten(list(zip(names, arrays))))
 
 
+def _flat(kv) -> list:
+    """[(k, v), ...] -> [k, v, ...] (the cache as a flat list of arrays for the transforms)."""
+    return [x for pair in kv for x in pair] if kv else []
+
+
 def piece_value_and_grad(model: nn.Module, loss_fn: Callable, mb: dict, kv, names, arrays, two_phase: bool):
     """((loss, aux), d loss / d trainable arrays, d loss / d prefix kv) of one piece of rows.
 
@@ -236,7 +241,7 @@ def piece_value_and_grad(model: nn.Module, loss_fn: Callable, mb: dict, kv, name
     body's gradient is its vjp with that cotangent: one more body forward, the body's own memory.
     The head must be frozen there (LoRA). The model holds ``arrays`` again afterwards."""
     n, p = len(arrays), mb.get("prefix", 0)
-    kv_flat = [x for pair in kv for x in pair] if kv else []
+    kv_flat = _flat(kv)
 
     def body(*xs):
         _set_params(model, names, xs[:n])
@@ -267,7 +272,7 @@ def prefix_grads(model: nn.Module, tokens: mx.array, dkv: list, names, arrays) -
     prefix's forward, then its backward, once per block)."""
     def f(*xs):
         _set_params(model, names, xs)
-        return [x for pair in prefix_kv(model, tokens) for x in pair]
+        return _flat(prefix_kv(model, tokens))
 
     try:
         _, g = mx.vjp(f, list(arrays), dkv)
@@ -383,12 +388,10 @@ class Trainer:
         self.last_good_ckpt: Optional[str] = None
         self._prompt_cache: dict[str, list[int]] = {}
         self._shareable = shareable(model) and (ref_model is None or shareable(ref_model))
-        head = head_of(model)
-        self._chunk_tokens = cfg.chunk_size or auto_chunk_size(head_vocab(head))
+        self._chunk_tokens = chunk_tokens(head_of(model), cfg.chunk_size)
         # a forward computed twice (prefix kv, two-phase) must be the same function both times
         self._recompute_safe = cfg.fine_tune_type != "lora" or not cfg.lora.dropout
-        self._frozen_head = not any(mx.issubdtype(v.dtype, mx.floating)
-                                    for _, v in tree_flatten(head.trainable_parameters()))
+        self._frozen_head = not head_trainable(head_of(model))
         sched = warmup_constant(cfg.learning_rate, cfg.warmup_steps)
         wd = {"weight_decay": cfg.weight_decay} if OPTIMIZERS[cfg.optimizer].weight_decay else {}
         self.opt = build_optimizer(cfg.optimizer, sched, wd, what="rl.optimizer")
@@ -524,10 +527,9 @@ class Trainer:
         (totals over micro-batches, inner updates and ranks, divided once: see
         :func:`mlx_ssp.rl.loss.finalize_totals`), whatever ``micro_batch_size`` and the world size."""
         cfg = self.cfg
-        batch, units, ref_s = self._plan(batch)
+        batch, layout, units, ref_s = self._plan(batch)
         kept_frac = batch.pop("entropy_kept_frac", None)
         loss_fn = make_loss(cfg, units)
-        layout = self._layout(batch)
         # with one inner update nothing is applied before the finiteness check: no snapshot needed
         snap = _snapshot(self.model, self.opt) if cfg.mu > 1 else None
         glob: dict[str, float] = {}  # loss, grad norm: already global (all-reduced), mean over mu
@@ -553,10 +555,10 @@ class Trainer:
             stats["entropy_kept_frac"] = kept_frac
         return ok, stats
 
-    def _plan(self, batch: dict) -> tuple[dict, float, float]:
-        """(this rank's share of the batch, the batch's aggregation units, the seconds of the
-        reference forward), with the reference log-probs (KL) and the behaviour log-probs as old
-        log-probs attached."""
+    def _plan(self, batch: dict) -> tuple[dict, list, float, float]:
+        """(this rank's share of the batch, its layout (:meth:`_layout`), the batch's aggregation
+        units, the seconds of the reference forward), with the reference log-probs (KL) and the
+        behaviour log-probs as old log-probs attached."""
         cfg = self.cfg
         if cfg.top_entropy_quantile is not None:
             # the cut is over the whole batch's tokens (before ranks and micro-batches split it), from
@@ -571,16 +573,17 @@ class Trainer:
         # batch; loss shares are of the global units, so the summed gradients are the batch's
         lo, hi = dist.shard_bounds(batch["inputs"].shape[0], dist.rank(), dist.size())
         batch = _slice(batch, lo, hi)
+        layout = self._layout(batch)
         ref_s = 0.0  # the reference forward's share of train_s (reported as ref_s)
         if cfg.beta > 0:
             t0 = time.perf_counter()
-            batch["ref"] = self._ref_logprobs(batch)
+            batch["ref"] = self._ref_logprobs(batch, layout)
             ref_s = time.perf_counter() - t0
         if cfg.old_logprobs == "behaviour" and cfg.tis_cap is None:
             batch["old"] = batch["behaviour"]
         # with tis_cap the old policy is the trainer's own (recomputed in the first inner update) and
         # the sampler's mismatch enters as a truncated weight (make_loss)
-        return batch, units, ref_s
+        return batch, layout, units, ref_s
 
     def _layout(self, batch: dict) -> list[tuple[int, list[tuple[int, int]]]]:
         """(shared prefix length, pieces of rows) for each block of rows (:func:`mlx_ssp.rl.prefix.blocks`:
@@ -646,7 +649,7 @@ class Trainer:
                     grads_sum, dkv, k = add(grads_sum, grads), add(dkv, [g.astype(mx.float32) for g in gkv]), k + 1
                     parts.append(dict(zip(keys, vec.tolist())))
                 if p:
-                    dkv = [g.astype(x.dtype) for g, x in zip(dkv, (x for pair in kv for x in pair))]
+                    dkv = [g.astype(x.dtype) for g, x in zip(dkv, _flat(kv))]
                     grads_sum = add(grads_sum, prefix_grads(self.model, first, dkv, names, arrays))
                     mx.eval(grads_sum)
         finally:
@@ -683,12 +686,12 @@ class Trainer:
             stats["loss"] = float("nan")
         return stats
 
-    def _forward(self, model: nn.Module, batch: dict, entropy: bool = False) -> mx.array:
-        """Per-token log-probs (or entropies) of ``model`` on the batch, no gradient, in the update's
-        layout: each block's prefix runs once, its pieces attend to it."""
+    def _forward(self, model: nn.Module, batch: dict, layout, entropy: bool = False) -> mx.array:
+        """Per-token log-probs (or entropies) of ``model`` on the batch, no gradient, in ``layout``
+        (:meth:`_layout`): each block's prefix runs once, its pieces attend to it."""
         T = self.cfg.sampling.temperature
         parts = []
-        for p, pieces in self._layout(batch):
+        for p, pieces in layout:
             kv = prefix_kv(model, batch["inputs"][pieces[0][0]:pieces[0][0] + 1, :p]) if p else None
             for i, j in pieces:
                 h = hidden_after(model, batch["inputs"][i:j, p:], kv) if p else model.model(batch["inputs"][i:j])
@@ -701,13 +704,13 @@ class Trainer:
 
     def _entropies(self, batch: dict) -> mx.array:
         """Per-token entropy of the current policy at the sampling temperature (no gradient)."""
-        return self._forward(self.model, batch, entropy=True)
+        return self._forward(self.model, batch, self._layout(batch), entropy=True)
 
-    def _ref_logprobs(self, batch: dict) -> mx.array:
+    def _ref_logprobs(self, batch: dict, layout) -> mx.array:
         if self.ref_model is not None:
-            return self._forward(self.ref_model, batch)
+            return self._forward(self.ref_model, batch, layout)
         with adapters_disabled(self.model):
-            return self._forward(self.model, batch)
+            return self._forward(self.model, batch, layout)
 
     # -- checkpoints -------------------------------------------------------------------------
     def trained_weights(self) -> dict[str, mx.array]:
