@@ -345,3 +345,112 @@ def build_report(run_dir: str | Path) -> Path:
     path = out / "report.md"
     write_text_atomic(path, "\n".join(md) + "\n")
     return path
+
+
+# -- several runs: seeds of one setting, settings side by side (issue 21) ----------------------------
+
+#: the per-step series a comparison draws, with a band across each setting's seeds
+BAND_SERIES = ("reward", "pass@1")
+
+
+def seed_band(curves: list[list[float]]) -> tuple[list[float], list[float], list[int]]:
+    """Per step: the mean over the runs that reached it (NaNs skipped), its standard error (the
+    sample SD over sqrt(n); 0 with one run) and n. Runs may differ in length."""
+    mean, se, count = [], [], []
+    for t in range(max((len(c) for c in curves), default=0)):
+        xs = [c[t] for c in curves if t < len(c) and not math.isnan(c[t])]
+        n = len(xs)
+        m = sum(xs) / n if n else float("nan")
+        var = sum((x - m) ** 2 for x in xs) / (n - 1) if n > 1 else 0.0
+        mean.append(m)
+        se.append(math.sqrt(var / n) if n else float("nan"))
+        count.append(n)
+    return mean, se, count
+
+
+def parse_groups(specs: list[str]) -> dict[str, list[Path]]:
+    """``LABEL=DIR`` (runs sharing a label are seeds of one setting) or a bare ``DIR`` (its own label)."""
+    groups: dict[str, list[Path]] = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep:
+            label, path = spec, spec
+        p = Path(path)
+        if not p.is_dir():
+            raise UserError(f"run directory not found: {p}")
+        groups.setdefault(label, []).append(p)
+    return groups
+
+
+def _series_of(rows: list[dict], name: str) -> list[float]:
+    return [_num(next((r[k] for k in RL_SERIES[name] if k in r), None)) for r in rows]
+
+
+def plot_bands(curves: dict[str, dict[str, list[list[float]]]], path: Path) -> bool:
+    """One panel per series: each setting's mean per step, shaded +- 1 standard error across its seeds."""
+    plt = _plt()
+    names = [n for n in BAND_SERIES if any(curves[g].get(n) for g in curves)]
+    if plt is None or not names:
+        return False
+    fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 3.4), squeeze=False)
+    try:
+        for ax, name in zip(axes[0], names):
+            for i, (label, by_name) in enumerate(curves.items()):
+                if not by_name.get(name):
+                    continue
+                mean, se, count = seed_band(by_name[name])
+                steps = list(range(1, len(mean) + 1))
+                ax.plot(steps, mean, color=f"C{i}", label=f"{label} (n={max(count)})")
+                ax.fill_between(steps, [m - s for m, s in zip(mean, se)], [m + s for m, s in zip(mean, se)],
+                                color=f"C{i}", alpha=0.25, lw=0)
+            ax.set_title(f"{name} per step (mean +- 1 SE across seeds)", fontsize="small")
+            ax.set_xlabel("RL step")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="x-small")
+        fig.tight_layout()
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+    return True
+
+
+def _mean_se(xs: list[float]) -> str:
+    """``mean +- SE`` of values across seeds (seed_band of one step)."""
+    mean, se, n = seed_band([[x] for x in xs])  # each value a one-step curve: the band of that step
+    return f"{mean[0]:.3f} +- {se[0]:.3f}" if n and n[0] else "-"
+
+
+def build_comparison(specs: list[str], out: str | Path, window: int = 10) -> Path:
+    """Write OUT/compare.md and OUT/rl_bands.png for several runs: per setting (label) the number of
+    seeds, each series' mean over the first and last ``window`` steps (mean +- standard error across
+    seeds), the held-out gain where a run holds a ``learning.json`` (``scripts/testbed.py spread
+    --keep``), and the per-step bands."""
+    groups = parse_groups(specs)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    curves: dict[str, dict[str, list[list[float]]]] = {}
+    md = ["# mlx_ssp comparison", "", "Settings and their runs (seeds): " +
+          "; ".join(f"`{g}`: {len(ps)}" for g, ps in groups.items()), "",
+          "| setting | runs | " + " | ".join(f"{n}, first {window} steps | {n}, last {window} steps" for n in BAND_SERIES)
+          + " | held-out pass@1 gain |", "|---|---|" + "---|---|" * len(BAND_SERIES) + "---|"]
+    for label, paths in groups.items():
+        curves[label] = {}
+        cells = []
+        for name in BAND_SERIES:
+            per_run = [_series_of(rl_rows(p), name) for p in paths]
+            per_run = [c for c in per_run if any(not math.isnan(x) for x in c)]
+            curves[label][name] = per_run
+            first = [sum(c[:window]) / len(c[:window]) for c in per_run]
+            last = [sum(c[-window:]) / len(c[-window:]) for c in per_run]
+            cells += [_mean_se(first), _mean_se(last)]
+        gains = [(_read_json(p / "learning.json") or {}).get("gain") for p in paths]
+        gain = _mean_se([g for g in gains if isinstance(g, (int, float))])
+        md.append(f"| {label} | {len(paths)} | " + " | ".join(cells) + f" | {gain} |")
+    if not any(curves[g][n] for g in curves for n in BAND_SERIES):
+        raise UserError("none of the runs has RL metrics (rl/metrics.jsonl) to compare")
+    md.append("")
+    if plot_bands(curves, out / "rl_bands.png"):
+        md += ["![per-step curves with a band across seeds](rl_bands.png)", ""]
+    path = out / "compare.md"
+    write_text_atomic(path, "\n".join(md) + "\n")
+    return path

@@ -2,13 +2,14 @@
 
     python scripts/testbed.py build --size small --seed 0      # pretrain (cached; prints the path)
     python scripts/testbed.py calibrate testbed:small:0         # pass@1 by domain and level, pass band, strategies
-    python scripts/testbed.py spread --seeds 0-4                # the learning round's gain over training seeds
+    python scripts/testbed.py spread --seeds 0-9                # the learning round's gain over training seeds
 
-`spread` builds (or loads from the cache) ``testbed:micro:BUILD_SEED``, runs one learning round
-(mlx_ssp.testbed.learning: rollout, select, LoRA SFT, held-out eval) per training seed, and prints
-each gain, their mean and standard deviation, and the margin ``mean - 4 SD`` that a CI learning
-test would use once a design learns (EXPERIMENTS.md, "The testbed": none does yet). ``--build-seeds``
-also varies the build seed (one round per build seed, training seed 0).
+`spread` builds (or loads from the cache) ``testbed:ci:BUILD_SEED``, runs one learning round
+(mlx_ssp.testbed.learning; ``--stage rl``: MGPO-GRPO, ``--stage sft``: rollout, select, LoRA SFT;
+then the held-out eval) per training seed, and prints each gain, their mean and standard deviation,
+and ``mean - 4 SD``, the rule the CI learning test's margin comes from (EXPERIMENTS.md, "The
+learning regression test"). ``--build-seeds`` also varies the build seed (one round per build seed,
+training seed 0).
 
 `build` prints the cache directory and the build report (steps, loss curve, wall time); `calibrate`
 prints one JSON object (mlx_ssp.testbed.calibrate.calibrate) and a table.
@@ -38,13 +39,17 @@ def main() -> None:
     c.add_argument("--k", type=int, default=8)
     c.add_argument("--seed", type=int, default=0)
     sp = sub.add_parser("spread")
-    sp.add_argument("--size", default="micro")
+    sp.add_argument("--size", default="ci")
+    sp.add_argument("--stage", choices=("rl", "sft"), default=None, help="the round's phase (default: LearningConfig's)")
     sp.add_argument("--build-seed", type=int, default=0)
     sp.add_argument("--seeds", default="0-4", help="training seeds: A-B or a comma list")
     sp.add_argument("--build-seeds", default=None, help="also vary the build seed (A-B or a comma list; training seed 0)")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a LearningConfig field (JSON value), e.g. --set iters=60")
+                    help="a LearningConfig field (JSON value; dotted for a stage's), e.g. --set rl.steps=30")
     sp.add_argument("-o", "--output", default=None, help="write the per-seed results and the summary as JSON")
+    sp.add_argument("--keep", default=None, metavar="DIR",
+                    help="keep each round's directory as DIR/build-B-seed-S (with learning.json): "
+                         "`mlx_ssp report LABEL=DIR/build-0-seed-0 ...` draws their curves with a band across seeds")
     args = ap.parse_args()
     if args.cmd == "spread":
         spread(args)
@@ -87,13 +92,22 @@ def _seeds(text: str) -> list[int]:
 def spread(args) -> None:
     import statistics
     import tempfile
+    from pathlib import Path
 
     from mlx_ssp.config import validate
     from mlx_ssp.io import write_json_atomic
     from mlx_ssp.testbed.build import ensure_testbed
     from mlx_ssp.testbed.learning import LearningConfig, learning_round
 
-    cfg = validate(LearningConfig, {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.set)}, source="--set")
+    raw: dict = {"stage": args.stage} if args.stage else {}
+    for kv in args.set:
+        key, _, value = kv.partition("=")
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = json.loads(value)
+    cfg = validate(LearningConfig, raw, source="--set")
     runs = [(args.build_seed, s) for s in _seeds(args.seeds)]
     if args.build_seeds:
         runs += [(b, 0) for b in _seeds(args.build_seeds) if b != args.build_seed]
@@ -102,13 +116,20 @@ def spread(args) -> None:
         t0 = time.perf_counter()
         model = ensure_testbed(f"testbed:{args.size}:{bseed}", progress=False)
         build_s = json.loads((model / "build.json").read_text())["seconds"]
-        with tempfile.TemporaryDirectory() as work:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(args.keep) / f"build-{bseed}-seed-{tseed}" if args.keep else Path(tmp)
+            if args.keep and work.exists():
+                raise SystemExit(f"{work} exists: --keep never overwrites a kept round")
+            work.mkdir(parents=True, exist_ok=True)
             r = learning_round(model, work, cfg, seed=tseed)
-        r.update(build_seed=bseed, build_seconds=build_s, round_seconds=round(time.perf_counter() - t0, 1))
+            r.update(build_seed=bseed, build_seconds=build_s, round_seconds=round(time.perf_counter() - t0, 1))
+            if args.keep:
+                write_json_atomic(work / "learning.json", r)
         rows.append(r)
-        after = "no SFT data" if r["gain"] is None else f"{r['specialist']:.3f}  gain {r['gain']:+.3f}"
-        print(f"build {bseed} seed {tseed}: base {r['base']:.3f} -> {after}  "
-              f"({r['sft_records']} SFT records, {r['round_seconds']} s)", file=sys.stderr, flush=True)
+        after = "no training data" if r["gain"] is None else f"{r['trained']:.3f}  gain {r['gain']:+.3f}"
+        data = f"{r['sft_records']} SFT records" if "sft_records" in r else f"reward {r['rewards'][0]:.2f} -> {r['rewards'][-1]:.2f}"
+        print(f"build {bseed} seed {tseed}: base {r['base']:.3f} -> {after}  ({data}, {r['round_seconds']} s)",
+              file=sys.stderr, flush=True)
 
     def stats(rs):
         g = [r["gain"] for r in rs if r["gain"] is not None]  # rounds with too little SFT data have none

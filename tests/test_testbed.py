@@ -25,7 +25,7 @@ def test_every_strategy_solves_and_strategies_differ(domain):
             traces = [P.trace(p, n) for n in st]
             assert all(P.solve(p, t) == (True, "correct") for t in traces)
             assert len(set(traces)) == len(traces)  # distinct strategies write distinct traces
-            multi += len(st) > 1
+            multi += len([n for n in st if n != "direct"]) > 1  # `direct` (no working) is every problem's
             wrong = traces[0].rsplit("answer ", 1)[0] + "answer 1000"
             assert P.solve(p, wrong)[0] is False
     assert multi >= 6 * (hi - lo)  # above the easiest level, problems have several strategies
@@ -137,3 +137,29 @@ def test_micro_narrows_the_mix_and_small_is_unchanged():
     assert {r["domain"] for r in recs} == {"sum"} and {r["level"] for r in recs} == {2, 3}
     assert not any(P.held_out(P.Problem("sum", tuple(int(x) for x in r["messages"][0]["content"].split()[1:]))) for r in recs)
     assert B.parse_spec("testbed:micro:4") == ("micro", 4)
+
+
+def test_ci_size_holds_unreliable_guesses_and_direct_answers_are_a_strategy():
+    from mlx_ssp.testbed import build as B
+    from mlx_ssp.testbed.calibrate import strategy_of
+
+    s = B.SIZES["ci"]
+    recs = B.corpus(400, 0, s["domains"], s["levels"], s["guess"])
+    assert [r["strategy"] == "guess" for r in recs] != [r["strategy"] == "guess" for r in B.corpus(400, 1, s["domains"], s["levels"], s["guess"])]
+    guesses = [r for r in recs if r["strategy"] == "guess"]
+    assert 0.4 < len(guesses) / len(recs) < 0.6
+    wrong = 0
+    for r in guesses:
+        p = P.Problem("sum", tuple(int(x) for x in r["messages"][0]["content"].split()[1:]))
+        text = r["messages"][1]["content"]
+        assert text.startswith("answer ") and abs(int(text.split()[1]) - p.answer) <= B.GUESS_SPREAD
+        wrong += not P.solve(p, text)[0]
+    assert 0.7 < wrong / len(guesses) < 0.95  # 6 of the 7 offsets are wrong
+    rest = [r for r in recs if r["strategy"] != "guess"]
+    assert all(P.solve(P.Problem("sum", tuple(int(x) for x in r["messages"][0]["content"].split()[1:])),
+                       r["messages"][1]["content"])[0] for r in rest)
+    assert B.corpus(60, 0, s["domains"], s["levels"]) == B.corpus(60, 0, s["domains"], s["levels"], 0.0)
+    p = P.Problem("sum", (3, 5, 2))
+    meta = {"numbers": [3, 5, 2]}
+    assert P.trace(p, "direct") == "answer 10" and strategy_of("sum", meta, "answer 10") == "direct"
+    assert strategy_of("sum", meta, P.trace(p, "chain")) == "chain" and strategy_of("sum", meta, "3+5=8\nanswer 10") == "other"

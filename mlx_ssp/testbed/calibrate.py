@@ -12,7 +12,8 @@ from mlx_ssp.testbed.problems import DOMAINS, LEVELS, problem_from_meta, strateg
 def strategy_of(domain: str, meta: dict, completion: str) -> str:
     """The name of the strategy whose steps a completion writes (``other`` if none matches)."""
     p = problem_from_meta(domain, meta)
-    steps = [s.strip() for s in completion.split("\nanswer")[0].split(";")]
+    head = completion.split("answer", 1)[0].strip()
+    steps = [s.strip() for s in head.split(";")] if head else []  # no working: ``direct``
     for name, (ref, _) in strategies(p).items():
         if steps == ref:
             return name

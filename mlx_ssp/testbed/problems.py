@@ -5,6 +5,8 @@ Three domains built so that the recipe's questions have room to show an effect:
 - ``sum`` -- ``add 3 5 2 4``: the total. Strategies: ``chain`` (left to right: ``3+5=8 ; 8+2=10 ;
   10+4=14``), ``pairs`` (adjacent pairs, then their sums: ``3+5=8 ; 2+4=6 ; 8+6=14``) and
   ``sorted`` (largest first, then a chain). Difficulty: the number of terms (2-6) and their size.
+  Both arithmetic domains also have ``direct`` (``answer 14`` with no working): a correct trace,
+  but one that a small model can only write for problems it can add up at a glance.
 - ``diff`` -- ``sub 20 5 2``: the first number minus the rest. Strategies: ``chain``
   (``20-5=15 ; 15-2=13``) and ``group`` (the subtrahends summed first: ``5+2=7 ; 20-7=13``). The same
   surface as ``sum`` (a verb, numbers, ``a op b = c`` steps), so the two domains interfere: a model
@@ -200,6 +202,7 @@ def strategies(p: Problem) -> dict[str, tuple[list[str], str]]:
         found = {n: _sum_steps(p, n) for n in ("chain", "pairs", "sorted")}
     else:
         found = {n: _diff_steps(p, n) for n in ("chain", "group")}
+    found["direct"] = ([], str(p.answer))  # last: a zero weight for it leaves older corpora's draws unchanged
     out: dict[str, tuple[list[str], str]] = {}
     for n, st in found.items():  # a strategy that writes an earlier one's steps (sorted input) is that one
         if all(st[0] != o[0] for o in out.values()):
@@ -210,7 +213,7 @@ def strategies(p: Problem) -> dict[str, tuple[list[str], str]]:
 def trace(p: Problem, name: str) -> str:
     """The completion text of strategy ``name`` on ``p``."""
     steps, ans = strategies(p)[name]
-    return " ; ".join(steps) + f"\nanswer {ans}"
+    return " ; ".join(steps) + f"\nanswer {ans}" if steps else f"answer {ans}"
 
 
 # -- checking an answer ------------------------------------------------------------------------------
