@@ -7,12 +7,23 @@ the rest of the suite runs; about 3 minutes of one core). The round is
 8 samples with LoRA, then pass@1 of the base and the trained model on the same 128 held-out prompts,
 8 samples each, with the same sampling seed.
 
-The margin: ``python scripts/testbed.py spread --stage rl --seeds 0-9`` measured the gain over ten
-training seeds (build seed 0) at mean 0.279 and standard deviation 0.012 (range 0.261-0.297); the
-margin is ``mean - 4 SD`` = 0.229 rounded down to 0.01 (EXPERIMENTS.md, "The learning regression test"), so a working pipeline falls
-below it about 3 times in 100,000 if the gains are roughly normal. Each of the defects it must catch
-was patched in and measured there: an optimizer step that never updates, the advantage's sign
-flipped, and the loss mask or the targets shifted by one token; every one ends below the margin.
+The Spectrum round (``stage: sft``: 8 rollouts per train prompt, diverse selection of the correct
+ones, 160 LoRA SFT iterations, fused) is checked the same way on the same model.
+
+The margins: ``python scripts/testbed.py spread --stage rl --seeds 0-9`` (and ``--stage sft``)
+measured each round's gain over ten training seeds on build seed 0; the margin is ``mean - 4 SD``
+rounded down to 0.01, so a working pipeline falls below it about 3 times in 100,000 if the gains
+are roughly normal (EXPERIMENTS.md, "The learning regression test", has the table and the build-seed
+check):
+
+- RL: mean 0.279, SD 0.012 (0.261-0.297): margin 0.22;
+- SFT: mean 0.094, SD 0.019 (0.072-0.137): margin 0.01.
+
+Defects patched in and measured there (one seed each), all below their margin: RL with an optimizer
+step that never updates (gain 0.000), the advantage's sign flipped (-0.365), the targets shifted by
+one token (-0.294), the loss mask shifted one token later (+0.014) or earlier (+0.200, the closest:
+it still trains the first answer token); SFT with a learning rate of 0 and with the loss's sign
+flipped (EXPERIMENTS.md).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 
 #: mean - 4 SD of the measured gains, rounded down (see the module docstring)
 RL_MARGIN = 0.22
+SFT_MARGIN = 0.01
 
 
 @pytest.mark.learning
@@ -35,3 +47,14 @@ def test_one_rl_round_raises_held_out_pass1(ci_testbed, tmp_path):
         f"held-out pass@1 {r['base']:.3f} -> {r['trained']:.3f} (gain {r['gain']:+.3f}) is not above the margin "
         f"{RL_MARGIN}; per-step reward {[round(x, 2) for x in r['rewards']]}")
     assert r["rl_steps"] == 60 and r["tasks_improved"] > r["tasks_worse"]
+
+
+@pytest.mark.learning
+@pytest.mark.slow
+def test_one_spectrum_round_raises_held_out_pass1(ci_testbed, tmp_path):
+    from mlx_ssp.testbed.learning import LearningConfig, learning_round
+
+    r = learning_round(ci_testbed, tmp_path, LearningConfig(stage="sft"), seed=0)
+    assert r["gain"] is not None and r["gain"] > SFT_MARGIN, (
+        f"held-out pass@1 {r['base']:.3f} -> {r['trained']:.3f} (gain {r['gain']:+.3f}) is not above the margin "
+        f"{SFT_MARGIN} ({r['sft_records']} SFT records)")

@@ -56,6 +56,7 @@ class RLRound(StrictModel):
     lora_rank: int = Field(8, ge=1)
     lora_scale: float = Field(2.0, gt=0)  # a tenth of mlx-lm's 20: a 64-wide model (EXPERIMENTS.md)
     mgpo_lambda: float = Field(1.0, ge=0)
+    dynamic_sampling: bool = False  # DAPO's: groups with p in {0, 1} dropped and refilled
 
 
 class LearningConfig(StrictModel):
@@ -165,6 +166,7 @@ def _rl(cfg: LearningConfig, model, tok, path, splits, sampling, work: Path, see
     rcfg = validate(RLConfig, {
         "steps": c.steps, "batch_size": c.batch_size, "group_size": c.group_size, "learning_rate": c.learning_rate,
         "lora": {"rank": c.lora_rank, "scale": c.lora_scale}, "mgpo_lambda": c.mgpo_lambda, "beta": 0.0,
+        "dynamic_sampling": c.dynamic_sampling,
         "sampling": sampling.model_dump(), "checkpoint_every": c.steps, "progress": False})
     setup_model(model, rcfg, seed)
     train(model, tok, splits["train"], rcfg, work / "rl", seed=seed, model_path=str(path))
