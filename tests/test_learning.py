@@ -11,19 +11,22 @@ The Spectrum round (``stage: sft``: 8 rollouts per train prompt, diverse selecti
 ones, 160 LoRA SFT iterations, fused) is checked the same way on the same model.
 
 The margins: ``python scripts/testbed.py spread --stage rl --seeds 0-9`` (and ``--stage sft``)
-measured each round's gain over ten training seeds on build seed 0; the margin is ``mean - 4 SD``
-rounded down to 0.01, so a working pipeline falls below it about 3 times in 100,000 if the gains
-are roughly normal (EXPERIMENTS.md, "The learning regression test", has the table and the build-seed
-check):
+measured each round's gain over ten training seeds on build seed 0, and ``--build-seeds 1-2`` over
+three builds (another CPU's BLAS kernels may round differently, which makes another build). Each
+margin is the lower of the two ``mean - 4 SD``, rounded down to 0.01, so a working pipeline falls
+below it about 3 times in 100,000 if the gains are roughly normal (EXPERIMENTS.md, "The learning
+regression test", has the tables):
 
-- RL: mean 0.279, SD 0.012 (0.261-0.297): margin 0.22;
-- SFT: mean 0.094, SD 0.019 (0.072-0.137): margin 0.01.
+- RL: training seeds mean 0.279, SD 0.012 (0.229); build seeds 0.284 / 0.212 / 0.249, mean 0.248,
+  SD 0.036 (0.104): margin 0.10;
+- SFT: training seeds mean 0.094, SD 0.019 (0.019); build seeds 0.076 / 0.089 / 0.085 (0.057):
+  margin 0.01.
 
-Defects patched in and measured there (one seed each), all below their margin: RL with an optimizer
-step that never updates (gain 0.000), the advantage's sign flipped (-0.365), the targets shifted by
-one token (-0.294), the loss mask shifted one token later (+0.014) or earlier (+0.200, the closest:
-it still trains the first answer token); SFT with a learning rate of 0 and with the loss's sign
-flipped (EXPERIMENTS.md).
+Defects patched in and measured there (one seed each): below the RL margin are an optimizer step
+that never updates (gain 0.000), the advantage's sign flipped (-0.365), the targets shifted by one
+token (-0.294) and the loss mask shifted one token later (+0.014); the mask shifted one token
+earlier is **not** caught (+0.200: it still trains the token that chooses between working and
+guessing). SFT: a learning rate of 0 and the loss's sign flipped (EXPERIMENTS.md).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import pytest
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 
 #: mean - 4 SD of the measured gains, rounded down (see the module docstring)
-RL_MARGIN = 0.22
+RL_MARGIN = 0.10
 SFT_MARGIN = 0.01
 
 
