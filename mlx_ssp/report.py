@@ -353,27 +353,35 @@ def build_report(run_dir: str | Path) -> Path:
 BAND_SERIES = ("reward", "pass@1")
 
 
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """Mean and standard error (sample SD over sqrt(n)) of the non-NaN values; NaN where there are
+    too few (no mean without values, no error from one)."""
+    xs = [x for x in xs if not math.isnan(x)]
+    n = len(xs)
+    m = sum(xs) / n if n else float("nan")
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n) if n > 1 else float("nan"))
+
+
 def seed_band(curves: list[list[float]]) -> tuple[list[float], list[float], list[int]]:
-    """Per step: the mean over the runs that reached it (NaNs skipped), its standard error (the
-    sample SD over sqrt(n); 0 with one run) and n. Runs may differ in length."""
+    """Per step: :func:`mean_se` over the runs that reached it (NaNs skipped), and their number.
+    Runs may differ in length."""
     mean, se, count = [], [], []
     for t in range(max((len(c) for c in curves), default=0)):
         xs = [c[t] for c in curves if t < len(c) and not math.isnan(c[t])]
-        n = len(xs)
-        m = sum(xs) / n if n else float("nan")
-        var = sum((x - m) ** 2 for x in xs) / (n - 1) if n > 1 else 0.0
+        m, e = mean_se(xs)
         mean.append(m)
-        se.append(math.sqrt(var / n) if n else float("nan"))
-        count.append(n)
+        se.append(e)
+        count.append(len(xs))
     return mean, se, count
 
 
 def parse_groups(specs: list[str]) -> dict[str, list[Path]]:
-    """``LABEL=DIR`` (runs sharing a label are seeds of one setting) or a bare ``DIR`` (its own label)."""
+    """``LABEL=DIR`` (runs sharing a label are seeds of one setting) or a bare ``DIR`` (its own label;
+    an existing directory is always a bare one, ``=`` in its name or not). Labels hold no ``=``."""
     groups: dict[str, list[Path]] = {}
     for spec in specs:
         label, sep, path = spec.partition("=")
-        if not sep:
+        if not sep or Path(spec).is_dir():
             label, path = spec, spec
         p = Path(path)
         if not p.is_dir():
@@ -382,8 +390,6 @@ def parse_groups(specs: list[str]) -> dict[str, list[Path]]:
     return groups
 
 
-def _series_of(rows: list[dict], name: str) -> list[float]:
-    return [_num(next((r[k] for k in RL_SERIES[name] if k in r), None)) for r in rows]
 
 
 def plot_bands(curves: dict[str, dict[str, list[list[float]]]], path: Path) -> bool:
@@ -402,7 +408,7 @@ def plot_bands(curves: dict[str, dict[str, list[list[float]]]], path: Path) -> b
                 steps = list(range(1, len(mean) + 1))
                 ax.plot(steps, mean, color=f"C{i}", label=f"{label} (n={max(count)})")
                 ax.fill_between(steps, [m - s for m, s in zip(mean, se)], [m + s for m, s in zip(mean, se)],
-                                color=f"C{i}", alpha=0.25, lw=0)
+                                color=f"C{i}", alpha=0.25, lw=0)  # no band where one run reached the step
             ax.set_title(f"{name} per step (mean +- 1 SE across seeds)", fontsize="small")
             ax.set_xlabel("RL step")
             ax.grid(True, alpha=0.3)
@@ -415,9 +421,8 @@ def plot_bands(curves: dict[str, dict[str, list[list[float]]]], path: Path) -> b
 
 
 def _mean_se(xs: list[float]) -> str:
-    """``mean +- SE`` of values across seeds (seed_band of one step)."""
-    mean, se, n = seed_band([[x] for x in xs])  # each value a one-step curve: the band of that step
-    return f"{mean[0]:.3f} +- {se[0]:.3f}" if n and n[0] else "-"
+    m, se = mean_se(xs)
+    return "-" if math.isnan(m) else (f"{m:.3f} (1 run)" if math.isnan(se) else f"{m:.3f} +- {se:.3f}")
 
 
 def build_comparison(specs: list[str], out: str | Path, window: int = 10) -> Path:
@@ -429,6 +434,7 @@ def build_comparison(specs: list[str], out: str | Path, window: int = 10) -> Pat
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     curves: dict[str, dict[str, list[list[float]]]] = {}
+    any_gain = False
     md = ["# mlx_ssp comparison", "", "Settings and their runs (seeds): " +
           "; ".join(f"`{g}`: {len(ps)}" for g, ps in groups.items()), "",
           "| setting | runs | " + " | ".join(f"{n}, first {window} steps | {n}, last {window} steps" for n in BAND_SERIES)
@@ -437,17 +443,18 @@ def build_comparison(specs: list[str], out: str | Path, window: int = 10) -> Pat
         curves[label] = {}
         cells = []
         for name in BAND_SERIES:
-            per_run = [_series_of(rl_rows(p), name) for p in paths]
-            per_run = [c for c in per_run if any(not math.isnan(x) for x in c)]
+            per_run = [rl_series(rl_rows(p))[1].get(name, []) for p in paths]
+            per_run = [c for c in per_run if c]  # rl_series keeps a series only where it has a value
             curves[label][name] = per_run
-            first = [sum(c[:window]) / len(c[:window]) for c in per_run]
-            last = [sum(c[-window:]) / len(c[-window:]) for c in per_run]
+            first = [mean_se(c[:window])[0] for c in per_run]  # a NaN step does not drop a run
+            last = [mean_se(c[-window:])[0] for c in per_run]
             cells += [_mean_se(first), _mean_se(last)]
         gains = [(_read_json(p / "learning.json") or {}).get("gain") for p in paths]
-        gain = _mean_se([g for g in gains if isinstance(g, (int, float))])
-        md.append(f"| {label} | {len(paths)} | " + " | ".join(cells) + f" | {gain} |")
-    if not any(curves[g][n] for g in curves for n in BAND_SERIES):
-        raise UserError("none of the runs has RL metrics (rl/metrics.jsonl) to compare")
+        gains = [float(g) for g in gains if isinstance(g, (int, float))]
+        any_gain = any_gain or bool(gains)
+        md.append(f"| {label} | {len(paths)} | " + " | ".join(cells) + f" | {_mean_se(gains)} |")
+    if not any_gain and not any(curves[g][n] for g in curves for n in BAND_SERIES):
+        raise UserError("none of the runs has RL metrics (rl/metrics.jsonl) or a learning.json to compare")
     md.append("")
     if plot_bands(curves, out / "rl_bands.png"):
         md += ["![per-step curves with a band across seeds](rl_bands.png)", ""]

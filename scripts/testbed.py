@@ -48,8 +48,9 @@ def main() -> None:
                     help="a LearningConfig field (JSON value; dotted for a stage's), e.g. --set rl.steps=30")
     sp.add_argument("-o", "--output", default=None, help="write the per-seed results and the summary as JSON")
     sp.add_argument("--keep", default=None, metavar="DIR",
-                    help="keep each round's directory as DIR/build-B-seed-S (with learning.json): "
-                         "`mlx_ssp report LABEL=DIR/build-0-seed-0 ...` draws their curves with a band across seeds")
+                    help="keep each round's directory as DIR/build-B-seed-S (with learning.json; a kept round is "
+                         "reused by a rerun, one without it redone): `mlx_ssp report LABEL=DIR/build-0-seed-0 ...` "
+                         "draws their curves with a band across seeds")
     args = ap.parse_args()
     if args.cmd == "spread":
         spread(args)
@@ -90,6 +91,7 @@ def _seeds(text: str) -> list[int]:
 
 
 def spread(args) -> None:
+    import shutil
     import statistics
     import tempfile
     from pathlib import Path
@@ -101,12 +103,19 @@ def spread(args) -> None:
 
     raw: dict = {"stage": args.stage} if args.stage else {}
     for kv in args.set:
-        key, _, value = kv.partition("=")
+        key, sep, value = kv.partition("=")
+        try:
+            value = json.loads(value) if sep else None
+        except json.JSONDecodeError:
+            value = None
+        if value is None:
+            raise SystemExit(f"--set {kv!r}: expected KEY=VALUE with a JSON value (strings quoted: "
+                             f"--set train_space='\"held_out\"')")
         *parents, leaf = key.split(".")
         node = raw
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = json.loads(value)
+        node[leaf] = value
     cfg = validate(LearningConfig, raw, source="--set")
     runs = [(args.build_seed, s) for s in _seeds(args.seeds)]
     if args.build_seeds:
@@ -116,15 +125,23 @@ def spread(args) -> None:
         t0 = time.perf_counter()
         model = ensure_testbed(f"testbed:{args.size}:{bseed}", progress=False)
         build_s = json.loads((model / "build.json").read_text())["seconds"]
-        with tempfile.TemporaryDirectory() as tmp:
-            work = Path(args.keep) / f"build-{bseed}-seed-{tseed}" if args.keep else Path(tmp)
-            if args.keep and work.exists():
-                raise SystemExit(f"{work} exists: --keep never overwrites a kept round")
-            work.mkdir(parents=True, exist_ok=True)
-            r = learning_round(model, work, cfg, seed=tseed)
-            r.update(build_seed=bseed, build_seconds=build_s, round_seconds=round(time.perf_counter() - t0, 1))
-            if args.keep:
-                write_json_atomic(work / "learning.json", r)
+        kept = Path(args.keep) / f"build-{bseed}-seed-{tseed}" if args.keep else None
+        done = json.loads((kept / "learning.json").read_text()) if kept and (kept / "learning.json").is_file() else None
+        if done is not None and (done.get("config"), done.get("size")) != (cfg.model_dump(mode="json"), args.size):
+            raise SystemExit(f"{kept} was kept from another size or config: use another --keep directory")
+        if done is not None:
+            r = done
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                work = kept or Path(tmp)
+                if kept:
+                    shutil.rmtree(kept, ignore_errors=True)  # a round that did not finish starts over
+                work.mkdir(parents=True, exist_ok=True)
+                r = learning_round(model, work, cfg, seed=tseed)
+                r.update(build_seed=bseed, build_seconds=build_s, round_seconds=round(time.perf_counter() - t0, 1),
+                         size=args.size, config=cfg.model_dump(mode="json"))
+                if kept:
+                    write_json_atomic(kept / "learning.json", r)  # last: its presence means the round finished
         rows.append(r)
         after = "no training data" if r["gain"] is None else f"{r['trained']:.3f}  gain {r['gain']:+.3f}"
         data = f"{r['sft_records']} SFT records" if "sft_records" in r else f"reward {r['rewards'][0]:.2f} -> {r['rewards'][-1]:.2f}"

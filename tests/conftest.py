@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -58,37 +57,63 @@ def tiny_qwen3_real_tokenizer(tmp_path_factory) -> Path:
 _CI_BUILD = pytest.StashKey[dict]()
 
 
-@pytest.hookimpl(trylast=True)  # after -k / -m deselection: only a selected learning test starts a build
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_finish(session):
     """Learning tests run last, and their testbed model is pretrained in a background process
     meanwhile: the suite keeps about one of the two CI cores busy, so the build's minutes overlap
-    it. A model already in the cache (``scripts/testbed.py build --size ci``) is used as it is."""
+    it. This runs after every deselection and reordering (-k, -m, --lf, --ff), so only a selected
+    learning test starts a build. The model is built into the testbed cache (as
+    ``scripts/testbed.py build --size ci`` would); one already there is used as it is."""
+    items = session.items
     learning = [it for it in items if it.get_closest_marker("learning")]
-    if not learning:
+    if not learning or session.config.option.collectonly:
         return
     items[:] = [it for it in items if not it.get_closest_marker("learning")] + learning
-    from mlx_ssp.testbed.build import cached
+    from mlx_ssp.errors import UserError
+    from mlx_ssp.testbed.build import cached, testbed_dir
 
-    built = cached("ci", 0)
-    if built is not None:
-        config.stash[_CI_BUILD] = {"out": built}
+    try:
+        built = cached("ci", 0)
+    except UserError as e:  # a stale cache fails the learning tests, not the whole run
+        session.config.stash[_CI_BUILD] = {"error": str(e)}
         return
-    work = Path(tempfile.mkdtemp(prefix="mlx_ssp_ci_testbed_"))
-    log = open(work / "build.log", "w")
+    if built is not None:
+        session.config.stash[_CI_BUILD] = {"out": built}
+        return
+    out = testbed_dir("ci", 0)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = open(out.parent / f"ci-s0.build.{os.getpid()}.log", "w")
     code = "import sys, pathlib; from mlx_ssp.testbed.build import build; build('ci', 0, pathlib.Path(sys.argv[1]), progress=False)"
-    proc = subprocess.Popen([sys.executable, "-c", code, str(work / "model")], stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: os.nice(5))  # the suite's own tests keep their priority
-    config.stash[_CI_BUILD] = {"out": work / "model", "proc": proc, "log": log, "work": work}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=_background_child())
+    session.config.stash[_CI_BUILD] = {"out": out, "proc": proc, "log": log}
+
+
+def _background_child():
+    """The build process's setup between fork and exec (prepared here: nothing is imported there)."""
+    prctl = None
+    if sys.platform.startswith("linux"):  # die with pytest, even when it is killed (no orphaned build)
+        import ctypes
+
+        prctl = ctypes.CDLL(None).prctl
+
+    def setup() -> None:
+        os.nice(5)  # the suite's own tests keep their priority
+        if prctl is not None:
+            prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
+    return setup
 
 
 def pytest_sessionfinish(session):
     b = session.config.stash.get(_CI_BUILD, None)
     if b and "proc" in b:
-        if b["proc"].poll() is None:
+        if b["proc"].poll() is None:  # stopped early (-x, Ctrl-C): the build's temp dir goes with it
             b["proc"].kill()
             b["proc"].wait()
+            for tmp in b["out"].parent.glob(b["out"].name + ".tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
         b["log"].close()
-        shutil.rmtree(b["work"], ignore_errors=True)
+        Path(b["log"].name).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
@@ -97,7 +122,14 @@ def ci_testbed(request) -> Path:
     b = request.config.stash.get(_CI_BUILD, None)
     if b is None:
         pytest.fail("ci_testbed is for tests marked learning")
-    if "proc" in b and b["proc"].wait() != 0:
-        b["log"].flush()
-        pytest.fail("the testbed:ci build failed:\n" + (b["work"] / "build.log").read_text()[-4000:])
+    if "error" in b:
+        pytest.fail(b["error"])
+    if "proc" in b:
+        try:
+            rc = b["proc"].wait(timeout=1800)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the testbed:ci build did not finish in 30 minutes")
+        if rc != 0:
+            b["log"].flush()
+            pytest.fail("the testbed:ci build failed:\n" + Path(b["log"].name).read_text()[-4000:])
     return b["out"]

@@ -35,29 +35,20 @@ import pytest
 
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 
-#: mean - 4 SD of the measured gains, rounded down (see the module docstring)
-RL_MARGIN = 0.10
-SFT_MARGIN = 0.01
+#: stage -> the margin: the lower mean - 4 SD of the measured gains, rounded down (module docstring)
+MARGINS = {"rl": 0.10, "sft": 0.01}
 
 
 @pytest.mark.learning
 @pytest.mark.slow
-def test_one_rl_round_raises_held_out_pass1(ci_testbed, tmp_path):
+@pytest.mark.parametrize("stage", list(MARGINS))
+def test_one_round_raises_held_out_pass1(ci_testbed, tmp_path, stage):
     from mlx_ssp.testbed.learning import LearningConfig, learning_round
 
-    r = learning_round(ci_testbed, tmp_path, LearningConfig(stage="rl"), seed=0)
-    assert r["gain"] is not None and r["gain"] > RL_MARGIN, (
-        f"held-out pass@1 {r['base']:.3f} -> {r['trained']:.3f} (gain {r['gain']:+.3f}) is not above the margin "
-        f"{RL_MARGIN}; per-step reward {[round(x, 2) for x in r['rewards']]}")
-    assert r["rl_steps"] == 60 and r["tasks_improved"] > r["tasks_worse"]
-
-
-@pytest.mark.learning
-@pytest.mark.slow
-def test_one_spectrum_round_raises_held_out_pass1(ci_testbed, tmp_path):
-    from mlx_ssp.testbed.learning import LearningConfig, learning_round
-
-    r = learning_round(ci_testbed, tmp_path, LearningConfig(stage="sft"), seed=0)
-    assert r["gain"] is not None and r["gain"] > SFT_MARGIN, (
-        f"held-out pass@1 {r['base']:.3f} -> {r['trained']:.3f} (gain {r['gain']:+.3f}) is not above the margin "
-        f"{SFT_MARGIN} ({r['sft_records']} SFT records)")
+    r = learning_round(ci_testbed, tmp_path, LearningConfig(stage=stage), seed=0)
+    trace = (f"per-step reward {[round(x, 2) for x in r['rewards']]}" if stage == "rl"
+             else f"{r['sft_records']} SFT records")
+    assert r["gain"] is not None and r["gain"] > MARGINS[stage], (
+        f"{stage}: held-out pass@1 {r['base']:.3f} -> {r['trained']} (gain {r['gain']}) is not above the margin "
+        f"{MARGINS[stage]}; {trace}")
+    assert r["tasks_improved"] > r["tasks_worse"]

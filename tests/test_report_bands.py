@@ -17,7 +17,8 @@ def test_seed_band_is_mean_and_standard_error_per_step():
     mean, se, n = seed_band([[0.0, 1.0, 2.0], [2.0, 3.0], [1.0, float("nan"), 5.0]])
     assert mean == [1.0, 2.0, 3.5] and n == [3, 2, 2]
     assert se[0] == pytest.approx(1.0 / math.sqrt(3)) and se[1] == pytest.approx(math.sqrt(2.0) / math.sqrt(2))
-    assert seed_band([[0.3, 0.4]]) == ([0.3, 0.4], [0.0, 0.0], [1, 1])  # one seed: no band, not a NaN
+    mean, se, n = seed_band([[0.3, 0.4]])
+    assert mean == [0.3, 0.4] and n == [1, 1] and all(math.isnan(e) for e in se)  # one seed: no error claimed
 
 
 def _run(root, name, rewards, gain=None):
@@ -42,7 +43,7 @@ def test_comparison_groups_seeds_by_label_and_draws_bands(tmp_path):
     # over the two grpo seeds: first 2 steps 0.3 / 0.5, last 2 steps 0.5 / 0.7; gains 0.3 / 0.1
     assert rows["grpo"] == ("| grpo | 2 | 0.400 +- 0.100 | 0.600 +- 0.100 | 0.400 +- 0.100 | 0.600 +- 0.100 "
                             "| 0.200 +- 0.100 |")
-    assert rows["mgpo"] == "| mgpo | 1 | " + "0.500 +- 0.000 | " * 4 + "- |"
+    assert rows["mgpo"] == "| mgpo | 1 | " + "0.500 (1 run) | " * 4 + "- |"
     out = tmp_path / "cmp"
     r = CliRunner().invoke(main, ["report", f"grpo={a0}", f"grpo={a1}", f"mgpo={b0}", "--out", str(out)])
     assert r.exit_code == 0, r.output
@@ -60,5 +61,15 @@ def test_comparison_refuses_what_it_cannot_compare(tmp_path):
     with pytest.raises(UserError, match="not found"):
         build_comparison([f"x={tmp_path / 'missing'}"], tmp_path / "o")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(UserError, match="no.*RL metrics|none of the runs"):
+    with pytest.raises(UserError, match="none of the runs"):
         build_comparison([f"x={tmp_path / 'empty'}"], tmp_path / "o")
+    # SFT rounds kept by `spread --keep`: no RL curves, but their held-out gains compare
+    for i, g in enumerate((0.1, 0.3)):
+        (tmp_path / f"sft{i}").mkdir()
+        (tmp_path / f"sft{i}" / "learning.json").write_text(json.dumps({"gain": g}))
+    md = build_comparison([f"sft={tmp_path / 'sft0'}", f"sft={tmp_path / 'sft1'}"], tmp_path / "o").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| sft |"))
+    assert row.startswith("| sft | 2 | - |") and row.endswith("| 0.200 +- 0.100 |")
+    # a directory whose name holds "=" is a bare run, not LABEL=DIR
+    odd = _run(tmp_path, "lr=3e-4", [0.2])
+    assert build_comparison([str(odd)], tmp_path / "o2").read_text().count(f"| {odd} | 1 |") == 1

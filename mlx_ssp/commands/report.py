@@ -18,10 +18,12 @@ def cli(runs: tuple[str, ...], out: str | None) -> None:
     Several runs (``LABEL=RUN_DIR``: runs sharing a label are seeds of one setting): write
     OUT/compare.md and OUT/rl_bands.png, per-step reward and pass@1 of each setting with a band of
     +- 1 standard error across its seeds, and the first / last steps' means with their errors."""
+    from pathlib import Path
+
     from mlx_ssp.errors import UserError
     from mlx_ssp.report import build_comparison, build_report
 
-    if len(runs) == 1 and "=" not in runs[0] and out is None:
+    if len(runs) == 1 and ("=" not in runs[0] or Path(runs[0]).is_dir()) and out is None:
         click.echo(str(build_report(runs[0])))
         return
     if out is None:

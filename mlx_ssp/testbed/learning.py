@@ -110,7 +110,8 @@ def learning_round(model_dir: str | Path, work: str | Path, cfg: LearningConfig 
     trained, extra = ROUNDS[cfg.stage](cfg, model, tok, path, splits, sampling, work, seed, times)
     out.update(extra)
     if trained is None:  # nothing to learn from: no gain to report (None, not a made-up 0)
-        return {**out, "trained": None, "gain": None, "times": times, "note": "too little training data"}
+        return {**out, "trained": None, "gain": None, "times": {k: round(v, 1) for k, v in times.items()},
+                "note": "too little training data"}
     tic = time.perf_counter()
     after = held_out_pass1(trained)
     times["trained_eval"] = time.perf_counter() - tic

@@ -8,7 +8,8 @@ training seed) on one testbed model, everything else equal (steps, prompts per s
 rate, LoRA, tasks), and reports per setting:
 
 - the per-step training reward: mean over the first and last 10 steps, mean +- standard error across
-  seeds, and the curves with a band across seeds (``mlx_ssp report``'s comparison: bands.png);
+  seeds, and the curves with a band across seeds (``mlx_ssp report``'s comparison:
+  OUT/report/rl_bands.png and OUT/report/compare.md);
 - the held-out pass@1 gain of the round (128 held-out prompts x 8 samples, base and trained model
   with the same sampling seed), mean +- SE across seeds;
 - the paired difference of that gain against lambda = 0 with the same dynamic-sampling setting and
@@ -17,14 +18,14 @@ rate, LoRA, tasks), and reports per setting:
     python scripts/experiments/testbed_signal.py [--size ci] [--seeds 0-4] [--steps 100] [--jobs 2] [--out runs/testbed_signal]
 
 Resumable: a round whose ``learning.json`` exists is not run again. ``--jobs`` runs rounds in
-parallel processes (one core each on a 2-core machine). Results: OUT/results.{json,md}, OUT/bands.png.
+parallel processes (one core each on a 2-core machine); a kept round from another size or step count
+stops the run (use another OUT). Results: OUT/results.{json,md}, OUT/report/.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -57,19 +58,12 @@ def one(size: str, lam: float, ds: bool, seed: int, steps: int, work: Path) -> N
     cfg = LearningConfig(stage="rl", rl={"steps": steps, "mgpo_lambda": lam, "dynamic_sampling": ds})
     t0 = time.perf_counter()
     r = learning_round(model, work, cfg, seed=seed)
-    r.update(mgpo_lambda=lam, dynamic_sampling=ds, seconds=round(time.perf_counter() - t0, 1))
+    r.update(mgpo_lambda=lam, dynamic_sampling=ds, size=size, steps=steps, seconds=round(time.perf_counter() - t0, 1))
     write_json_atomic(work / "learning.json", r)
 
 
 def _avg(xs: list[float]) -> float:
     return sum(xs) / len(xs)
-
-
-def _mean_se(xs: list[float]) -> tuple[float, float]:
-    n = len(xs)
-    m = sum(xs) / n
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
-    return m, sd / math.sqrt(n)
 
 
 def _fmt(ms: tuple[float, float], signed: bool = False) -> str:
@@ -79,6 +73,7 @@ def _fmt(ms: tuple[float, float], signed: bool = False) -> str:
 def summarize(out: Path, seeds: list[int], settings: list[tuple[float, bool]]) -> str:
     from mlx_ssp.io import write_json_atomic, write_text_atomic
     from mlx_ssp.report import build_comparison
+    from mlx_ssp.report import mean_se as _mean_se
 
     res = {}
     for lam, ds in settings:
@@ -129,7 +124,17 @@ def main() -> None:
     settings = [(lam, ds) for ds in dss for lam in lams]
     if 0.0 not in lams:
         raise SystemExit("--lambdas must include 0 (plain GRPO: the paired baseline)")
+    for lam, ds in settings:
+        for s in seeds:
+            f = _dir(out, lam, ds, s) / "learning.json"
+            if f.is_file() and (lambda r: (r.get("size"), r.get("steps")))(json.loads(f.read_text())) != (args.size, args.steps):
+                raise SystemExit(f"{f} is from another --size or --steps: use another --out")
     todo = [(lam, ds, s) for s in seeds for lam, ds in settings if not (_dir(out, lam, ds, s) / "learning.json").is_file()]
+    if todo:  # built once here, not by each parallel round
+        import mlx_ssp  # noqa: F401
+        from mlx_ssp.testbed.build import ensure_testbed
+
+        ensure_testbed(f"testbed:{args.size}:0")
     print(f"{len(todo)} rounds to run ({len(settings) * len(seeds) - len(todo)} done)", file=sys.stderr, flush=True)
     running: list[tuple[subprocess.Popen, tuple]] = []
     t0 = time.perf_counter()
@@ -144,6 +149,9 @@ def main() -> None:
             if p.poll() is not None:
                 running.remove((p, key))
                 if p.returncode != 0:
+                    for q, _ in running:  # no round left writing while a rerun clears its directory
+                        q.kill()
+                        q.wait()
                     raise SystemExit(f"round {key} failed (exit {p.returncode})")
                 r = json.loads((_dir(out, *key) / "learning.json").read_text())
                 print(f"[{time.perf_counter() - t0:.0f} s] {_label(key[0], key[1])} seed {key[2]}: held-out "
