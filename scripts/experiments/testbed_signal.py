@@ -79,19 +79,28 @@ def summarize(out: Path, seeds: list[int], settings: list[tuple[float, bool]]) -
     for lam, ds in settings:
         runs = [json.loads((_dir(out, lam, ds, s) / "learning.json").read_text()) for s in seeds]
         res[_label(lam, ds)] = {"lambda": lam, "dynamic_sampling": ds, "runs": runs}
-    head = ("| setting | seeds | reward, first 10 steps | reward, last 10 steps | held-out pass@1 base -> trained "
-            "| gain | gain - gain(lambda=0), paired by seed | s / round |")
-    rows = [head, "|" + "---|" * 8]
+    head = ("| setting | seeds | prompts sampled / step | reward, first 10 steps | reward, last 10 steps "
+            "| held-out pass@1 base -> trained | gain | gain - gain(lambda=0), paired by seed "
+            "| gain - gain(DS off), paired by seed | s / round |")
+    rows = [head, "|" + "---|" * 10]
     for label, r in res.items():
         runs = r["runs"]
         g0 = {x["seed"]: x["gain"] for x in res[_label(0.0, r["dynamic_sampling"])]["runs"]}
         paired = [x["gain"] - g0[x["seed"]] for x in runs]
+        off = res.get(_label(r["lambda"], False))
+        g_off = {x["seed"]: x["gain"] for x in off["runs"]} if off and r["dynamic_sampling"] else None
+        sampled = []  # the rollout budget: dynamic sampling refills, so it samples more prompts per step
+        for s in seeds:
+            m = [json.loads(line) for line in (_dir(out, r["lambda"], r["dynamic_sampling"], s) / "rl" / "metrics.jsonl")
+                 .read_text().splitlines()]
+            sampled.append(_avg([x["groups_sampled"] for x in m]))
         rows.append(" | ".join([
-            f"| {label}", str(len(runs)), _fmt(_mean_se([_avg(x["rewards"][:10]) for x in runs])),
+            f"| {label}", str(len(runs)), f"{_avg(sampled):.1f}", _fmt(_mean_se([_avg(x["rewards"][:10]) for x in runs])),
             _fmt(_mean_se([_avg(x["rewards"][-10:]) for x in runs])),
             f"{_mean_se([x['base'] for x in runs])[0]:.3f} -> {_mean_se([x['trained'] for x in runs])[0]:.3f}",
             _fmt(_mean_se([x["gain"] for x in runs]), True),
             "-" if r["lambda"] == 0 else _fmt(_mean_se(paired), True),
+            "-" if g_off is None else _fmt(_mean_se([x["gain"] - g_off[x["seed"]] for x in runs]), True),
             f"{_mean_se([x['seconds'] for x in runs])[0]:.0f} |"]))
     table = "\n".join(rows)
     build_comparison([f"{label}={_dir(out, r['lambda'], r['dynamic_sampling'], s)}" for label, r in res.items() for s in seeds],
