@@ -390,8 +390,6 @@ def parse_groups(specs: list[str]) -> dict[str, list[Path]]:
     return groups
 
 
-
-
 def plot_bands(curves: dict[str, dict[str, list[list[float]]]], path: Path) -> bool:
     """One panel per series: each setting's mean per step, shaded +- 1 standard error across its seeds."""
     plt = _plt()
@@ -420,7 +418,7 @@ def plot_bands(curves: dict[str, dict[str, list[list[float]]]], path: Path) -> b
     return True
 
 
-def _mean_se(xs: list[float]) -> str:
+def _fmt_mean_se(xs: list[float]) -> str:
     m, se = mean_se(xs)
     return "-" if math.isnan(m) else (f"{m:.3f} (1 run)" if math.isnan(se) else f"{m:.3f} +- {se:.3f}")
 
@@ -442,17 +440,18 @@ def build_comparison(specs: list[str], out: str | Path, window: int = 10) -> Pat
     for label, paths in groups.items():
         curves[label] = {}
         cells = []
+        series = [rl_series(rl_rows(p))[1] for p in paths]  # each run's metrics read once
         for name in BAND_SERIES:
-            per_run = [rl_series(rl_rows(p))[1].get(name, []) for p in paths]
+            per_run = [ser.get(name, []) for ser in series]
             per_run = [c for c in per_run if c]  # rl_series keeps a series only where it has a value
             curves[label][name] = per_run
             first = [mean_se(c[:window])[0] for c in per_run]  # a NaN step does not drop a run
             last = [mean_se(c[-window:])[0] for c in per_run]
-            cells += [_mean_se(first), _mean_se(last)]
+            cells += [_fmt_mean_se(first), _fmt_mean_se(last)]
         gains = [(_read_json(p / "learning.json") or {}).get("gain") for p in paths]
         gains = [float(g) for g in gains if isinstance(g, (int, float))]
         any_gain = any_gain or bool(gains)
-        md.append(f"| {label} | {len(paths)} | " + " | ".join(cells) + f" | {_mean_se(gains)} |")
+        md.append(f"| {label} | {len(paths)} | " + " | ".join(cells) + f" | {_fmt_mean_se(gains)} |")
     if not any_gain and not any(curves[g][n] for g in curves for n in BAND_SERIES):
         raise UserError("none of the runs has RL metrics (rl/metrics.jsonl) or a learning.json to compare")
     md.append("")

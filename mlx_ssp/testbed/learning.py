@@ -110,15 +110,15 @@ def learning_round(model_dir: str | Path, work: str | Path, cfg: LearningConfig 
     trained, extra = ROUNDS[cfg.stage](cfg, model, tok, path, splits, sampling, work, seed, times)
     out.update(extra)
     if trained is None:  # nothing to learn from: no gain to report (None, not a made-up 0)
-        return {**out, "trained": None, "gain": None, "times": {k: round(v, 1) for k, v in times.items()},
-                "note": "too little training data"}
-    tic = time.perf_counter()
-    after = held_out_pass1(trained)
-    times["trained_eval"] = time.perf_counter() - tic
-    diffs = [after["per_task"][t] - p for t, p in base["per_task"].items()]
-    return {**out, "trained": after["pass@1"], "gain": after["pass@1"] - base["pass@1"],
-            "tasks_improved": sum(d > 0 for d in diffs), "tasks_worse": sum(d < 0 for d in diffs),
-            "times": {k: round(v, 1) for k, v in times.items()}}
+        out.update(trained=None, gain=None, note="too little training data")
+    else:
+        tic = time.perf_counter()
+        after = held_out_pass1(trained)
+        times["trained_eval"] = time.perf_counter() - tic
+        diffs = [after["per_task"][t] - p for t, p in base["per_task"].items()]
+        out.update(trained=after["pass@1"], gain=after["pass@1"] - base["pass@1"],
+                   tasks_improved=sum(d > 0 for d in diffs), tasks_worse=sum(d < 0 for d in diffs))
+    return {**out, "times": {k: round(v, 1) for k, v in times.items()}}
 
 
 def _sft(cfg: LearningConfig, model, tok, path, splits, sampling, work: Path, seed: int, times: dict):
@@ -174,7 +174,7 @@ def _rl(cfg: LearningConfig, model, tok, path, splits, sampling, work: Path, see
     model.eval()
     times["rl"] = time.perf_counter() - tic
     rewards = [json.loads(line)["reward_mean"] for line in (work / "rl" / "metrics.jsonl").read_text().splitlines()]
-    return model, {"rewards": rewards, "rl_steps": len(rewards)}
+    return model, {"rewards": rewards}
 
 
 #: stage -> its round: (cfg, model, tokenizer, path, splits, sampling, work, seed, times) -> (trained model or None, info)
