@@ -77,6 +77,19 @@ def test_exp1_spectrum_equal_examples(work):
         assert all(len(set(v)) == len(v) for v in per_div.values())
         assert res["spectrum"][dom]["train_examples"]["first_matched"] == len(first)
     assert (work / "exp1" / "results.md").read_text().startswith("## Experiment 1")
+    # the same RL budget from each arm's specialist, on that domain's train prompts only
+    for dom, r in rows.items():
+        for arm in ("diverse", "first_matched"):
+            assert r["rl"][arm]["n_tasks"] == 3
+        assert r["rl_diverse_minus_first"]["d_pass@1"] == pytest.approx(
+            r["rl"]["diverse"]["pass@1"] - r["rl"]["first_matched"]["pass@1"])
+    runs = sorted(work.glob("rl_from/*/*-s0-addition"), key=lambda p: p.name)
+    assert [p.name for p in runs] == ["diverse-s0-addition", "first_matched-s0-addition"]
+    cfgs = [json.loads((p / "rl_config.json").read_text()) for p in runs]
+    assert cfgs[0]["rl"] == cfgs[1]["rl"]
+    # each arm's RL started from that arm's own specialist
+    assert [Path(c["model"]).resolve() for c in cfgs] == [
+        _one(work, f"sft/*/{arm}-s0/specialists/addition").resolve() for arm in ("diverse", "first_matched")]
 
 
 def test_exp1_rerun_is_cached_and_config_keys_the_cache(work):
@@ -138,6 +151,40 @@ def test_exp3_mgpo_vs_grpo(work):
     assert cfgs[0]["mgpo_lambda"] == 1.0 and cfgs[1]["mgpo_lambda"] == 0.0
     rest = [{k: v for k, v in c.items() if k != "mgpo_lambda"} for c in cfgs]
     assert rest[0] == rest[1]
+
+
+def test_exp5_checkpoint_rule_rl_from_every_checkpoint(work):
+    from mlx_ssp.sft.probe import select_checkpoint
+
+    res = _run("exp5_checkpoint_rule", work, "--set", "domains=[addition]")
+    assert list(res["per_domain"]) == ["addition"]  # the domains key narrows the tasks
+    r = res["per_domain"]["addition"]
+    ck = r["checkpoints"]
+    assert [c["step"] for c in ck] == [1, 2]  # sft.iters 2, save_every 1: every checkpoint starts RL
+    assert all(c["val_loss"] is not None and c["rl"]["n_tasks"] == 3 for c in ck)
+    rows = [{"step": c["step"], "pass@1": c["probe pass@1"], "pass@k": c["probe pass@k"], "val_loss": c["val_loss"]}
+            for c in ck]
+    best = max(c["rl"]["pass@1"] for c in ck)
+    for rule, x in r["rules"].items():  # each rule's choice is the one `mlx_ssp sft` would make
+        c = ck[select_checkpoint(rows, rule)]
+        assert x["step"] == c["step"] and x["rl_pass@1"] == c["rl"]["pass@1"]
+        assert x["regret"] == pytest.approx(best - x["rl_pass@1"]) and x["regret"] >= 0
+    assert set(r["spearman"]) == {"probe pass@k", "probe pass@1", "-val_loss", "held-out SFT pass@1"}
+    assert all(v is None for v in r["spearman"].values())  # two checkpoints: too few to rank
+
+
+def test_seed_statistics_are_exact():
+    exp5 = _load("exp5_checkpoint_rule")
+    sp = exp5.spearman
+    assert sp([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert sp([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert sp([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486832980505138)  # ties take average ranks
+    assert sp([1, 1, 1], [1, 2, 3]) is None and sp([1, None, 2, 3], [1, 2, 3, 4]) == pytest.approx(1.0)
+    seeds = _load("seeds")
+    agg = seeds.aggregate({0: {"a": 0.1, "b": None}, 1: {"a": 0.3, "b": 2.0}, 2: {"a": 0.2}})
+    assert agg["a"]["n"] == 3 and agg["a"]["mean"] == pytest.approx(0.2) and agg["a"]["se"] == pytest.approx(0.1 / 3 ** 0.5)
+    assert agg["b"] == {"mean": 2.0, "se": None, "n": 1, "values": {1: 2.0}}  # None is "not measured", not 0
+    assert seeds.parse_seeds("0-4") == [0, 1, 2, 3, 4] and seeds.parse_seeds("1,3") == [1, 3]
 
 
 @pytest.mark.slow

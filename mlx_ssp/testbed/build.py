@@ -61,6 +61,12 @@ SIZES: dict[str, dict] = {
     "ci": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192,
                corpus=8000, steps=900, batch_size=32, learning_rate=3e-3, domains=("sum",), levels={"sum": (2, 3)},
                guess=0.5),
+    # the merge experiment's model (issue 21, experiment 3): ci's shape and recipe over all three domains
+    # at their two easiest levels (sum and diff share a surface, so specialists interfere), twice ci's
+    # steps for 2.5x its traces. Fixed before any experiment ran on it
+    "multi": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192,
+                  corpus=8000, steps=1800, batch_size=32, learning_rate=3e-3, domains=DOMAINS,
+                  levels={"sum": (2, 3), "diff": (2, 3), "countdown": (2, 3)}, guess=0.5),
 }
 MAX_SEQ = 96
 GUESS_SPREAD = 3

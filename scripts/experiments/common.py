@@ -82,7 +82,51 @@ DEFAULTS: dict[str, Any] = {
         "checkpoint_every": 2, "progress": False, "lora": {"rank": 8, "num_layers": 8},
     },
     "rl_eval_every": 4,  # held-out evaluation every N RL steps (and at the last)
+    "domains": None,  # the tasks' domains to use (null: all); e.g. [addition] for one
 }
+
+_TB_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 48}
+
+
+def _tb_domain(name: str) -> dict[str, Any]:
+    # the learning round's splits (mlx_ssp.testbed.learning): the two easiest levels; eval and probe
+    # are held out from pretraining
+    return {"source": f"testbed:{name}", "params": {"levels": [2, 3]}, "sizes": {"train": 256, "probe": 32, "eval": 128}}
+
+
+#: the testbed profile (issue 21): the `multi` testbed model (three domains) with the learning round's
+#: measured settings (SFT: lr 1e-4, 160 iterations of 8; RL: 60 steps of 8 x G=8 at 3e-4, LoRA scale 2)
+TESTBED: dict[str, Any] = {
+    "model": "testbed:multi:0",
+    "seed": 0,
+    "tasks": {"seed": 11, "domains": {d: _tb_domain(d) for d in ("sum", "diff", "countdown")}},
+    "rollout": {"k": 8, "sampling": _TB_SAMPLING, "batch_size": 256},
+    "select": {"per_prompt": 4},
+    "sft": {
+        "lora": {"rank": 8, "num_layers": -1, "scale": 20.0},
+        "learning_rate": 1e-4,
+        "iters": 160,
+        "batch_size": 8,
+        "save_every": 40,
+        "report_every": 40,
+        "val_batches": 0,
+        "max_seq_length": 96,
+        "probe": {"k": 8, "max_tasks": 32, "batch_size": 256, "sampling": _TB_SAMPLING, "progress": False},
+    },
+    "sft_seeds": [0],
+    "eval": {"k": 8, "n": 8, "sampling": _TB_SAMPLING, "batch_size": 256},
+    "merge": {"method": "linear"},
+    "rl": {
+        "steps": 60, "batch_size": 8, "group_size": 8, "sampling": _TB_SAMPLING, "gen_batch_size": 64,
+        "micro_batch_size": 16, "learning_rate": 3e-4, "mgpo_lambda": 1.0, "beta": 0.0, "checkpoint_every": 60,
+        "progress": False, "lora": {"rank": 8, "scale": 2.0},
+    },
+    "rl_eval_every": 60,
+    "domains": None,
+}
+
+#: --profile NAME -> the defaults it starts from
+PROFILES: dict[str, dict[str, Any]] = {"demo": DEFAULTS, "testbed": TESTBED}
 
 TINY_VERIFIER = "experiments_tiny_even"
 
@@ -226,15 +270,18 @@ class Ctx:
         return out
 
     def sft(self, name: str, domains: dict[str, dict], seed: int, iters: Optional[int] = None,
-            probe_max_tasks: Optional[int] = None) -> dict:
+            probe_max_tasks: Optional[int] = None, overrides: Optional[dict] = None) -> dict:
         """Train (or read back) LoRA specialists: ``domains`` maps name -> {data, probe_tasks}.
-        Returns ``{domain: fused model dir}``."""
+        ``overrides`` replaces keys of the ``sft`` section (the directory name then carries their
+        hash). Returns ``{domain: fused model dir}``."""
         from mlx_ssp.config import validate
         from mlx_ssp.sft import SFTConfig, run_sft
 
+        if overrides:
+            name = f"{name}-{_fingerprint(overrides)[:8]}"
         out = self.sft_dir(name)
         raw = copy.deepcopy(self.raw["sft"])
-        raw.update(domains=domains, out_dir=str(out), seed=seed)
+        raw.update(domains=domains, out_dir=str(out), seed=seed, **(overrides or {}))
         if iters is not None:
             raw["iters"] = iters
         if probe_max_tasks is not None:
@@ -292,6 +339,83 @@ class Ctx:
             merge_models([Path(m) for m in models], Path(self.model_path), self.merge_cfg, out, overwrite=True,
                          seed=self.seed, progress=False)
         return str(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# RL from a starting model (experiments 1, 3 and 5)
+
+
+def rl_arm(ctx: Ctx, arm: str, lam: float, start: str, out: Path, domains: list[str],
+           train_domains: Optional[list[str]] = None) -> dict[int, dict]:
+    """Train one RL arm from the model at ``start`` with ``ctx.rl_cfg`` (``mgpo_lambda`` = ``lam``)
+    on the train tasks of ``train_domains`` (None: every domain), resumable (the RL loop continues
+    from its last checkpoint); returns {step: held-out eval on ``domains``} for every evaluated step
+    (every ``rl_eval_every`` and the last; step 0 excluded)."""
+    from mlx_ssp.models import load_model
+    from mlx_ssp.rl.loop import setup_model, train
+
+    cfg = ctx.rl_cfg.model_copy(update={"mgpo_lambda": lam})
+    steps = cfg.steps
+    every = ctx.rl_eval_every
+    want = sorted({s for s in range(every, steps + 1, every)} | {steps})
+
+    def ev(s: int, **kw) -> dict:  # the held-out evaluation of this arm at step s (cached)
+        return ctx.evaluate(f"rl-{arm}-step{s}", None, domains, ident=f"rl:{out / arm}:step{s}", **kw)
+
+    done = {s: ctx.eval_path(f"rl-{arm}-step{s}", f"rl:{out / arm}:step{s}", domains) for s in want}
+    if all(f.exists() for f in done.values()):
+        return {s: json.loads(f.read_text()) for s, f in done.items()}
+    ctx.log(f"rl {arm} (lambda={lam}): {steps} steps x {cfg.batch_size} prompts x G={cfg.group_size}")
+    model, tok, path = load_model(start)
+    setup_model(model, cfg)
+    tasks = ctx.load_tasks("train", train_domains)
+
+    def on_step(tr, rec):
+        if tr.step_no in done:
+            ev(tr.step_no, model=tr.model, tokenizer=tok)
+
+    res = train(model, tok, tasks, cfg, out / arm, seed=ctx.seed, model_path=str(path), on_step=on_step)
+    missing = [s for s, f in done.items() if not f.exists()]
+    if missing:  # the run was complete on disk before its evaluations (e.g. killed in between)
+        from mlx_ssp.rl.loop import Trainer, latest_checkpoint
+
+        ckpt = latest_checkpoint(out / arm)
+        if ckpt is None or missing != [steps]:
+            raise UserError(f"{out / arm}: evaluations of steps {missing} are missing; delete the directory to rerun")
+        tr = Trainer(model, tok, tasks, cfg, out / arm, seed=ctx.seed, model_path=str(path))
+        tr.load_checkpoint(ckpt)
+        ev(steps, model=model, tokenizer=tok)
+    del res
+    return {s: json.loads(f.read_text()) for s, f in done.items()}
+
+
+def rl_from(ctx: Ctx, name: str, start: str, domain: str) -> dict:
+    """The held-out eval of ``domain`` after ``ctx.rl_cfg`` (its steps and lambda) from the model at
+    ``start``, trained on that domain's train prompts (cached like every step): the same RL budget
+    for every starting point an experiment compares."""
+    tag = _fingerprint({"rl": ctx.raw["rl"], "every": ctx.rl_eval_every, "start": start, "seed": ctx.seed})[:8]
+    evals = rl_arm(ctx, name, ctx.rl_cfg.mgpo_lambda, start, ctx.path("rl_from", tag), [domain], train_domains=[domain])
+    return evals[ctx.rl_cfg.steps]
+
+
+def fuse_checkpoint(ctx: Ctx, domain_dir: Path, step: int, out: Path) -> str:
+    """The base model with one SFT checkpoint's LoRA adapter (``domain_dir/checkpoints``) fused in,
+    saved at ``out`` (once): any checkpoint, not only the one the rule chose, can start RL."""
+    if (out / "config.json").exists():
+        return str(out)
+    from mlx_ssp.config import validate
+    from mlx_ssp.finetune.checkpoints import find_checkpoint, load_adapter_weights
+    from mlx_ssp.finetune.fuse import fuse_and_save
+    from mlx_ssp.finetune.lora import attach_lora
+    from mlx_ssp.models import load_model
+    from mlx_ssp.sft import SFTConfig
+
+    cfg = validate(SFTConfig, {k: v for k, v in ctx.raw["sft"].items()}, source="experiment", prefix="sft")
+    model, tok, path = load_model(ctx.raw["model"])  # a fresh copy: the fuse changes its weights
+    attach_lora(model, cfg.lora, 0)  # the init is replaced by the checkpoint's weights
+    load_adapter_weights(model, find_checkpoint(domain_dir / "checkpoints", step))
+    fuse_and_save(model, tok, Path(path), out, dequantize=cfg.dequantize, overwrite=True)
+    return str(out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -450,6 +574,12 @@ def make_ctx(tiny: bool, work_dir: Optional[str], overrides: tuple[str, ...], no
     unknown = sorted(set(cfg) - set(base))
     if unknown:
         raise UserError(f"unknown experiment key(s) {', '.join(unknown)}; valid: {', '.join(sorted(base))}")
+    if cfg.get("domains") is not None:  # a subset of the tasks' domains (its own cache keys: tasks change)
+        have = cfg["tasks"]["domains"]
+        bad = [d for d in cfg["domains"] if d not in have]
+        if bad or not cfg["domains"]:
+            raise UserError(f"domains: {', '.join(bad) or '(empty)'} not among the tasks' domains ({', '.join(have)})")
+        cfg["tasks"] = {**cfg["tasks"], "domains": {d: have[d] for d in cfg["domains"]}}
     work = Path(work_dir or (f"runs/{name}-tiny" if tiny else f"runs/{name}"))
     if tiny:
         _register_tiny_verifier()
@@ -469,8 +599,11 @@ def entry_point(run_fn, doc: str):
 
     @click.command(help=doc)
     @options
-    def cli(tiny, work_dir, overrides, no_progress):
-        run_fn(make_ctx(tiny, work_dir, overrides, no_progress))
+    @click.option("--profile", type=click.Choice(sorted(PROFILES)), default="demo", show_default=True,
+                  help="The defaults: the demo model, or the issue-21 testbed model (testbed:multi, three domains).")
+    def cli(tiny, work_dir, overrides, no_progress, profile):
+        run_fn(make_ctx(tiny, work_dir, overrides, no_progress, defaults=PROFILES[profile],
+                        name="experiments" if profile == "demo" else f"experiments-{profile}"))
 
     return cli
 

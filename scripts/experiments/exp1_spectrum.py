@@ -15,7 +15,11 @@ specialist should be chosen by Pass@K. This script tests that claim on the demo 
 3. one LoRA specialist per domain and arm (``run_sft``: same iterations, seed, probe-based checkpoint
    choice by Pass@K), for every seed in ``sft_seeds``;
 4. each specialist (and the base model) evaluated on its own domain's held-out tasks: Pass@1 and
-   Pass@K (unbiased estimator, n samples per task), with the same sampling seeds for every model.
+   Pass@K (unbiased estimator, n samples per task), with the same sampling seeds for every model;
+5. the same RL budget from each specialist (the ``rl:`` section, ``mlx_ssp.rl.loop.train`` on that
+   domain's train prompts, same seed for both arms), then the same held-out evaluation: the recipe's
+   claim is that a wider spectrum gives RL more to sharpen, so the question is the arms' difference
+   after RL as well as after SFT.
 
 Prints a table (per domain and seed: base, first-win, diverse, diverse - first with a paired
 standard error across held-out tasks) and writes WORK_DIR/exp1/results.{json,md}.
@@ -61,6 +65,23 @@ def spectrum_stats(ctx: common.Ctx) -> dict:
     return out
 
 
+def headline(res: dict) -> dict[str, float]:
+    """One seed's numbers the seed driver averages (scripts/experiments/seeds.py): per domain, the
+    arms' held-out pass@1 / pass@k after SFT and pass@1 after RL, and their paired differences."""
+    out = {}
+    for per in res["per_seed"].values():
+        for d, r in per.items():
+            for arm in ARMS:
+                out[f"{d} {arm} SFT pass@1"] = r[arm]["pass@1"]
+                out[f"{d} {arm} SFT pass@k"] = r[arm]["pass@k"]
+                out[f"{d} {arm} RL pass@1"] = r["rl"][arm]["pass@1"]
+            out[f"{d} base pass@1"] = r["base"]["pass@1"]
+            out[f"{d} diverse - first, SFT pass@1"] = r["diverse_minus_first"]["d_pass@1"]
+            out[f"{d} diverse - first, SFT pass@k"] = r["diverse_minus_first"]["d_pass@k"]
+            out[f"{d} diverse - first, RL pass@1"] = r["rl_diverse_minus_first"]["d_pass@1"]
+    return out
+
+
 def run(ctx: common.Ctx) -> dict:
     k = ctx.eval_cfg.k
     stats = spectrum_stats(ctx)
@@ -73,9 +94,13 @@ def run(ctx: common.Ctx) -> dict:
             arm: {d: ctx.evaluate(f"{arm}-s{seed}-{d}", p, [d]) for d, p in specs[arm].items()} for arm in ARMS
         }
         base = ctx.evaluate("base", None)  # after the specialists: the comparison comes first
+        after_rl = {arm: {d: common.rl_from(ctx, f"{arm}-s{seed}-{d}", p, d) for d, p in specs[arm].items()}
+                    for arm in ARMS}
         per_seed[seed] = {}
         for d in specs["diverse"]:
             r = {
+                "rl": {arm: common.scores(after_rl[arm][d], k, d) for arm in ARMS},
+                "rl_diverse_minus_first": common.paired(after_rl["first_matched"][d], after_rl["diverse"][d], k, d),
                 "base": common.scores(base, k, d),
                 "first_matched": common.scores(evals["first_matched"][d], k, d),
                 "diverse": common.scores(evals["diverse"][d], k, d),
@@ -94,14 +119,17 @@ def run(ctx: common.Ctx) -> dict:
                          common.fdiff(r["diverse_minus_first"], "pass@1"),
                          common.fmt(r["base"]["pass@k"]), common.fmt(r["first_matched"]["pass@k"]),
                          common.fmt(r["diverse"]["pass@k"]),
-                         common.fdiff(r["diverse_minus_first"], "pass@k")])
+                         common.fdiff(r["diverse_minus_first"], "pass@k"),
+                         common.fmt(r["rl"]["first_matched"]["pass@1"]), common.fmt(r["rl"]["diverse"]["pass@1"]),
+                         common.fdiff(r["rl_diverse_minus_first"], "pass@1")])
     # pooled over domains and seeds: every (task, seed) paired difference; the SE treats them as
     # independent, which understates it when seeds of one task are correlated
     pooled = {m: common.mean_se(xs) for m, xs in pooled_diffs.items()}
     n_pooled = len(pooled_diffs["pass@1"])
     head = ["domain", "seed", "held-out tasks", "base pass@1", "first-win pass@1", "diverse pass@1",
             "diverse - first (±SE)", f"base pass@{k}", f"first-win pass@{k}", f"diverse pass@{k}",
-            "diverse - first (±SE)"]
+            "diverse - first (±SE)", "after RL: first-win pass@1", "after RL: diverse pass@1",
+            "after RL: diverse - first (±SE)"]
     text = "\n".join([
         f"## Experiment 1: diverse vs first-win selection (K={k}, n={ctx.eval_cfg.n or k} samples per held-out task)",
         "",

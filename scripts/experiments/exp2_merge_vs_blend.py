@@ -59,6 +59,20 @@ def merged_model(ctx: common.Ctx) -> tuple[str, dict[str, str]]:
     return ctx.merge(f"diverse-s{seed}-{ctx.merge_cfg.method}", list(specs.values())), specs
 
 
+def headline(res: dict) -> dict[str, float]:
+    """One seed's numbers the seed driver averages (scripts/experiments/seeds.py)."""
+    out = {}
+    for d, r in res["per_domain"].items():
+        for name in ("base", "specialist", "merged", "blend"):
+            out[f"{d} {name} pass@1"] = r[name]["pass@1"]
+        for name in ("merged_minus_specialist", "blend_minus_specialist", "merged_minus_blend"):
+            out[f"{d} {name.replace('_minus_', ' - ')} pass@1"] = r[name]["d_pass@1"]
+    for name in ("base", "merged", "blend"):
+        out[f"overall {name} pass@1"] = res["overall"][name]["pass@1"]
+    out["overall merged - blend pass@1"] = res["overall"]["merged_minus_blend"]["d_pass@1"]
+    return out
+
+
 def run(ctx: common.Ctx) -> dict:
     k = ctx.eval_cfg.k
     seed = ctx.sft_seeds[0]

@@ -36,45 +36,16 @@ from exp2_merge_vs_blend import merged_model  # noqa: E402
 from mlx_ssp.errors import UserError  # noqa: E402
 
 
-def run_arm(ctx: common.Ctx, arm: str, lam: float, start: str, out: Path, domains: list[str]) -> dict[int, dict]:
-    """Train one arm (resumable: the RL loop continues from its last checkpoint); returns
-    {step: held-out eval} for every evaluated step (step 0 excluded)."""
-    from mlx_ssp.models import load_model
-    from mlx_ssp.rl.loop import setup_model, train
-
-    cfg = ctx.rl_cfg.model_copy(update={"mgpo_lambda": lam})
-    steps = cfg.steps
-    every = ctx.rl_eval_every
-    want = sorted({s for s in range(every, steps + 1, every)} | {steps})
-
-    def ev(s: int, **kw) -> dict:  # the held-out evaluation of this arm at step s (cached)
-        return ctx.evaluate(f"rl-{arm}-step{s}", None, domains, ident=f"rl:{out / arm}:step{s}", **kw)
-
-    done = {s: ctx.eval_path(f"rl-{arm}-step{s}", f"rl:{out / arm}:step{s}", domains) for s in want}
-    if all(f.exists() for f in done.values()):
-        return {s: json.loads(f.read_text()) for s, f in done.items()}
-    ctx.log(f"rl {arm} (lambda={lam}): {steps} steps x {cfg.batch_size} prompts x G={cfg.group_size}")
-    model, tok, path = load_model(start)
-    setup_model(model, cfg)
-    tasks = ctx.load_tasks("train")
-
-    def on_step(tr, rec):
-        if tr.step_no in done:
-            ev(tr.step_no, model=tr.model, tokenizer=tok)
-
-    res = train(model, tok, tasks, cfg, out / arm, seed=ctx.seed, model_path=str(path), on_step=on_step)
-    missing = [s for s, f in done.items() if not f.exists()]
-    if missing:  # the run was complete on disk before its evaluations (e.g. killed in between)
-        from mlx_ssp.rl.loop import Trainer, latest_checkpoint
-
-        ckpt = latest_checkpoint(out / arm)
-        if ckpt is None or missing != [steps]:
-            raise UserError(f"{out / arm}: evaluations of steps {missing} are missing; delete the directory to rerun")
-        tr = Trainer(model, tok, tasks, cfg, out / arm, seed=ctx.seed, model_path=str(path))
-        tr.load_checkpoint(ckpt)
-        ev(steps, model=model, tokenizer=tok)
-    del res
-    return {s: json.loads(f.read_text()) for s, f in done.items()}
+def headline(res: dict) -> dict[str, float]:
+    """One seed's numbers the seed driver averages (scripts/experiments/seeds.py): held-out pass@1 at
+    the last step, each arm's gain over the start, and MGPO - GRPO (paired per task)."""
+    last = str(res["steps"]) if str(res["steps"]) in res["curve"]["mgpo"] else res["steps"]
+    out = {"start pass@1": res["curve"]["mgpo"]["0" if "0" in res["curve"]["mgpo"] else 0]["pass@1"]}
+    for arm in ("mgpo", "grpo"):
+        out[f"{arm} pass@1"] = res["curve"][arm][last]["pass@1"]
+        out[f"{arm} - start pass@1"] = res["curve"][arm][last]["gain"]["d_pass@1"]
+    out["mgpo - grpo pass@1"] = res["curve"]["mgpo_minus_grpo"][last]["d_pass@1"]
+    return out
 
 
 def metrics(path: Path) -> list[dict]:
@@ -95,7 +66,7 @@ def run(ctx: common.Ctx) -> dict:
     tag = common._fingerprint({"rl": ctx.raw["rl"], "every": ctx.rl_eval_every, "start": start})[:8]
     out = ctx.path("rl", tag)
     arms = {"mgpo": lam, "grpo": 0.0}
-    evals = {arm: run_arm(ctx, arm, l, start, out, domains) for arm, l in arms.items()}
+    evals = {arm: common.rl_arm(ctx, arm, l, start, out, domains) for arm, l in arms.items()}
     steps = ctx.rl_cfg.steps
     s0 = common.scores(start_eval, k)
     p0 = common.fmt(s0["pass@1"], s0["pass@1_se"])
@@ -107,6 +78,7 @@ def run(ctx: common.Ctx) -> dict:
         diff = common.paired(evals["grpo"][s], evals["mgpo"][s], k)
         for arm in arms:
             curve[arm][s] = {**sc[arm], "gain": gain[arm]}
+        curve.setdefault("mgpo_minus_grpo", {})[s] = diff
         rows.append([str(s), common.fmt(sc["mgpo"]["pass@1"], sc["mgpo"]["pass@1_se"]),
                      common.fmt(sc["grpo"]["pass@1"], sc["grpo"]["pass@1_se"]),
                      common.fdiff(gain["mgpo"], "pass@1"), common.fdiff(gain["grpo"], "pass@1"),
