@@ -1,7 +1,7 @@
 """Run one SSP experiment over several training seeds and average it (issue 21: at least 5 seeds,
 mean and standard error across seeds, paired differences on the same held-out tasks).
 
-    python scripts/experiments/seeds.py EXP [--profile testbed] [--seeds 0-4] [--jobs 2] [--out DIR] [--set KEY=VALUE ...]
+    python scripts/experiments/seeds.py EXP[,EXP...] [--profile testbed] [--seeds 0-4] [--jobs 2] [--out DIR] [--set KEY=VALUE ...]
 
 EXP is one of ``exp1`` (spectrum: diverse vs first-win, after SFT and after RL), ``exp2`` (merge vs
 blend vs specialists), ``exp3`` (MGPO vs GRPO) or ``exp5`` (the checkpoint rule, judged after RL).
@@ -13,8 +13,10 @@ model is evaluated on the same held-out tasks with the same sampling seed, so ea
 the script reports (``A - B``) is paired per task; across seeds, this driver reports every number of
 the script's ``headline`` as mean ± standard error (sd / sqrt(seeds)) and the per-seed values.
 
-Resumable: each seed's steps are cached (a rerun redoes only what is missing). ``--jobs`` runs seeds
-in parallel processes (a 2-core machine: 2). Results: OUT/summary.{json,md}.
+Several experiments (``exp1,exp2``) run one after another within a seed and share its cached steps
+(experiment 2 merges experiment 1's diverse specialists). Resumable: each seed's steps are cached (a
+rerun redoes only what is missing). ``--jobs`` runs seeds in parallel processes (a 2-core machine:
+2). Results: OUT/summary-EXP.{json,md}; each seed's own tables: OUT/seed-S/EXP/results.md.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -71,74 +75,84 @@ def summary_md(exp: str, agg: dict[str, dict], seeds: list[int], command: str) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("exp", choices=sorted(EXPERIMENTS))
+    ap.add_argument("exps", metavar="EXP[,EXP...]", help=f"one or more of {', '.join(sorted(EXPERIMENTS))}, run in this order per seed")
     ap.add_argument("--profile", default="demo", choices=("demo", "testbed"))
     ap.add_argument("--seeds", default="0-4")
-    ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("--out", default=None, help="default runs/seeds-PROFILE-EXP")
+    ap.add_argument("--jobs", type=int, default=1, help="seeds run in parallel")
+    ap.add_argument("--out", default=None, help="default runs/seeds-PROFILE (experiments of one seed share its cached steps)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="passed to every seed's run (not seed or sft_seeds)")
     ap.add_argument("--tiny", action="store_true", help="the scripts' --tiny (plumbing check)")
     args = ap.parse_args()
+    exps = [e.strip() for e in args.exps.split(",") if e.strip()]
+    unknown = [e for e in exps if e not in EXPERIMENTS]
+    if unknown or not exps:
+        raise SystemExit(f"unknown experiment {', '.join(unknown) or '(none)'}; valid: {', '.join(sorted(EXPERIMENTS))}")
     bad = [o for o in args.overrides if o.split("=", 1)[0] in ("seed", "sft_seeds")]
     if bad:
         raise SystemExit(f"--set {bad[0]}: the seed is this driver's (--seeds)")
     seeds = parse_seeds(args.seeds)
-    name = EXPERIMENTS[args.exp]
-    out = Path(args.out or f"runs/seeds-{args.profile}-{args.exp}{'-tiny' if args.tiny else ''}")
+    out = Path(args.out or f"runs/seeds-{args.profile}{'-tiny' if args.tiny else ''}")
     out.mkdir(parents=True, exist_ok=True)
-    result_dir = name.split("_")[0]
 
-    def cmd(seed: int) -> list[str]:
-        c = [sys.executable, str(HERE / f"{name}.py"), "--profile", args.profile, "--work-dir", str(out / f"seed-{seed}"),
-             "--no-progress", "--set", f"seed={seed}", "--set", f"sft_seeds=[{seed}]"]
+    def cmd(exp: str, seed: int) -> list[str]:
+        c = [sys.executable, str(HERE / f"{EXPERIMENTS[exp]}.py"), "--profile", args.profile, "--work-dir",
+             str(out / f"seed-{seed}"), "--no-progress", "--set", f"seed={seed}", "--set", f"sft_seeds=[{seed}]"]
         for o in args.overrides:
             c += ["--set", o]
         return c + (["--tiny"] if args.tiny else [])
 
+    sys.path.insert(0, str(HERE))
+    import common
+
     if not args.tiny:  # the model is built (or converted) once here, not by each parallel seed
-        sys.path.insert(0, str(HERE))
-        import common
         from mlx_ssp.config import apply_overrides
         from mlx_ssp.models import resolve_model
 
         cfg = apply_overrides(dict(common.PROFILES[args.profile]), [o for o in args.overrides if o.startswith("model=")])
         resolve_model(cfg["model"])
-    todo = list(seeds)
-    running: list[tuple[subprocess.Popen, int]] = []
     t0 = time.perf_counter()
-    while todo or running:
-        while todo and len(running) < args.jobs:
-            s = todo.pop(0)
-            log = open(out / f"seed-{s}.log", "a")
-            running.append((subprocess.Popen(cmd(s), stdout=log, stderr=subprocess.STDOUT,
-                                             env={**os.environ, "PYTHONWARNINGS": "ignore"}), s))
-            print(f"[{time.perf_counter() - t0:.0f} s] seed {s} started (log: {out / f'seed-{s}.log'})", file=sys.stderr, flush=True)
-        time.sleep(1)
-        for p, s in list(running):
-            if p.poll() is None:
-                continue
-            running.remove((p, s))
-            if p.returncode != 0:
-                for q, _ in running:
-                    q.kill()
-                    q.wait()
-                raise SystemExit(f"seed {s} failed (exit {p.returncode}); see {out / f'seed-{s}.log'}; rerun to resume")
-            print(f"[{time.perf_counter() - t0:.0f} s] seed {s} done", file=sys.stderr, flush=True)
-    mod = importlib.import_module(name) if str(HERE) in sys.path else None
-    if mod is None:
-        sys.path.insert(0, str(HERE))
-        mod = importlib.import_module(name)
-    per_seed = {s: mod.headline(json.loads((out / f"seed-{s}" / result_dir / "results.json").read_text())) for s in seeds}
-    agg = aggregate(per_seed)
-    command = " ".join(["python", "scripts/experiments/seeds.py", *sys.argv[1:]])
-    text = summary_md(args.exp, agg, seeds, command)
+    failed: list[str] = []
+    procs: dict[int, subprocess.Popen] = {}
+    lock = threading.Lock()
+
+    def one_seed(seed: int) -> None:
+        # this seed's experiments in order: they share its cached steps, so never two at once
+        with open(out / f"seed-{seed}.log", "a") as log:
+            for exp in exps:
+                with lock:
+                    if failed:
+                        return
+                    p = procs[seed] = subprocess.Popen(cmd(exp, seed), stdout=log, stderr=subprocess.STDOUT,
+                                                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                print(f"[{time.perf_counter() - t0:.0f} s] seed {seed}: {exp} started", file=sys.stderr, flush=True)
+                if p.wait() != 0:
+                    with lock:
+                        failed.append(f"seed {seed} {exp} (exit {p.returncode})")
+                        for q in procs.values():  # stop the others: a rerun resumes from the cache
+                            if q.poll() is None:
+                                q.kill()
+                    return
+                print(f"[{time.perf_counter() - t0:.0f} s] seed {seed}: {exp} done", file=sys.stderr, flush=True)
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        list(pool.map(one_seed, seeds))
+    if failed:
+        raise SystemExit(f"{failed[0]} failed; see {out}/seed-*.log; rerun the same command to resume")
     from mlx_ssp.io import write_json_atomic, write_text_atomic
 
-    write_json_atomic(out / "summary.json", {"exp": args.exp, "profile": args.profile, "seeds": seeds, "command": command,
-                                             "seconds": round(time.perf_counter() - t0, 1), "metrics": agg})
-    write_text_atomic(out / "summary.md", text + "\n")
-    print(text)
+    command = " ".join(["python", "scripts/experiments/seeds.py", *sys.argv[1:]])
+    for exp in exps:
+        mod = importlib.import_module(EXPERIMENTS[exp])
+        result = EXPERIMENTS[exp].split("_")[0]
+        per_seed = {s: mod.headline(json.loads((out / f"seed-{s}" / result / "results.json").read_text())) for s in seeds}
+        agg = aggregate(per_seed)
+        text = summary_md(exp, agg, seeds, command)
+        write_json_atomic(out / f"summary-{exp}.json", {"exp": exp, "profile": args.profile, "seeds": seeds,
+                                                        "command": command, "overrides": args.overrides,
+                                                        "seconds": round(time.perf_counter() - t0, 1), "metrics": agg})
+        write_text_atomic(out / f"summary-{exp}.md", text + "\n")
+        print(text + "\n")
 
 
 if __name__ == "__main__":
