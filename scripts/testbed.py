@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 
@@ -56,8 +57,6 @@ def main() -> None:
         spread(args)
         return
     if args.cmd == "build":
-        from pathlib import Path
-
         from mlx_ssp.testbed.build import build, ensure_testbed, testbed_dir
 
         t0 = time.perf_counter()
@@ -73,8 +72,14 @@ def main() -> None:
     from mlx_ssp.testbed.calibrate import calibrate
 
     model, tok, path = load_model(args.model)
+    levels = None
+    if (Path(path) / "build.json").is_file():  # a testbed build: the domains and levels it was pretrained on
+        from mlx_ssp.testbed.problems import DOMAINS, LEVELS
+
+        built = json.loads((Path(path) / "build.json").read_text())
+        levels = {d: tuple(built.get("levels", {}).get(d, LEVELS[d])) for d in built.get("domains", DOMAINS)}
     t0 = time.perf_counter()
-    res = calibrate(model, tok, n_per_domain=args.n, k=args.k, seed=args.seed)
+    res = calibrate(model, tok, n_per_domain=args.n, k=args.k, seed=args.seed, levels=levels)
     res["model"], res["seconds"] = str(path), round(time.perf_counter() - t0, 1)
     print(json.dumps(res, indent=1))
     print("\n| domain | pass@1 | by level | 30-70% band | at 0 | at 1 | strategies of correct samples |", file=sys.stderr)

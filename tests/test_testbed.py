@@ -103,6 +103,11 @@ def test_build_is_deterministic(tmp_path):
 
     model, tok, _ = load_model(str(a))
     assert tok.apply_chat_template([{"role": "user", "content": "add 1 2"}], add_generation_prompt=True)
+    from mlx_ssp.testbed.calibrate import calibrate
+
+    # calibration draws only the domains and levels it is given (a size's own: scripts/testbed.py)
+    res = calibrate(model, tok, n_per_domain=3, k=2, max_tokens=4, levels={"sum": (3, 3)})
+    assert list(res["domains"]) == ["sum"] and list(res["domains"]["sum"]["by_level"]) == [3]
 
 
 def test_model_spec_names_a_cached_testbed(tmp_path, monkeypatch):

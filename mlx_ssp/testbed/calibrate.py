@@ -5,8 +5,9 @@ exists when more than one does). Run on fresh problems of every level, K samples
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from typing import Optional
 
-from mlx_ssp.testbed.problems import DOMAINS, LEVELS, problem_from_meta, strategies
+from mlx_ssp.testbed.problems import LEVELS, problem_from_meta, strategies
 
 
 def strategy_of(domain: str, meta: dict, completion: str) -> str:
@@ -21,14 +22,16 @@ def strategy_of(domain: str, meta: dict, completion: str) -> str:
 
 
 def calibrate(model, tokenizer, *, n_per_domain: int = 48, k: int = 8, seed: int = 0, max_tokens: int = 64,
-              temperature: float = 1.0, batch_size: int = 256) -> dict:
+              temperature: float = 1.0, batch_size: int = 256, levels: Optional[dict] = None) -> dict:
+    """Pass@1 by domain and level, the pass band and the strategies of the correct samples, on
+    held-out problems of every domain in ``levels`` (domain -> (lo, hi); default: all, full range)."""
     from mlx_ssp.config import validate
     from mlx_ssp.rollout import SamplingConfig, generate_rollouts
     from mlx_ssp.tasks import TasksConfig, build_split
 
     out: dict = {"k": k, "domains": {}}
-    for d in DOMAINS:
-        cfg = validate(TasksConfig, {"seed": seed, "domains": {d: {"source": f"testbed:{d}", "params": {"levels": list(LEVELS[d])},
+    for d, lv in (levels or LEVELS).items():
+        cfg = validate(TasksConfig, {"seed": seed, "domains": {d: {"source": f"testbed:{d}", "params": {"levels": list(lv)},
                                                                   "sizes": {"train": 0, "probe": 0, "eval": n_per_domain}}}})
         tasks = build_split(cfg, "eval")
         recs = generate_rollouts(model, tokenizer, tasks, k=k, sampling=SamplingConfig(temperature=temperature, max_tokens=max_tokens),
