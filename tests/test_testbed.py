@@ -168,3 +168,16 @@ def test_ci_size_holds_unreliable_guesses_and_direct_answers_are_a_strategy():
     meta = {"numbers": [3, 5, 2]}
     assert P.trace(p, "direct") == "answer 10" and strategy_of("sum", meta, "answer 10") == "direct"
     assert strategy_of("sum", meta, P.trace(p, "chain")) == "chain" and strategy_of("sum", meta, "3+5=8\nanswer 10") == "other"
+
+
+def test_multi_size_holds_three_domains_with_guesses_only_where_an_answer_is_a_number():
+    from mlx_ssp.testbed import build as B
+
+    s = B.SIZES["multi"]
+    recs = B.corpus(120, 0, tuple(s["domains"]), s["levels"], s["guess"])
+    by = {d: [r for r in recs if r["domain"] == d] for d in P.DOMAINS}
+    assert len(by["sum"]) == len(by["diff"]) == 2 * len(by["countdown"]) == 120  # countdown draws half
+    assert {r["level"] for r in recs} == {2, 3}
+    for d in ("sum", "diff"):  # about half unreliable guesses, as in `ci`
+        assert 0.35 < sum(r["strategy"] == "guess" for r in by[d]) / len(by[d]) < 0.65
+    assert not any(r["strategy"] == "guess" for r in by["countdown"])  # any expression may be right: no guess
