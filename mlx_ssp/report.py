@@ -146,7 +146,7 @@ def rl_series(rows: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
 def rl_rows(run_dir: Path) -> list[dict]:
     """Every RL step of the run in order, numbered from 1 across phases (``rl.phases``: each phase's
     ``rl/phases/<name>/metrics.jsonl`` in the order config.resolved.yaml lists them; each row gains
-    ``phase``), else ``rl/metrics.jsonl``."""
+    ``phase``), else ``rl/metrics.jsonl``, else (``run_dir`` is an RL stage's output) ``metrics.jsonl``."""
     phases_dir = run_dir / "rl" / "phases"
     names: list[str] = []
     if phases_dir.is_dir():
@@ -159,7 +159,10 @@ def rl_rows(run_dir: Path) -> list[dict]:
             names = []
         names = [n for n in names if (phases_dir / n).is_dir()] or sorted(p.name for p in phases_dir.iterdir() if p.is_dir())
     if not names:
-        return [r for r in _read_jsonl(run_dir / "rl" / "metrics.jsonl") if "step" in r]
+        # a run directory (its rl/ stage), or an RL stage's own output directory
+        own = run_dir / "metrics.jsonl"
+        path = own if own.is_file() and not (run_dir / "rl").is_dir() else run_dir / "rl" / "metrics.jsonl"
+        return [r for r in _read_jsonl(path) if "step" in r]
     rows = []
     for n in names:
         for r in _read_jsonl(phases_dir / n / "metrics.jsonl"):

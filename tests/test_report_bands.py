@@ -73,3 +73,14 @@ def test_comparison_refuses_what_it_cannot_compare(tmp_path):
     # a directory whose name holds "=" is a bare run, not LABEL=DIR
     odd = _run(tmp_path, "lr=3e-4", [0.2])
     assert build_comparison([str(odd)], tmp_path / "o2").read_text().count(f"| {odd} | 1 |") == 1
+
+
+def test_an_rl_stage_output_directory_is_a_run(tmp_path):
+    """The experiments' RL runs are RL output directories (metrics.jsonl at their top): the same
+    steps as a run directory holding them under rl/."""
+    from mlx_ssp.report import rl_rows
+
+    run = _run(tmp_path, "run", [0.1, 0.3])
+    assert [r["reward_mean"] for r in rl_rows(run / "rl")] == [0.1, 0.3] == [r["reward_mean"] for r in rl_rows(run)]
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.9}) + "\n")
+    assert [r["reward_mean"] for r in rl_rows(run)] == [0.1, 0.3]  # a run's own rl/ comes first

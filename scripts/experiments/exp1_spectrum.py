@@ -65,6 +65,17 @@ def spectrum_stats(ctx: common.Ctx) -> dict:
     return out
 
 
+def curves(seed_dir: Path, seed: int) -> dict[str, list[Path]]:
+    """label -> this seed's RL run directories (the seed driver draws their per-step reward and
+    pass rate with a band across seeds: ``mlx_ssp report``'s comparison)."""
+    out: dict[str, list[Path]] = {}
+    for arm in ARMS:
+        for run in sorted(seed_dir.glob(f"rl_from/*/{arm}-s{seed}-*")):
+            domain = run.name[len(f"{arm}-s{seed}-"):]
+            out.setdefault(f"{domain}, {'first-win' if arm == 'first_matched' else arm}", []).append(run)
+    return out
+
+
 def headline(res: dict) -> dict[str, float]:
     """One seed's numbers the seed driver averages (scripts/experiments/seeds.py): per domain, the
     arms' held-out pass@1 / pass@k after SFT and pass@1 after RL, and their paired differences."""

@@ -152,6 +152,12 @@ def main() -> None:
                                                         "command": command, "overrides": args.overrides,
                                                         "seconds": round(time.perf_counter() - t0, 1), "metrics": agg})
         write_text_atomic(out / f"summary-{exp}.md", text + "\n")
+        if hasattr(mod, "curves"):  # per-step RL curves with a band across seeds (mlx_ssp report)
+            from mlx_ssp.report import build_comparison
+
+            specs = [f"{label}={p}" for s in seeds for label, ps in mod.curves(out / f"seed-{s}", s).items() for p in ps]
+            if specs:
+                build_comparison(specs, out / f"report-{exp}")
         print(text + "\n")
 
 
