@@ -14,6 +14,12 @@ Every model is evaluated on the same held-out tasks with the same sampling seed 
 numbers), so model differences are paired per task; :func:`paired` gives the mean per-task
 difference and its standard error (sd of the per-task differences / sqrt(number of tasks)).
 
+``--profile testbed`` starts from :data:`TESTBED` instead of :data:`DEFAULTS`: the issue-21
+testbed model ``testbed:multi`` (three synthetic domains, pretrained here in minutes) with the
+learning round's measured SFT and RL settings, so that an experiment runs in minutes a seed and
+``scripts/experiments/seeds.py`` can repeat it over 5 training seeds. The ``domains`` key narrows
+either profile to some of its domains (``--set domains=[sum,diff]``).
+
 ``--tiny`` swaps the demo model for a tiny random model (:func:`mlx_ssp.testing.make_tiny_model`)
 and a stand-in verifier (reward 1 when the completion has an even number of characters, so a random
 model gets mixed rewards), with minimal sizes: it checks that the scripts run end to end in
