@@ -16,7 +16,9 @@ domain's held-out tasks:
 - ``base``: the untrained model, for reference.
 
 The negative-transfer question is "merged (or blend) minus specialist on the specialist's own
-domain"; both differences are reported with a paired standard error across held-out tasks.
+domain"; both differences are reported with a paired standard error across held-out tasks. The
+interference between domains is each specialist's held-out pass@1 on the *other* domains minus the
+base model's (a specialist that forgets, or that writes its own domain's operator everywhere).
 
     python scripts/experiments/exp2_merge_vs_blend.py [--tiny] [--work-dir DIR] [--set KEY=VALUE]
 """
@@ -67,6 +69,9 @@ def headline(res: dict) -> dict[str, float]:
             out[f"{d} {name} pass@1"] = r[name]["pass@1"]
         for name in ("merged_minus_specialist", "blend_minus_specialist", "merged_minus_blend"):
             out[f"{d} {name.replace('_minus_', ' - ')} pass@1"] = r[name]["d_pass@1"]
+        for e, x in r.get("specialists", {}).items():
+            if e != d:
+                out[f"{d} specialist:{e} - base pass@1"] = x["minus_base"]["d_pass@1"]
     for name in ("base", "merged", "blend"):
         out[f"overall {name} pass@1"] = res["overall"][name]["pass@1"]
     out["overall merged - blend pass@1"] = res["overall"]["merged_minus_blend"]["d_pass@1"]
@@ -89,6 +94,8 @@ def run(ctx: common.Ctx) -> dict:
                     probe_max_tasks=None if per is None else per * len(domains))
     blend_eval = ctx.evaluate(f"mixed-s{seed}", blend["blend"], domains)
     base = ctx.evaluate("base", None)
+    # interference: every specialist on every domain (its own domain is spec_eval's tasks again)
+    cross = {d: ctx.evaluate(f"diverse-s{seed}-{d}-all", p, domains) for d, p in specs.items()}
 
     per_domain = {}
     rows = []
@@ -102,6 +109,8 @@ def run(ctx: common.Ctx) -> dict:
             "blend_minus_specialist": common.paired(spec_eval[d], blend_eval, k, d),
             "merged_minus_blend": common.paired(blend_eval, merged_eval, k, d),
         }
+        r["specialists"] = {e: {**common.scores(cross[e], k, d), "minus_base": common.paired(base, cross[e], k, d)}
+                            for e in domains}
         per_domain[d] = r
         for m, label in (("pass@1", "pass@1"), ("pass@k", f"pass@{k}")):
             rows.append([d, label, str(r["specialist"]["n_tasks"]), common.fmt(r["base"][m]),
@@ -126,6 +135,13 @@ def run(ctx: common.Ctx) -> dict:
             f"pass@{k} {common.fmt(overall[n]['pass@k'], overall[n]['pass@k_se'])}" for n, _ in models)
         + f"; merged - blend pass@1 {common.fdiff(overall['merged_minus_blend'], 'pass@1')}",
     ])
+    cross_rows = [["base"] + [common.fmt(per_domain[d]["base"]["pass@1"]) for d in domains]]
+    cross_rows += [[f"specialist:{e}"] + [f"{common.fmt(per_domain[d]['specialists'][e]['pass@1'])} "
+                                          f"({common.fdiff(per_domain[d]['specialists'][e]['minus_base'], 'pass@1')})"
+                                          for d in domains] for e in domains]
+    text += "\n\n" + "\n".join([
+        "Interference: held-out pass@1 of each specialist on every domain (in brackets: minus the base, paired):", "",
+        common.md_table(["model", *domains], cross_rows)])
     results = {"k": k, "blend_iters": iters, "merged_model": merged, "per_domain": per_domain, "overall": overall}
     common.write_results(ctx, "exp2", results, text)
     return results
