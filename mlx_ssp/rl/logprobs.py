@@ -42,11 +42,14 @@ head matmuls and one exp pass per chunk, as naive.
 
 Memory: the default chunk is the largest whose live [chunk x V] float32 buffers fit a 768 MiB
 budget (:func:`auto_chunk_size`; 432 tokens at Qwen3's vocab). With more than one chunk, each
-chunk is evaluated eagerly and its results detached (:func:`_materialize`), since MLX's lazy graph
-would otherwise hold every chunk's buffers at once; on the CPU path the chunk is built and
-evaluated on a helper thread (:func:`_outside_trace`), because inside ``mx.grad`` MLX keeps every
-intermediate of an evaluated graph alive (measured 6-7 [chunk x V] buffers per backward chunk
-instead of 2).
+chunk is evaluated eagerly, since MLX's lazy graph would otherwise hold every chunk's buffers at
+once, and it is built and evaluated on a helper thread (:func:`_outside_trace`; the reference and
+the kernels alike, on every device), because inside ``mx.grad`` MLX keeps every intermediate of an
+evaluated graph alive (measured 6-7 [chunk x V] buffers per backward chunk instead of 2) and only a
+copy through NumPy (:func:`_materialize`) would cut it there. That copy is kept for the small
+per-token chunk inputs; a trained head's gradient ([V x D], 593 MiB in float32 at Qwen3-0.6B's
+size) is accumulated on the helper thread and never leaves the device (through NumPy once per
+chunk it made the kernel path 26-37x slower than the reference on an H200).
 """
 
 from __future__ import annotations
@@ -273,7 +276,8 @@ class _Impl:
         _, grads = mx.vjp(lambda x, *p: self.impl(logits_fn(x, *p), tc, self.t), [hc, *params], [g])
         return grads
 
-    def saved(self, logits_fn, hc, tc, want_entropy):
+    def saved(self, logits_fn, hc, tc, want_entropy, entropy_grad=False):
+        # entropy_grad is always False here: with an entropy gradient _engine picks _Fused
         def f(x):
             logits = logits_fn(x)
             lp = self.impl(logits, tc, self.t)
@@ -294,13 +298,6 @@ def _engine(impl, temperature: float, entropy_grad: bool = False):
     return _Impl(impl, temperature)
 
 
-def _on_helper_thread(impl) -> bool:
-    """Whether chunks are evaluated on the helper thread: on the CPU path (the reference chosen for
-    the device) only; the entropy-gradient fallback to the reference on Metal/CUDA stays on the
-    calling thread (the helper was never run there)."""
-    return impl is selective_log_softmax_reference
-
-
 # -- the chunked op -----------------------------------------------------------------------------
 
 
@@ -315,15 +312,17 @@ def _detach(x: mx.array) -> mx.array:
 
 
 def _materialize(*xs: mx.array | None) -> tuple:
-    """``xs`` evaluated now (together: one pass over the chunk's graph) and cut from their graph,
-    so that this chunk's [chunk x V] buffers are freed before the next chunk is built.
+    """``xs`` evaluated now (together) and cut from their graph: a chunk's inputs (slices of h,
+    targets, cotangents; [chunk] or [chunk x D]) as the graph-free arrays :func:`_outside_trace`
+    needs.
 
-    Two MLX behaviours force this: the lazy graph allocates every chunk's buffers before computing
-    any (measured: peak = all chunks), and inside a gradient transformation evaluated arrays keep
-    their inputs alive for the tape (our custom vjp never needs them). A copy through NumPy drops
-    the graph; only the small per-token results ([chunk] or [chunk x D]) are copied. Under
-    mx.compile / vmap evaluation is not allowed: there ``xs`` are returned as they are (the result
-    stays correct; the memory bound is lost). Detaching also means no higher-order gradients."""
+    Inside a gradient transformation evaluated arrays keep their inputs alive for the tape (our
+    custom vjp never needs them), and on the calling thread only a copy through NumPy drops that
+    graph. So only small per-token arrays come here: a [V x D] head gradient through NumPy once per
+    chunk costs more than the chunk's math on a GPU (the helper thread accumulates it instead).
+    Under mx.compile / vmap evaluation is not allowed: there ``xs`` are returned as they are (the
+    result stays correct; the memory bound is lost). Detaching also means no higher-order
+    gradients."""
     live = [x for x in xs if x is not None]
     try:
         mx.eval(*live)
@@ -378,20 +377,23 @@ def _cat(xs):
     return mx.concatenate(xs) if len(xs) > 1 else xs[0]
 
 
-def _forward_chunks(fn: Callable, h: mx.array, targets: mx.array, chunk_size: int, off_thread: bool) -> list:
+def _forward_chunks(fn: Callable, h: mx.array, targets: mx.array, chunk_size: int) -> list:
     """``fn(h_chunk, targets_chunk)`` (a tuple of arrays or None) for each chunk -> its outputs column-wise.
 
     One chunk stays lazy (forcing evaluation inside the gradient trace would materialise the whole
     model's forward at once: measured 2x the activation memory on a tiny model); with several,
-    each is evaluated on its own, on the helper thread for the CPU path (``off_thread``)."""
+    each is evaluated on its own on the helper thread, or, where evaluation is not allowed
+    (mx.compile / vmap), left in the caller's lazy graph."""
     n = h.shape[0]
     if n <= chunk_size:
         return [[x] for x in fn(h, targets)]
-    threaded = off_thread and _evaluable(h, targets)
+    threaded = _evaluable(h, targets)
     rows = []
     for s, e in _chunks(n, chunk_size):
-        hc, tc = _materialize(h[s:e], targets[s:e])
-        rows.append(_outside_trace(fn, hc, tc) if threaded else _materialize(*fn(hc, tc)))
+        if threaded:
+            rows.append(_outside_trace(fn, *_materialize(h[s:e], targets[s:e])))
+        else:
+            rows.append(fn(h[s:e], targets[s:e]))
     return [list(col) for col in zip(*rows)]
 
 
@@ -399,17 +401,18 @@ def _make_op(logits_fn, n_params: int, temperature: float, chunk_size: int, impl
              entropy_grad: bool = False):
     """The chunked op as an mx.custom_function of (h, targets, *trained_head_params).
 
-    Outputs: (log-probs, [entropy], [logsumexp per token, kept for the backward by the CPU path]).
-    The entropy's cotangent is used only with ``entropy_grad`` (else the entropy is a statistic)."""
+    Outputs: (log-probs, [entropy], [logsumexp per token, kept for the backward by the reference]).
+    The entropy's cotangent is used only with ``entropy_grad`` (else the entropy is a statistic).
+    A trained head's gradient is summed over the chunks on the helper thread (its running sum is
+    an input and an output of each chunk's step there), so it is never copied off the device."""
     eng = _engine(impl, temperature, entropy_grad)
-    off_thread = _on_helper_thread(impl)
 
     @mx.custom_function
     def op(h, targets, *params):
         def chunk(x, t):
             return eng.forward(logits_fn(x, *params), t, want_entropy)
 
-        lps, ents, lses = _forward_chunks(chunk, h, targets, chunk_size, off_thread)
+        lps, ents, lses = _forward_chunks(chunk, h, targets, chunk_size)
         out = (_cat(lps),)
         if want_entropy:
             out += (_cat(ents),)
@@ -431,20 +434,19 @@ def _make_op(logits_fn, n_params: int, temperature: float, chunk_size: int, impl
             return (dh, mx.zeros_like(targets), *dps)
         # the accumulators and cotangents travel to the helper thread: evaluated here
         extra = [x for x in (lse, gh, ent) if x is not None]
-        threaded = off_thread and _evaluable(h, targets, g, *dps, *extra)
+        threaded = _evaluable(h, targets, g, *dps, *extra)
         part = lambda x, s, e: None if x is None else x[s:e]  # noqa: E731
+
+        def step(hc, tc, gc, lc, ghc, ec, *acc):
+            grads = eng.grads(logits_fn, hc, params, tc, gc, lc, ghc, ec)
+            return (grads[0], *[a + b for a, b in zip(acc, grads[1:])])
+
         for s, e in _chunks(n, chunk_size):
-            hc, tc, gc, lc, ghc, ec = _materialize(h[s:e], targets[s:e], g[s:e], part(lse, s, e), part(gh, s, e),
-                                                   part(ent, s, e))
-
-            def step(hc, tc, gc, lc, ghc, ec, *acc):
-                grads = eng.grads(logits_fn, hc, params, tc, gc, lc, ghc, ec)
-                return (grads[0], *[a + b for a, b in zip(acc, grads[1:])])
-
-            if threaded:
-                dh, *dps = _outside_trace(step, hc, tc, gc, lc, ghc, ec, *dps)
-            else:
-                dh, *dps = _materialize(*step(hc, tc, gc, lc, ghc, ec, *dps))
+            ins = (h[s:e], targets[s:e], g[s:e], part(lse, s, e), part(gh, s, e), part(ent, s, e))
+            if threaded:  # only the per-token inputs are copied; dps stay on the device, graph-free
+                dh, *dps = _outside_trace(step, *_materialize(*ins), *dps)
+            else:  # mx.compile / vmap: one lazy graph (correct, without the memory bound)
+                dh, *dps = step(*ins, *dps)
             dhs.append(dh)
         return (_cat(dhs), mx.zeros_like(targets), *dps)
 
@@ -470,7 +472,7 @@ def _make_saved_op(logits_fn, temperature: float, chunk_size: int, impl, want_en
         def chunk(x, t):
             return eng.saved(logits_fn, x, t, want_entropy, entropy_grad)
 
-        lps, js, ents, jhs = _forward_chunks(chunk, h, targets, chunk_size, _on_helper_thread(impl))
+        lps, js, ents, jhs = _forward_chunks(chunk, h, targets, chunk_size)
         out = (_cat(lps), _cat(js)) + ((_cat(ents),) if want_entropy else ())
         return out + ((_cat(jhs),) if entropy_grad else ())
 
