@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-import mlx_ssp  # noqa: F401  (loads OpenBLAS before mlx.core)
+# Many tests compare two float32 routes that must agree (shared vs unshared prefix, chunked vs naive,
+# micro-batch vs full batch). mlx's CUDA matmuls default to TF32, which broke 10 of 61 such
+# comparisons on an H200 by 1e-4 to 6e-4 relative (BENCHMARKS.md); set before mlx is imported
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+import mlx_ssp  # noqa: F401,E402  (loads OpenBLAS before mlx.core)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MLX_SSP_SHARED", ROOT.parent / "shared"))
