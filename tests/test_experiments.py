@@ -83,8 +83,9 @@ def test_exp1_spectrum_equal_examples(work):
             assert r["rl"][arm]["n_tasks"] == 3
         assert r["rl_diverse_minus_first"]["d_pass@1"] == pytest.approx(
             r["rl"]["diverse"]["pass@1"] - r["rl"]["first_matched"]["pass@1"])
-    runs = sorted(work.glob("rl_from/*/*-s0-addition"), key=lambda p: p.name)
+    runs = [Path(rows["addition"]["rl_dir"][arm]) for arm in ("diverse", "first_matched")]
     assert [p.name for p in runs] == ["diverse-s0-addition", "first_matched-s0-addition"]
+    assert sorted(work.glob("rl_from/*/*-s0-addition"), key=lambda p: p.name) == runs  # no other RL run
     cfgs = [json.loads((p / "rl_config.json").read_text()) for p in runs]
     assert cfgs[0]["rl"] == cfgs[1]["rl"]
     # each arm's RL started from that arm's own specialist

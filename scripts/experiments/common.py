@@ -399,14 +399,21 @@ def rl_from(ctx: Ctx, name: str, start: str, domain: str) -> dict:
     """The held-out eval of ``domain`` after ``ctx.rl_cfg`` (its steps and lambda) from the model at
     ``start``, trained on that domain's train prompts (cached like every step): the same RL budget
     for every starting point an experiment compares."""
-    tag = _fingerprint({"rl": ctx.raw["rl"], "every": ctx.rl_eval_every, "start": start, "seed": ctx.seed})[:8]
-    evals = rl_arm(ctx, name, ctx.rl_cfg.mgpo_lambda, start, ctx.path("rl_from", tag), [domain], train_domains=[domain])
+    evals = rl_arm(ctx, name, ctx.rl_cfg.mgpo_lambda, start, rl_from_dir(ctx, name, start).parent, [domain],
+                   train_domains=[domain])
     return evals[ctx.rl_cfg.steps]
 
 
-def fuse_checkpoint(ctx: Ctx, domain_dir: Path, step: int, out: Path) -> str:
+def rl_from_dir(ctx: Ctx, name: str, start: str) -> Path:
+    """The RL output directory of :func:`rl_from` (keyed by the RL settings, the start and the seed)."""
+    tag = _fingerprint({"rl": ctx.raw["rl"], "every": ctx.rl_eval_every, "start": start, "seed": ctx.seed})[:8]
+    return ctx.path("rl_from", tag, name)
+
+
+def fuse_checkpoint(ctx: Ctx, domain_dir: Path, step: int, out: Path, overrides: Optional[dict] = None) -> str:
     """The base model with one SFT checkpoint's LoRA adapter (``domain_dir/checkpoints``) fused in,
-    saved at ``out`` (once): any checkpoint, not only the one the rule chose, can start RL."""
+    saved at ``out`` (once): any checkpoint, not only the one the rule chose, can start RL.
+    ``overrides``: the ones the SFT run was given (:meth:`Ctx.sft`), so the LoRA is rebuilt as trained."""
     if (out / "config.json").exists():
         return str(out)
     from mlx_ssp.config import validate
@@ -416,7 +423,7 @@ def fuse_checkpoint(ctx: Ctx, domain_dir: Path, step: int, out: Path) -> str:
     from mlx_ssp.models import load_model
     from mlx_ssp.sft import SFTConfig
 
-    cfg = validate(SFTConfig, {k: v for k, v in ctx.raw["sft"].items()}, source="experiment", prefix="sft")
+    cfg = validate(SFTConfig, {**ctx.raw["sft"], **(overrides or {})}, source="experiment", prefix="sft")
     model, tok, path = load_model(ctx.raw["model"])  # a fresh copy: the fuse changes its weights
     attach_lora(model, cfg.lora, 0)  # the init is replaced by the checkpoint's weights
     load_adapter_weights(model, find_checkpoint(domain_dir / "checkpoints", step))

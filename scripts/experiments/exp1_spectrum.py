@@ -66,19 +66,23 @@ def spectrum_stats(ctx: common.Ctx) -> dict:
 
 
 def curves(seed_dir: Path, seed: int) -> dict[str, list[Path]]:
-    """label -> this seed's RL run directories (the seed driver draws their per-step reward and
-    pass rate with a band across seeds: ``mlx_ssp report``'s comparison)."""
+    """label -> this seed's RL run directories, as its results.json names them (the seed driver
+    draws their per-step reward and pass rate with a band across seeds: ``mlx_ssp report``)."""
+    res = json.loads((seed_dir / "exp1" / "results.json").read_text())
     out: dict[str, list[Path]] = {}
-    for arm in ARMS:
-        for run in sorted(seed_dir.glob(f"rl_from/*/{arm}-s{seed}-*")):
-            domain = run.name[len(f"{arm}-s{seed}-"):]
-            out.setdefault(f"{domain}, {'first-win' if arm == 'first_matched' else arm}", []).append(run)
+    for per in res["per_seed"].values():
+        for d, r in per.items():
+            for arm, run in r.get("rl_dir", {}).items():
+                out.setdefault(f"{d}, {'first-win' if arm == 'first_matched' else arm}", []).append(Path(run))
     return out
 
 
 def headline(res: dict) -> dict[str, float]:
     """One seed's numbers the seed driver averages (scripts/experiments/seeds.py): per domain, the
-    arms' held-out pass@1 / pass@k after SFT and pass@1 after RL, and their paired differences."""
+    arms' held-out pass@1 / pass@k after SFT and pass@1 after RL, and their paired differences
+    (one SFT seed per run: the driver sets it)."""
+    if len(res["per_seed"]) != 1:
+        raise ValueError(f"headline needs a run of one SFT seed, got {len(res['per_seed'])}")
     out = {}
     for per in res["per_seed"].values():
         for d, r in per.items():
@@ -111,6 +115,7 @@ def run(ctx: common.Ctx) -> dict:
         for d in specs["diverse"]:
             r = {
                 "rl": {arm: common.scores(after_rl[arm][d], k, d) for arm in ARMS},
+                "rl_dir": {arm: str(common.rl_from_dir(ctx, f"{arm}-s{seed}-{d}", specs[arm][d])) for arm in ARMS},
                 "rl_diverse_minus_first": common.paired(after_rl["first_matched"][d], after_rl["diverse"][d], k, d),
                 "base": common.scores(base, k, d),
                 "first_matched": common.scores(evals["first_matched"][d], k, d),

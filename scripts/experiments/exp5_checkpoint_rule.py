@@ -83,8 +83,9 @@ def run(ctx: common.Ctx) -> dict:
     if not doms:
         raise common.UserError("the base model's rollouts have no correct solution in any domain: nothing to train on")
     probe = str(ctx.tasks("probe"))
+    overrides = {"val_batches": -1}
     specs = ctx.sft(f"ckpt-diverse-s{seed}", {d: {"data": str(data / d), "probe_tasks": probe} for d in doms}, seed,
-                    overrides={"val_batches": -1})
+                    overrides=overrides)
     per_domain: dict = {}
     rows_md, corr_md = [], []
     for d in doms:
@@ -93,7 +94,8 @@ def run(ctx: common.Ctx) -> dict:
         ckpts = []
         for row in curve:
             step = row["step"]
-            mdir = common.fuse_checkpoint(ctx, ddir, step, ddir.parent / "checkpoint_models" / f"{safe_dirname(d)}-step{step}")
+            mdir = common.fuse_checkpoint(ctx, ddir, step, ddir.parent / "checkpoint_models" / f"{safe_dirname(d)}-step{step}",
+                                          overrides)
             sft_ev = ctx.evaluate(f"ckpt-s{seed}-{d}-step{step}", mdir, [d])
             rl_ev = common.rl_from(ctx, f"ckpt-s{seed}-{d}-step{step}", mdir, d)
             ckpts.append({"step": step, "probe pass@1": row["pass@1"], "probe pass@k": row["pass@k"],
