@@ -39,12 +39,12 @@ from mlx_ssp.errors import UserError  # noqa: E402
 def headline(res: dict) -> dict[str, float]:
     """One seed's numbers the seed driver averages (scripts/experiments/seeds.py): held-out pass@1 at
     the last step, each arm's gain over the start, and MGPO - GRPO (paired per task)."""
-    last = str(res["steps"]) if str(res["steps"]) in res["curve"]["mgpo"] else res["steps"]
-    out = {"start pass@1": res["curve"]["mgpo"]["0" if "0" in res["curve"]["mgpo"] else 0]["pass@1"]}
+    curve, last = res["curve"], str(res["steps"])  # results.json: steps are string keys
+    out = {"start pass@1": curve["mgpo"]["0"]["pass@1"]}
     for arm in ("mgpo", "grpo"):
-        out[f"{arm} pass@1"] = res["curve"][arm][last]["pass@1"]
-        out[f"{arm} - start pass@1"] = res["curve"][arm][last]["gain"]["d_pass@1"]
-    out["mgpo - grpo pass@1"] = res["curve"]["mgpo_minus_grpo"][last]["d_pass@1"]
+        out[f"{arm} pass@1"] = curve[arm][last]["pass@1"]
+        out[f"{arm} - start pass@1"] = curve[arm][last]["gain"]["d_pass@1"]
+    out["mgpo - grpo pass@1"] = curve["mgpo_minus_grpo"][last]["d_pass@1"]
     return out
 
 

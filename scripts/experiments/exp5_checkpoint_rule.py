@@ -29,6 +29,7 @@ checkpoints of a full SFT run on a large model; here the checkpoints are few (``
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 from typing import Optional
@@ -63,13 +64,9 @@ def spearman(xs: list[Optional[float]], ys: list[float]) -> Optional[float]:
         return r
 
     rx, ry = ranks([p[0] for p in pts]), ranks([p[1] for p in pts])
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    sxx = sum((a - mx) ** 2 for a in rx)
-    syy = sum((b - my) ** 2 for b in ry)
-    if sxx == 0 or syy == 0:
+    if len(set(rx)) == 1 or len(set(ry)) == 1:
         return None
-    return sxy / (sxx * syy) ** 0.5
+    return statistics.correlation(rx, ry)  # Pearson's r of the ranks
 
 
 def run(ctx: common.Ctx) -> dict:

@@ -33,6 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import common  # noqa: E402  (the experiments' shared module: profiles, statistics, tables)
+
 EXPERIMENTS = {"exp1": "exp1_spectrum", "exp2": "exp2_merge_vs_blend", "exp3": "exp3_signal",
                "exp5": "exp5_checkpoint_rule"}
 
@@ -46,12 +49,7 @@ def parse_seeds(text: str) -> list[int]:
 
 def aggregate(per_seed: dict[int, dict[str, float | None]]) -> dict[str, dict]:
     """metric -> {mean, se, n, values by seed} over the seeds that have it (None values skipped)."""
-    sys.path.insert(0, str(HERE))
-    import common
-
-    keys: list[str] = []
-    for h in per_seed.values():
-        keys += [k for k in h if k not in keys]
+    keys = dict.fromkeys(k for h in per_seed.values() for k in h)  # first-seen order
     out = {}
     for key in keys:
         vals = {s: h[key] for s, h in per_seed.items() if h.get(key) is not None}
@@ -61,9 +59,6 @@ def aggregate(per_seed: dict[int, dict[str, float | None]]) -> dict[str, dict]:
 
 
 def summary_md(exp: str, agg: dict[str, dict], seeds: list[int], command: str) -> str:
-    sys.path.insert(0, str(HERE))
-    import common
-
     rows = []
     for key, a in agg.items():
         signed = " - " in key or "regret" in key or "spearman" in key
@@ -76,7 +71,7 @@ def summary_md(exp: str, agg: dict[str, dict], seeds: list[int], command: str) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("exps", metavar="EXP[,EXP...]", help=f"one or more of {', '.join(sorted(EXPERIMENTS))}, run in this order per seed")
-    ap.add_argument("--profile", default="demo", choices=("demo", "testbed"))
+    ap.add_argument("--profile", default="demo", choices=sorted(common.PROFILES))
     ap.add_argument("--seeds", default="0-4")
     ap.add_argument("--jobs", type=int, default=1, help="seeds run in parallel")
     ap.add_argument("--out", default=None, help="default runs/seeds-PROFILE (experiments of one seed share its cached steps)")
@@ -101,9 +96,6 @@ def main() -> None:
         for o in args.overrides:
             c += ["--set", o]
         return c + (["--tiny"] if args.tiny else [])
-
-    sys.path.insert(0, str(HERE))
-    import common
 
     if not args.tiny:  # the model is built (or converted) once here, not by each parallel seed
         from mlx_ssp.config import apply_overrides
