@@ -158,6 +158,26 @@ def test_exp3_mgpo_vs_grpo(work):
     rest = [{k: v for k, v in c.items() if k != "mgpo_lambda"} for c in cfgs]
     assert rest[0] == rest[1]
 
+    # a third arm: GRPO at the MGPO arm's mean weight x the learning rate; the two arms above are reused
+    mod = _load("exp3_signal")
+    res2 = _run("exp3_signal", work, "--set", "grpo_lr_scale=mgpo")
+    w = [r["mgpo_weight_mean"] for r in res["train_metrics"]["mgpo"]]
+    assert res2["grpo_lr_scale"] == pytest.approx(sum(w) / len(w)) and res2["grpo_lr_scale"] < 1.0
+    assert res2["curve"]["mgpo"] == res["curve"]["mgpo"] and res2["curve"]["grpo"] == res["curve"]["grpo"]
+    lr_dirs = list(Path(res["out_dir"]).glob("grpo-lr*"))
+    assert len(lr_dirs) == 1
+    c = json.loads((lr_dirs[0] / "rl_config.json").read_text())["rl"]
+    assert c["mgpo_lambda"] == 0.0 and c["learning_rate"] == pytest.approx(cfgs[1]["learning_rate"] * res2["grpo_lr_scale"])
+    assert {k: v for k, v in c.items() if k != "learning_rate"} == {k: v for k, v in cfgs[1].items() if k != "learning_rate"}
+    assert sorted(int(s) for s in res2["curve"]["grpo_lr"]) == [0, 1, 2]
+    h = mod.headline(res2)
+    assert h["mgpo - grpo_lr pass@1"] == res2["curve"]["mgpo_minus_grpo_lr"]["2"]["d_pass@1"]
+    assert "grpo_lr pass@1" not in mod.headline(res)
+    from mlx_ssp.errors import UserError
+
+    with pytest.raises(UserError, match="grpo_lr_scale.*valid"):
+        _run("exp3_signal", work, "--set", "grpo_lr_scale=-1")
+
 
 def test_exp5_checkpoint_rule_rl_from_every_checkpoint(work):
     from mlx_ssp.sft.probe import select_checkpoint

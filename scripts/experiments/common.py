@@ -89,6 +89,9 @@ DEFAULTS: dict[str, Any] = {
     },
     "rl_eval_every": 4,  # held-out evaluation every N RL steps (and at the last)
     "domains": None,  # the tasks' domains to use (null: all); e.g. [addition] for one
+    # experiment 3: also a GRPO arm at this x the learning rate (a number > 0, or "mgpo": the MGPO
+    # arm's mean weight over its steps); null: not run
+    "grpo_lr_scale": None,
 }
 
 _TB_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 48}
@@ -129,6 +132,7 @@ TESTBED: dict[str, Any] = {
     },
     "rl_eval_every": 60,
     "domains": None,
+    "grpo_lr_scale": None,
 }
 
 #: --profile NAME -> the defaults it starts from
@@ -352,15 +356,16 @@ class Ctx:
 
 
 def rl_arm(ctx: Ctx, arm: str, lam: float, start: str, out: Path, domains: list[str],
-           train_domains: Optional[list[str]] = None) -> dict[int, dict]:
-    """Train one RL arm from the model at ``start`` with ``ctx.rl_cfg`` (``mgpo_lambda`` = ``lam``)
-    on the train tasks of ``train_domains`` (None: every domain), resumable (the RL loop continues
-    from its last checkpoint); returns {step: held-out eval on ``domains``} for every evaluated step
-    (every ``rl_eval_every`` and the last; step 0 excluded)."""
+           train_domains: Optional[list[str]] = None, update: Optional[dict] = None) -> dict[int, dict]:
+    """Train one RL arm from the model at ``start`` with ``ctx.rl_cfg`` (``mgpo_lambda`` = ``lam``,
+    and the RL settings in ``update``, e.g. another learning rate) on the train tasks of
+    ``train_domains`` (None: every domain), resumable (the RL loop continues from its last
+    checkpoint); returns {step: held-out eval on ``domains``} for every evaluated step (every
+    ``rl_eval_every`` and the last; step 0 excluded)."""
     from mlx_ssp.models import load_model
     from mlx_ssp.rl.loop import setup_model, train
 
-    cfg = ctx.rl_cfg.model_copy(update={"mgpo_lambda": lam})
+    cfg = ctx.rl_cfg.model_copy(update={**(update or {}), "mgpo_lambda": lam})
     steps = cfg.steps
     every = ctx.rl_eval_every
     want = sorted({s for s in range(every, steps + 1, every)} | {steps})

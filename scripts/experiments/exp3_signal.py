@@ -9,7 +9,14 @@ experiment 2's merged model, with ``mlx_ssp.rl.loop.train``:
 - ``grpo``: the same config with ``mgpo_lambda = 0`` (w = 1: plain GRPO).
 
 Everything else is identical: steps, prompts per step, group size G, sampling, learning rate, LoRA,
-training seed (so both arms see the same prompt order and the same first-step rollouts). Every
+training seed (so both arms see the same prompt order and the same first-step rollouts).
+
+MGPO's weights are at most 1, so its loss is also smaller on average (mean weight about 0.75 at
+lambda = 1). With the default AdamW that alone changes little: Adam divides each gradient by its
+running RMS, so a constant factor on the loss cancels (up to epsilon and the clip threshold); only
+how the weights vary between prompts and steps is left. To measure rather than argue it,
+``grpo_lr_scale`` adds a third arm, ``grpo_lr``: GRPO at that multiple of the learning rate (a
+number, or ``mgpo``: the MGPO arm's mean weight over its steps, measured after it has run). Every
 ``rl_eval_every`` steps (and at the last step) the in-memory policy is evaluated on the held-out
 split of every domain (pass@1, pass@K, same sampling seeds for every model); step 0 is the merged
 model's own evaluation. Reported: held-out pass@1 per evaluated step, the gain over step 0 with a
@@ -45,7 +52,29 @@ def headline(res: dict) -> dict[str, float]:
         out[f"{arm} pass@1"] = curve[arm][last]["pass@1"]
         out[f"{arm} - start pass@1"] = curve[arm][last]["gain"]["d_pass@1"]
     out["mgpo - grpo pass@1"] = curve["mgpo_minus_grpo"][last]["d_pass@1"]
+    if "grpo_lr" in curve:
+        out["grpo_lr pass@1"] = curve["grpo_lr"][last]["pass@1"]
+        out["mgpo - grpo_lr pass@1"] = curve["mgpo_minus_grpo_lr"][last]["d_pass@1"]
+        out["grpo_lr lr scale"] = res["grpo_lr_scale"]
     return out
+
+
+def lr_scale(setting, mgpo_metrics: list[dict]) -> float:
+    """The ``grpo_lr_scale`` setting as a number: itself, or for ``"mgpo"`` the MGPO arm's mean
+    weight over its steps (the mean of each step's mean group weight)."""
+    if setting == "mgpo":
+        w = [m["mgpo_weight_mean"] for m in mgpo_metrics if m.get("mgpo_weight_mean") is not None]
+        if not w:
+            raise UserError("grpo_lr_scale=mgpo: the MGPO arm's metrics.jsonl has no mgpo_weight_mean")
+        return sum(w) / len(w)
+    return float(setting)
+
+
+def check_lr_scale(setting) -> None:
+    ok = setting is None or setting == "mgpo" or (
+        isinstance(setting, (int, float)) and not isinstance(setting, bool) and setting > 0)
+    if not ok:
+        raise UserError(f"grpo_lr_scale: {setting!r} is not valid; valid: null, a number > 0, or mgpo")
 
 
 def metrics(path: Path) -> list[dict]:
@@ -59,6 +88,8 @@ def run(ctx: common.Ctx) -> dict:
     lam = ctx.rl_cfg.mgpo_lambda
     if lam <= 0:
         raise UserError("experiment 3 compares MGPO with GRPO: rl.mgpo_lambda must be > 0 (the GRPO arm uses 0)")
+    scale_setting = ctx.raw.get("grpo_lr_scale")
+    check_lr_scale(scale_setting)
     start, specs = merged_model(ctx)
     domains = list(specs)
     seed = ctx.sft_seeds[0]
@@ -68,6 +99,13 @@ def run(ctx: common.Ctx) -> dict:
     arms = {"mgpo": lam, "grpo": 0.0}
     evals = {arm: common.rl_arm(ctx, arm, l, start, out, domains) for arm, l in arms.items()}
     steps = ctx.rl_cfg.steps
+    scale = None
+    if scale_setting is not None:
+        scale = lr_scale(scale_setting, metrics(out / "mgpo" / "metrics.jsonl"))
+        lr = ctx.rl_cfg.learning_rate * scale
+        # the directory names the learning rate, so arms at different scales do not share a run
+        evals["grpo_lr"] = common.rl_arm(ctx, f"grpo-lr{lr:.4g}", 0.0, start, out, domains,
+                                         update={"learning_rate": lr})
     s0 = common.scores(start_eval, k)
     p0 = common.fmt(s0["pass@1"], s0["pass@1_se"])
     rows = [["0 (merged)", p0, p0, "-", "-", "-"]]
@@ -94,6 +132,21 @@ def run(ctx: common.Ctx) -> dict:
             r += [common.fmt(m.get("pass_rate")), common.fmt(m.get("mgpo_weight_mean")),
                   common.fmt(m.get("frac_groups_mixed"))]
         train_rows.append(r)
+    extra = []
+    if scale is not None:
+        arm_dir = f"grpo-lr{lr:.4g}"
+        logs["grpo_lr"] = metrics(out / arm_dir / "metrics.jsonl")
+        curve["grpo_lr"] = {0: s0}
+        lr_rows = []
+        for s in sorted(evals["grpo_lr"]):
+            sc = common.scores(evals["grpo_lr"][s], k)
+            curve["grpo_lr"][s] = {**sc, "gain": common.paired(start_eval, evals["grpo_lr"][s], k)}
+            diff = common.paired(evals["grpo_lr"][s], evals["mgpo"][s], k)
+            curve.setdefault("mgpo_minus_grpo_lr", {})[s] = diff
+            lr_rows.append([str(s), common.fmt(sc["pass@1"], sc["pass@1_se"]),
+                            common.fdiff(curve["grpo_lr"][s]["gain"], "pass@1"), common.fdiff(diff, "pass@1")])
+        extra = ["", f"GRPO at {scale:.4g} x the learning rate ({lr:.4g}; grpo_lr_scale={scale_setting}):", "",
+                 common.md_table(["step", "GRPO (scaled lr) pass@1", "its gain vs step 0", "MGPO - it"], lr_rows)]
     c = ctx.rl_cfg
     text = "\n".join([
         f"## Experiment 3: MGPO (lambda={lam}) vs GRPO (lambda=0) from the merged model "
@@ -109,9 +162,12 @@ def run(ctx: common.Ctx) -> dict:
         "",
         common.md_table(["step", "MGPO train pass rate", "MGPO mean w", "MGPO mixed groups",
                          "GRPO train pass rate", "GRPO mean w", "GRPO mixed groups"], train_rows),
+        *extra,
     ])
     results = {"k": k, "lambda": lam, "steps": steps, "curve": curve, "per_step": per_step,
                "train_metrics": logs, "out_dir": str(out)}
+    if scale is not None:
+        results["grpo_lr_scale"] = scale
     common.write_results(ctx, "exp3", results, text)
     # keep every RL setting's results (exp3/results.* is the latest run)
     for name in ("results.json", "results.md"):
