@@ -16,7 +16,8 @@ the script's ``headline`` as mean ± standard error (sd / sqrt(seeds)) and the p
 Several experiments (``exp1,exp2``) run one after another within a seed and share its cached steps
 (experiment 2 merges experiment 1's diverse specialists). Resumable: each seed's steps are cached (a
 rerun redoes only what is missing). ``--jobs`` runs seeds in parallel processes (a 2-core machine:
-2). Results: OUT/summary-EXP.{json,md}; each seed's own tables: OUT/seed-S/EXP/results.md.
+2). Results: OUT/summary-EXP.{json,md} (OUT/summary-EXP-TAG.* with ``--tag TAG``); each seed's own
+tables: OUT/seed-S/EXP/results.md.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -77,6 +79,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default runs/seeds-PROFILE (experiments of one seed share its cached steps)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="passed to every seed's run (not seed or sft_seeds)")
+    ap.add_argument("--tag", default=None, help="names this setting's summaries (OUT/summary-EXP-TAG.*), so runs of "
+                    "other --set values in the same OUT (which share its cached steps) keep theirs")
     ap.add_argument("--tiny", action="store_true", help="the scripts' --tiny (plumbing check)")
     args = ap.parse_args()
     exps = [e.strip() for e in args.exps.split(",") if e.strip()]
@@ -86,6 +90,9 @@ def main() -> None:
     bad = [o for o in args.overrides if o.split("=", 1)[0] in ("seed", "sft_seeds")]
     if bad:
         raise SystemExit(f"--set {bad[0]}: the seed is this driver's (--seeds)")
+    if args.tag is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.tag):
+        raise SystemExit(f"--tag {args.tag!r}: letters, digits, '.', '_' and '-' only (it names files)")
+    suffix = f"-{args.tag}" if args.tag else ""
     seeds = parse_seeds(args.seeds)
     out = Path(args.out or f"runs/seeds-{args.profile}{'-tiny' if args.tiny else ''}")
     out.mkdir(parents=True, exist_ok=True)
@@ -140,16 +147,16 @@ def main() -> None:
         per_seed = {s: mod.headline(json.loads((out / f"seed-{s}" / result / "results.json").read_text())) for s in seeds}
         agg = aggregate(per_seed)
         text = summary_md(exp, agg, seeds, command)
-        write_json_atomic(out / f"summary-{exp}.json", {"exp": exp, "profile": args.profile, "seeds": seeds,
+        write_json_atomic(out / f"summary-{exp}{suffix}.json", {"exp": exp, "profile": args.profile, "seeds": seeds,
                                                         "command": command, "overrides": args.overrides,
                                                         "seconds": round(time.perf_counter() - t0, 1), "metrics": agg})
-        write_text_atomic(out / f"summary-{exp}.md", text + "\n")
+        write_text_atomic(out / f"summary-{exp}{suffix}.md", text + "\n")
         if hasattr(mod, "curves"):  # per-step RL curves with a band across seeds (mlx_ssp report)
             from mlx_ssp.report import build_comparison
 
             specs = [f"{label}={p}" for s in seeds for label, ps in mod.curves(out / f"seed-{s}", s).items() for p in ps]
             if specs:
-                build_comparison(specs, out / f"report-{exp}")
+                build_comparison(specs, out / f"report-{exp}{suffix}")
         print(text + "\n")
 
 
