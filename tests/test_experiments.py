@@ -195,7 +195,8 @@ def test_exp5_checkpoint_rule_rl_from_every_checkpoint(work):
         c = ck[select_checkpoint(rows, rule)]
         assert x["step"] == c["step"] and x["rl_pass@1"] == c["rl"]["pass@1"]
         assert x["regret"] == pytest.approx(best - x["rl_pass@1"]) and x["regret"] >= 0
-    assert set(r["spearman"]) == {"probe pass@k", "probe pass@1", "-val_loss", "held-out SFT pass@1"}
+    assert set(r["spearman"]) == {"probe pass@k", "probe pass@1", "-val_loss", "held-out SFT pass@1",
+                                  "held-out SFT pass@k"}
     assert all(v is None for v in r["spearman"].values())  # two checkpoints: too few to rank
 
 

@@ -18,7 +18,7 @@ script measures it, per domain:
    post-RL pass@1 minus the choice's), and the paired differences between the rules' choices;
 4. how well each probe signal predicts the post-RL result across the checkpoints: the Spearman rank
    correlation of probe pass@k, probe pass@1, minus validation loss and held-out post-SFT pass@1
-   with post-RL pass@1 (None where a signal is constant over the checkpoints).
+   and pass@k with post-RL pass@1 (None where a signal is constant over the checkpoints).
 
     python scripts/experiments/exp5_checkpoint_rule.py [--profile testbed] [--tiny] [--set sft.save_every=20]
     python scripts/experiments/seeds.py exp5 --profile testbed --seeds 0-4 --jobs 2   # 5 training seeds
@@ -40,7 +40,8 @@ import common  # noqa: E402
 
 RULES = ("pass@k", "pass@1", "val_loss")
 #: the probe signals whose rank correlation with post-RL pass@1 is reported (higher = better for each)
-SIGNALS = ("probe pass@k", "probe pass@1", "-val_loss", "held-out SFT pass@1")
+#: (the held-out ones use the evaluation's n samples on every held-out task: a larger, less tied probe)
+SIGNALS = ("probe pass@k", "probe pass@1", "-val_loss", "held-out SFT pass@1", "held-out SFT pass@k")
 
 
 def spearman(xs: list[Optional[float]], ys: list[float]) -> Optional[float]:
@@ -115,7 +116,8 @@ def run(ctx: common.Ctx) -> dict:
         post = [c["rl"]["pass@1"] for c in ckpts]
         signal = {"probe pass@k": [c["probe pass@k"] for c in ckpts], "probe pass@1": [c["probe pass@1"] for c in ckpts],
                   "-val_loss": [None if c["val_loss"] is None else -c["val_loss"] for c in ckpts],
-                  "held-out SFT pass@1": [c["sft"]["pass@1"] for c in ckpts]}
+                  "held-out SFT pass@1": [c["sft"]["pass@1"] for c in ckpts],
+                  "held-out SFT pass@k": [c["sft"]["pass@k"] for c in ckpts]}
         r["spearman"] = {s: spearman(signal[s], post) for s in SIGNALS}
         corr_md.append([d, str(len(ckpts))] + [common.fmt(r["spearman"][s], signed=True) for s in SIGNALS])
         per_domain[d] = r
