@@ -173,6 +173,13 @@ def test_exp3_mgpo_vs_grpo(work):
     h = mod.headline(res2)
     assert h["mgpo - grpo_lr pass@1"] == res2["curve"]["mgpo_minus_grpo_lr"]["2"]["d_pass@1"]
     assert "grpo_lr pass@1" not in mod.headline(res)
+    # the seed driver's curves: each arm's RL run, drawn with a band across seeds
+    cur = mod.curves(work, 0)
+    assert set(cur) == {"MGPO", "GRPO", "GRPO (lr scaled)"} and cur["GRPO (lr scaled)"] == [lr_dirs[0]]
+    from mlx_ssp.report import build_comparison
+
+    build_comparison([f"{label}={p}" for label, ps in cur.items() for p in ps], work / "report-exp3")
+    assert "GRPO (lr scaled)" in (work / "report-exp3" / "compare.md").read_text()
     from mlx_ssp.errors import UserError
 
     with pytest.raises(UserError, match="grpo_lr_scale.*valid"):

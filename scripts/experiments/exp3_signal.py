@@ -59,11 +59,20 @@ def headline(res: dict) -> dict[str, float]:
     return out
 
 
+def curves(seed_dir: Path, seed: int) -> dict[str, list[Path]]:
+    """label -> this seed's RL run directories (the seed driver draws their per-step reward and
+    pass rate with a band across seeds: ``mlx_ssp report``)."""
+    res = json.loads((seed_dir / "exp3" / "results.json").read_text())
+    labels = {"mgpo": "MGPO", "grpo": "GRPO", "grpo_lr": "GRPO (lr scaled)"}
+    return {labels[arm]: [Path(d)] for arm, d in res.get("run_dirs", {}).items()}
+
+
 def lr_scale(setting, mgpo_metrics: list[dict]) -> float:
     """The ``grpo_lr_scale`` setting as a number: itself, or for ``"mgpo"`` the MGPO arm's mean
     weight over its steps (the mean of each step's mean group weight)."""
     if setting == "mgpo":
-        w = [m["mgpo_weight_mean"] for m in mgpo_metrics if m.get("mgpo_weight_mean") is not None]
+        by_step = {m.get("step"): m for m in mgpo_metrics}  # a resumed run may log a step twice: the last counts
+        w = [m["mgpo_weight_mean"] for m in by_step.values() if m.get("mgpo_weight_mean") is not None]
         if not w:
             raise UserError("grpo_lr_scale=mgpo: the MGPO arm's metrics.jsonl has no mgpo_weight_mean")
         return sum(w) / len(w)
@@ -104,8 +113,8 @@ def run(ctx: common.Ctx) -> dict:
         scale = lr_scale(scale_setting, metrics(out / "mgpo" / "metrics.jsonl"))
         lr = ctx.rl_cfg.learning_rate * scale
         # the directory names the learning rate, so arms at different scales do not share a run
-        evals["grpo_lr"] = common.rl_arm(ctx, f"grpo-lr{lr:.4g}", 0.0, start, out, domains,
-                                         update={"learning_rate": lr})
+        lr_arm = f"grpo-lr{lr:.4g}"
+        evals["grpo_lr"] = common.rl_arm(ctx, lr_arm, 0.0, start, out, domains, update={"learning_rate": lr})
     s0 = common.scores(start_eval, k)
     p0 = common.fmt(s0["pass@1"], s0["pass@1_se"])
     rows = [["0 (merged)", p0, p0, "-", "-", "-"]]
@@ -134,8 +143,7 @@ def run(ctx: common.Ctx) -> dict:
         train_rows.append(r)
     extra = []
     if scale is not None:
-        arm_dir = f"grpo-lr{lr:.4g}"
-        logs["grpo_lr"] = metrics(out / arm_dir / "metrics.jsonl")
+        logs["grpo_lr"] = metrics(out / lr_arm / "metrics.jsonl")
         curve["grpo_lr"] = {0: s0}
         lr_rows = []
         for s in sorted(evals["grpo_lr"]):
@@ -166,8 +174,10 @@ def run(ctx: common.Ctx) -> dict:
     ])
     results = {"k": k, "lambda": lam, "steps": steps, "curve": curve, "per_step": per_step,
                "train_metrics": logs, "out_dir": str(out)}
+    results["run_dirs"] = {arm: str(out / arm) for arm in arms}
     if scale is not None:
         results["grpo_lr_scale"] = scale
+        results["run_dirs"]["grpo_lr"] = str(out / lr_arm)
     common.write_results(ctx, "exp3", results, text)
     # keep every RL setting's results (exp3/results.* is the latest run)
     for name in ("results.json", "results.md"):
