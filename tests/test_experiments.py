@@ -165,7 +165,7 @@ def test_exp3_mgpo_vs_grpo(work):
     assert res2["grpo_lr_scale"] == pytest.approx(sum(w) / len(w)) and res2["grpo_lr_scale"] < 1.0
     assert res2["curve"]["mgpo"] == res["curve"]["mgpo"] and res2["curve"]["grpo"] == res["curve"]["grpo"]
     lr_dirs = list(Path(res["out_dir"]).glob("grpo-lr*"))
-    assert len(lr_dirs) == 1
+    assert lr_dirs == [Path(res2["run_dirs"]["grpo_lr"])]
     c = json.loads((lr_dirs[0] / "rl_config.json").read_text())["rl"]
     assert c["mgpo_lambda"] == 0.0 and c["learning_rate"] == pytest.approx(cfgs[1]["learning_rate"] * res2["grpo_lr_scale"])
     assert {k: v for k, v in c.items() if k != "learning_rate"} == {k: v for k, v in cfgs[1].items() if k != "learning_rate"}
@@ -182,8 +182,13 @@ def test_exp3_mgpo_vs_grpo(work):
     assert "GRPO (lr scaled)" in (work / "report-exp3" / "compare.md").read_text()
     from mlx_ssp.errors import UserError
 
-    with pytest.raises(UserError, match="grpo_lr_scale.*valid"):
-        _run("exp3_signal", work, "--set", "grpo_lr_scale=-1")
+    for bad in ("-1", "foo", ".inf"):
+        with pytest.raises(UserError, match="grpo_lr_scale.*valid: null, a finite number > 0, or mgpo"):
+            _run("exp3_signal", work, "--set", f"grpo_lr_scale={bad}")
+    # a number: the arm's learning rate is that multiple
+    res3 = _run("exp3_signal", work, "--set", "grpo_lr_scale=0.5")
+    c = json.loads((Path(res3["run_dirs"]["grpo_lr"]) / "rl_config.json").read_text())["rl"]
+    assert res3["grpo_lr_scale"] == 0.5 and c["learning_rate"] == pytest.approx(cfgs[1]["learning_rate"] * 0.5)
 
 
 def test_exp5_checkpoint_rule_rl_from_every_checkpoint(work):
@@ -205,6 +210,12 @@ def test_exp5_checkpoint_rule_rl_from_every_checkpoint(work):
     assert set(r["spearman"]) == {"probe pass@k", "probe pass@1", "-val_loss", "held-out SFT pass@1",
                                   "held-out SFT pass@k"}
     assert all(v is None for v in r["spearman"].values())  # two checkpoints: too few to rank
+    exp5 = _load("exp5_checkpoint_rule")
+    sig = exp5.signals(ck)
+    assert set(sig) == set(exp5.SIGNALS)
+    assert sig["held-out SFT pass@k"] == [c["sft"]["pass@k"] for c in ck]
+    assert sig["held-out SFT pass@1"] == [c["sft"]["pass@1"] for c in ck]
+    assert sig["-val_loss"] == [-c["val_loss"] for c in ck]
 
 
 def test_seed_statistics_are_exact():

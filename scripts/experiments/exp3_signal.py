@@ -31,6 +31,7 @@ Results: WORK_DIR/exp3/results.{json,md} (the latest run) and WORK_DIR/rl/<setti
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -54,6 +55,7 @@ def headline(res: dict) -> dict[str, float]:
     out["mgpo - grpo pass@1"] = curve["mgpo_minus_grpo"][last]["d_pass@1"]
     if "grpo_lr" in curve:
         out["grpo_lr pass@1"] = curve["grpo_lr"][last]["pass@1"]
+        out["grpo_lr - start pass@1"] = curve["grpo_lr"][last]["gain"]["d_pass@1"]
         out["mgpo - grpo_lr pass@1"] = curve["mgpo_minus_grpo_lr"][last]["d_pass@1"]
         out["grpo_lr lr scale"] = res["grpo_lr_scale"]
     return out
@@ -64,15 +66,16 @@ def curves(seed_dir: Path, seed: int) -> dict[str, list[Path]]:
     pass rate with a band across seeds: ``mlx_ssp report``)."""
     res = json.loads((seed_dir / "exp3" / "results.json").read_text())
     labels = {"mgpo": "MGPO", "grpo": "GRPO", "grpo_lr": "GRPO (lr scaled)"}
-    return {labels[arm]: [Path(d)] for arm, d in res.get("run_dirs", {}).items()}
+    # results written before run_dirs existed: the two arms live under out_dir by name
+    dirs = res.get("run_dirs") or {arm: str(Path(res["out_dir"]) / arm) for arm in ("mgpo", "grpo")}
+    return {labels[arm]: [Path(d)] for arm, d in dirs.items()}
 
 
 def lr_scale(setting, mgpo_metrics: list[dict]) -> float:
     """The ``grpo_lr_scale`` setting as a number: itself, or for ``"mgpo"`` the MGPO arm's mean
     weight over its steps (the mean of each step's mean group weight)."""
     if setting == "mgpo":
-        by_step = {m.get("step"): m for m in mgpo_metrics}  # a resumed run may log a step twice: the last counts
-        w = [m["mgpo_weight_mean"] for m in by_step.values() if m.get("mgpo_weight_mean") is not None]
+        w = [m["mgpo_weight_mean"] for m in mgpo_metrics if m.get("mgpo_weight_mean") is not None]
         if not w:
             raise UserError("grpo_lr_scale=mgpo: the MGPO arm's metrics.jsonl has no mgpo_weight_mean")
         return sum(w) / len(w)
@@ -80,10 +83,21 @@ def lr_scale(setting, mgpo_metrics: list[dict]) -> float:
 
 
 def check_lr_scale(setting) -> None:
+    """Fail before any work unless ``grpo_lr_scale`` is null, ``mgpo`` or a finite number > 0."""
     ok = setting is None or setting == "mgpo" or (
-        isinstance(setting, (int, float)) and not isinstance(setting, bool) and setting > 0)
+        isinstance(setting, (int, float)) and not isinstance(setting, bool) and math.isfinite(setting) and setting > 0)
     if not ok:
-        raise UserError(f"grpo_lr_scale: {setting!r} is not valid; valid: null, a number > 0, or mgpo")
+        raise UserError(f"grpo_lr_scale: {setting!r} is not valid; valid: null, a finite number > 0, or mgpo")
+
+
+def check_cached_lr(run_dir: Path, lr: float) -> None:
+    """The scaled arm's directory is named by its learning rate to 4 digits: refuse a cached run whose
+    learning rate differs beyond that (its results would be reported as this scale's)."""
+    f = run_dir / "rl_config.json"
+    if f.exists():
+        have = json.loads(f.read_text())["rl"]["learning_rate"]
+        if not math.isclose(have, lr, rel_tol=1e-6):
+            raise UserError(f"{run_dir} holds a run at learning rate {have}, not {lr}; delete it to rerun")
 
 
 def metrics(path: Path) -> list[dict]:
@@ -107,33 +121,38 @@ def run(ctx: common.Ctx) -> dict:
     out = ctx.path("rl", tag)
     arms = {"mgpo": lam, "grpo": 0.0}
     evals = {arm: common.rl_arm(ctx, arm, l, start, out, domains) for arm, l in arms.items()}
+    run_dirs = {arm: out / arm for arm in arms}
     steps = ctx.rl_cfg.steps
     scale = None
     if scale_setting is not None:
         scale = lr_scale(scale_setting, metrics(out / "mgpo" / "metrics.jsonl"))
         lr = ctx.rl_cfg.learning_rate * scale
         # the directory names the learning rate, so arms at different scales do not share a run
-        lr_arm = f"grpo-lr{lr:.4g}"
-        evals["grpo_lr"] = common.rl_arm(ctx, lr_arm, 0.0, start, out, domains, update={"learning_rate": lr})
+        run_dirs["grpo_lr"] = out / f"grpo-lr{lr:.4g}"
+        check_cached_lr(run_dirs["grpo_lr"], lr)
+        evals["grpo_lr"] = common.rl_arm(ctx, run_dirs["grpo_lr"].name, 0.0, start, out, domains,
+                                         update={"learning_rate": lr})
     s0 = common.scores(start_eval, k)
-    p0 = common.fmt(s0["pass@1"], s0["pass@1_se"])
+    # every arm's held-out curve: pass@1 / pass@k and the paired gain over the merged model
+    curve: dict = {arm: {0: s0} for arm in evals}
+    for arm, ev in evals.items():
+        for s in sorted(ev):
+            curve[arm][s] = {**common.scores(ev[s], k), "gain": common.paired(start_eval, ev[s], k)}
+    for other in [a for a in evals if a != "mgpo"]:
+        curve[f"mgpo_minus_{other}"] = {s: common.paired(evals[other][s], evals["mgpo"][s], k) for s in evals["mgpo"]}
+
+    def cell(arm: str, s: int) -> str:
+        return common.fmt(curve[arm][s]["pass@1"], curve[arm][s]["pass@1_se"])
+
+    p0 = cell("mgpo", 0)
     rows = [["0 (merged)", p0, p0, "-", "-", "-"]]
-    curve: dict = {arm: {0: s0} for arm in arms}
-    for s in sorted(evals["mgpo"]):
-        sc = {arm: common.scores(evals[arm][s], k) for arm in arms}
-        gain = {arm: common.paired(start_eval, evals[arm][s], k) for arm in arms}
-        diff = common.paired(evals["grpo"][s], evals["mgpo"][s], k)
-        for arm in arms:
-            curve[arm][s] = {**sc[arm], "gain": gain[arm]}
-        curve.setdefault("mgpo_minus_grpo", {})[s] = diff
-        rows.append([str(s), common.fmt(sc["mgpo"]["pass@1"], sc["mgpo"]["pass@1_se"]),
-                     common.fmt(sc["grpo"]["pass@1"], sc["grpo"]["pass@1_se"]),
-                     common.fdiff(gain["mgpo"], "pass@1"), common.fdiff(gain["grpo"], "pass@1"),
-                     common.fdiff(diff, "pass@1")])
+    rows += [[str(s), cell("mgpo", s), cell("grpo", s), common.fdiff(curve["mgpo"][s]["gain"], "pass@1"),
+              common.fdiff(curve["grpo"][s]["gain"], "pass@1"), common.fdiff(curve["mgpo_minus_grpo"][s], "pass@1")]
+             for s in sorted(evals["mgpo"])]
     per_step = {arm: {"pass@1_gain_per_step": curve[arm][steps]["gain"]["d_pass@1"] / steps,
                       "se": (curve[arm][steps]["gain"]["d_pass@1_se"] or 0.0) / steps} for arm in arms}
     train_rows = []
-    logs = {arm: metrics(out / arm / "metrics.jsonl") for arm in arms}
+    logs = {arm: metrics(d / "metrics.jsonl") for arm, d in run_dirs.items()}
     for i in range(steps):
         r = [str(i + 1)]
         for arm in arms:
@@ -143,16 +162,8 @@ def run(ctx: common.Ctx) -> dict:
         train_rows.append(r)
     extra = []
     if scale is not None:
-        logs["grpo_lr"] = metrics(out / lr_arm / "metrics.jsonl")
-        curve["grpo_lr"] = {0: s0}
-        lr_rows = []
-        for s in sorted(evals["grpo_lr"]):
-            sc = common.scores(evals["grpo_lr"][s], k)
-            curve["grpo_lr"][s] = {**sc, "gain": common.paired(start_eval, evals["grpo_lr"][s], k)}
-            diff = common.paired(evals["grpo_lr"][s], evals["mgpo"][s], k)
-            curve.setdefault("mgpo_minus_grpo_lr", {})[s] = diff
-            lr_rows.append([str(s), common.fmt(sc["pass@1"], sc["pass@1_se"]),
-                            common.fdiff(curve["grpo_lr"][s]["gain"], "pass@1"), common.fdiff(diff, "pass@1")])
+        lr_rows = [[str(s), cell("grpo_lr", s), common.fdiff(curve["grpo_lr"][s]["gain"], "pass@1"),
+                    common.fdiff(curve["mgpo_minus_grpo_lr"][s], "pass@1")] for s in sorted(evals["grpo_lr"])]
         extra = ["", f"GRPO at {scale:.4g} x the learning rate ({lr:.4g}; grpo_lr_scale={scale_setting}):", "",
                  common.md_table(["step", "GRPO (scaled lr) pass@1", "its gain vs step 0", "MGPO - it"], lr_rows)]
     c = ctx.rl_cfg
@@ -173,11 +184,9 @@ def run(ctx: common.Ctx) -> dict:
         *extra,
     ])
     results = {"k": k, "lambda": lam, "steps": steps, "curve": curve, "per_step": per_step,
-               "train_metrics": logs, "out_dir": str(out)}
-    results["run_dirs"] = {arm: str(out / arm) for arm in arms}
+               "train_metrics": logs, "out_dir": str(out), "run_dirs": {a: str(d) for a, d in run_dirs.items()}}
     if scale is not None:
         results["grpo_lr_scale"] = scale
-        results["run_dirs"]["grpo_lr"] = str(out / lr_arm)
     common.write_results(ctx, "exp3", results, text)
     # keep every RL setting's results (exp3/results.* is the latest run)
     for name in ("results.json", "results.md"):

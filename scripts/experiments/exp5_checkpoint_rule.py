@@ -40,8 +40,17 @@ import common  # noqa: E402
 
 RULES = ("pass@k", "pass@1", "val_loss")
 #: the probe signals whose rank correlation with post-RL pass@1 is reported (higher = better for each)
-#: (the held-out ones use the evaluation's n samples on every held-out task: a larger, less tied probe)
+#: (the held-out ones read the held-out split, n samples on each of its tasks: a larger probe, but a
+#: diagnostic only; a checkpoint rule that used them would select on the test set)
 SIGNALS = ("probe pass@k", "probe pass@1", "-val_loss", "held-out SFT pass@1", "held-out SFT pass@k")
+
+
+def signals(ckpts: list[dict]) -> dict[str, list[Optional[float]]]:
+    """Each signal of :data:`SIGNALS` over the checkpoints, oriented so that higher is better."""
+    return {"probe pass@k": [c["probe pass@k"] for c in ckpts], "probe pass@1": [c["probe pass@1"] for c in ckpts],
+            "-val_loss": [None if c["val_loss"] is None else -c["val_loss"] for c in ckpts],
+            "held-out SFT pass@1": [c["sft"]["pass@1"] for c in ckpts],
+            "held-out SFT pass@k": [c["sft"]["pass@k"] for c in ckpts]}
 
 
 def spearman(xs: list[Optional[float]], ys: list[float]) -> Optional[float]:
@@ -114,10 +123,7 @@ def run(ctx: common.Ctx) -> dict:
         for a, b in (("pass@k", "pass@1"), ("pass@k", "val_loss"), ("pass@1", "val_loss")):
             r["paired"][f"{a} - {b}"] = common.paired(chosen[b]["_rl_eval"], chosen[a]["_rl_eval"], k, d)
         post = [c["rl"]["pass@1"] for c in ckpts]
-        signal = {"probe pass@k": [c["probe pass@k"] for c in ckpts], "probe pass@1": [c["probe pass@1"] for c in ckpts],
-                  "-val_loss": [None if c["val_loss"] is None else -c["val_loss"] for c in ckpts],
-                  "held-out SFT pass@1": [c["sft"]["pass@1"] for c in ckpts],
-                  "held-out SFT pass@k": [c["sft"]["pass@k"] for c in ckpts]}
+        signal = signals(ckpts)
         r["spearman"] = {s: spearman(signal[s], post) for s in SIGNALS}
         corr_md.append([d, str(len(ckpts))] + [common.fmt(r["spearman"][s], signed=True) for s in SIGNALS])
         per_domain[d] = r
