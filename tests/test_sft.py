@@ -354,6 +354,17 @@ def test_domains_in_one_process_are_independent(tmp_path, base):
     assert set(summary["domains"]) == {"math", "code"}
 
 
+def test_a_validation_set_smaller_than_the_batch_still_gives_a_loss(tmp_path, base):
+    from mlx_ssp.sft.data import val_batch_size
+
+    assert [val_batch_size(4, n) for n in (1, 3, 4, 9)] == [1, 3, 4, 4]
+    assert val_batch_size(4, 3, world=2) == 2 and val_batch_size(4, 1, world=2) == 0  # whole batches per rank
+    data, probe = write_data(tmp_path, n_valid=2), write_probe(tmp_path)
+    _run(make_cfg(tmp_path, data, probe, batch_size=4, iters=4, val_batches=-1), base)
+    curve = [json.loads(line) for line in open(tmp_path / "sft" / "math" / "probe_curve.jsonl")]
+    assert len(curve) == 2 and all(r["val_loss"] is not None and math.isfinite(r["val_loss"]) for r in curve)
+
+
 # -- bad input: errors before any training ------------------------------------------------------
 
 @pytest.mark.parametrize(

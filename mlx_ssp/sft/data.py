@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from mlx_ssp import distributed as dist
 from mlx_ssp.errors import UserError
 from mlx_ssp.finetune.lora import check_lora_targets
 from mlx_ssp.sft.config import DomainSpec, SFTConfig
@@ -189,6 +190,15 @@ def _probe_tasks(domain: str, spec: DomainSpec, cfg: SFTConfig, run_data: dict, 
     return mine, where
 
 
+def val_batch_size(batch_size: int, n_valid: int, world: int = 1) -> int:
+    """The batch size of validation: the training batch size, or for a smaller validation set the
+    largest multiple of the number of ranks that fits it (0 if none does). The validation loss is a
+    token-weighted mean over batches, so the batch size decides only which remainder is left out;
+    a small split (a selection's few held-out records) still gives a loss."""
+    b = min(batch_size, n_valid)
+    return b - b % world
+
+
 def plan_domains(cfg: SFTConfig, model, tokenizer, run_data: dict, run_dir: Path, source: str = "") -> list[DomainPlan]:
     """Check every domain's data, probe set and LoRA targets before any training."""
     check_lora_targets(model, cfg.lora, "sft.lora")
@@ -203,8 +213,9 @@ def plan_domains(cfg: SFTConfig, model, tokenizer, run_data: dict, run_dir: Path
         valid_set = None
         if valid_path is not None and cfg.val_batches != 0:
             valid_set, vstats = load_sft_file(valid_path, tokenizer, **kw)
-            if len(valid_set) < cfg.batch_size:
-                raise UserError(f"{valid_path}: {len(valid_set)} records, fewer than batch_size={cfg.batch_size}")
+            if val_batch_size(cfg.batch_size, len(valid_set), dist.size()) == 0:
+                raise UserError(f"{valid_path}: {len(valid_set)} records, fewer than the {dist.size()} ranks "
+                                "that each validate one")
             if vstats["format"] != stats["format"]:
                 raise UserError(f"{valid_path}: '{vstats['format']}' records, but {train_path} holds "
                                 f"'{stats['format']}' records; validation must be the same kind")

@@ -22,7 +22,7 @@ from mlx_ssp.finetune.seed import step_seed
 from mlx_ssp.io import JsonlAppender, write_json_atomic
 from mlx_ssp.sft.batches import make_iterate_batches, make_masked_iterate_batches
 from mlx_ssp.sft.config import SFTConfig
-from mlx_ssp.sft.data import DomainPlan, plan_domains
+from mlx_ssp.sft.data import DomainPlan, plan_domains, val_batch_size
 from mlx_ssp.sft.probe import ProbeFn, default_probe, probe_seed, read_curve, write_curve  # noqa: F401
 from mlx_ssp.stage_config import default_run_dir, section_seed
 
@@ -108,7 +108,8 @@ class _DomainRun:
 
         tic = time.perf_counter()
         loss = evaluate(
-            self.model, self.plan.valid_set, batch_size=self.cfg.batch_size, num_batches=self.cfg.val_batches,
+            self.model, self.plan.valid_set, num_batches=self.cfg.val_batches,
+            batch_size=val_batch_size(self.cfg.batch_size, len(self.plan.valid_set), dist.size()),
             max_seq_length=self.cfg.max_seq_length, **batching(self.plan, self.seed),
         )
         self.val_time += time.perf_counter() - tic
