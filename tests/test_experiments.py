@@ -218,6 +218,34 @@ def test_exp5_checkpoint_rule_rl_from_every_checkpoint(work):
     assert sig["-val_loss"] == [-c["val_loss"] for c in ck]
 
 
+def test_exp5_large_k_probe_is_a_signal_and_a_rule(work):
+    """``large_k``: every checkpoint sampled n times per probe prompt; pass@k from those samples is a
+    signal and pass@(largest k) a rule judged after RL, on the cached SFT and RL work."""
+    from mlx_ssp.errors import UserError
+    from mlx_ssp.metrics import pass_at_k
+    from mlx_ssp.sft.probe import select_checkpoint
+
+    for bad in ("{n: 0, ks: [1]}", "{n: 4, ks: [8]}", "{n: 4, ks: []}", "{n: 4, ks: [2], x: 1}", "16"):
+        with pytest.raises(UserError, match="large_k.*valid: null or"):
+            _run("exp5_checkpoint_rule", work, "--set", "domains=[addition]", "--set", f"large_k={bad}")
+    res = _run("exp5_checkpoint_rule", work, "--set", "domains=[addition]", "--set", "large_k={n: 4, ks: [4, 2]}")
+    r = res["per_domain"]["addition"]
+    labels = ["probe pass@2 (n=4)", "probe pass@4 (n=4)"]
+    assert list(r["spearman"])[-2:] == labels and set(r["rules"]) == {"pass@k", "pass@1", "val_loss", "pass@4"}
+    assert {"pass@4 - pass@k", "pass@4 - pass@1"} <= set(r["paired"])
+    evals = sorted(work.glob("eval/*/ckpt-s0-addition-step*-probe-*.json"))
+    assert len(evals) == 2  # one n=4 probe evaluation per checkpoint
+    for c, f in zip(r["checkpoints"], evals):
+        tasks = json.loads(f.read_text())["tasks"]
+        assert len(tasks) == 2 and all(t["n"] == 4 for t in tasks)  # the probe split, n samples each
+        for kk in (2, 4):  # the signal is the mean unbiased pass@k over the probe tasks
+            want = sum(pass_at_k(4, t["c"], kk) for t in tasks) / 2
+            assert c["probe large k"][f"probe pass@{kk} (n=4)"] == pytest.approx(want)
+    rows = [{"step": c["step"], "pass@1": c["probe pass@1"], "pass@k": c["probe large k"][labels[1]],
+             "val_loss": c["val_loss"]} for c in r["checkpoints"]]
+    assert r["rules"]["pass@4"]["step"] == r["checkpoints"][select_checkpoint(rows, "pass@k")]["step"]
+
+
 def test_seed_statistics_are_exact():
     exp5 = _load("exp5_checkpoint_rule")
     sp = exp5.spearman

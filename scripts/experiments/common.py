@@ -92,6 +92,9 @@ DEFAULTS: dict[str, Any] = {
     # experiment 3: also a GRPO arm at this x the learning rate (a number > 0, or "mgpo": the MGPO
     # arm's mean weight over its steps); null: not run
     "grpo_lr_scale": None,
+    # experiment 5: also probe every checkpoint with n samples per probe prompt and rank by pass@k at
+    # each k of ks, e.g. {n: 256, ks: [16, 64, 256]}; null: not run
+    "large_k": None,
 }
 
 _TB_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 48}
@@ -133,6 +136,7 @@ TESTBED: dict[str, Any] = {
     "rl_eval_every": 60,
     "domains": None,
     "grpo_lr_scale": None,
+    "large_k": None,
 }
 
 #: --profile NAME -> the defaults it starts from
@@ -305,12 +309,17 @@ class Ctx:
                     model_and_tokenizer=(model, tok, path))
         return {d: str(out / "specialists" / d) for d in domains}
 
-    def eval_path(self, name: str, key: str, domains: Optional[list[str]]) -> Path:
-        return self.path("eval", self.k_eval, f"{name}-{_fingerprint([key, domains])[:8]}.json")
+    def eval_path(self, name: str, key: str, domains: Optional[list[str]], split: str = "eval",
+                  n: Optional[int] = None) -> Path:
+        # the held-out split at the eval section's n keeps the key it always had
+        what = [key, domains] if (split, n) == ("eval", None) else [key, domains, split, n]
+        return self.path("eval", self.k_eval, f"{name}-{_fingerprint(what)[:8]}.json")
 
     def evaluate(self, name: str, model_dir: Optional[str], domains: Optional[list[str]] = None,
-                 model=None, tokenizer=None, ident: Optional[str] = None) -> dict:
-        """pass@1 / pass@k on the held-out (eval) split of ``domains``, cached in
+                 model=None, tokenizer=None, ident: Optional[str] = None, split: str = "eval",
+                 n: Optional[int] = None) -> dict:
+        """pass@1 / pass@k on the held-out (eval) split of ``domains`` (or another ``split``, with
+        ``n`` samples per task instead of the eval section's), cached in
         ``eval/<eval key>/NAME-<model key>.json``. ``model_dir`` None = the base model; an in-memory
         ``model`` needs an ``ident`` that names its weights (e.g. its run directory and step)."""
         from mlx_ssp.eval import evaluate
@@ -318,11 +327,11 @@ class Ctx:
         if model is not None and ident is None:
             raise ValueError("an in-memory model needs an ident for its cache key")
         key = ident or (f"dir:{Path(model_dir).resolve()}" if model_dir else f"base:{self.raw['model']}")
-        f = self.eval_path(name, key, domains)
+        f = self.eval_path(name, key, domains, split, n)
         if f.exists():
             return json.loads(f.read_text())
-        tasks = self.load_tasks("eval", domains)
-        self.log(f"eval {name} on {len(tasks)} held-out tasks ({', '.join(sorted({t.domain for t in tasks}))})")
+        tasks = self.load_tasks(split, domains)
+        self.log(f"eval {name} on {len(tasks)} {'held-out' if split == 'eval' else split} tasks ({', '.join(sorted({t.domain for t in tasks}))})")
         if model is None:
             if model_dir is None:
                 model, tokenizer, _ = self.base()
@@ -331,7 +340,9 @@ class Ctx:
 
                 model, tokenizer, _ = load_model(model_dir)
         c = self.eval_cfg
-        res = evaluate(model, tokenizer, tasks, k=c.k, n=c.n, sampling=c.sampling, seed=self.seed,
+        k = c.k if n is None else min(c.k, n)
+        n = c.n if n is None else n
+        res = evaluate(model, tokenizer, tasks, k=k, n=n, sampling=c.sampling, seed=self.seed,
                        batch_size=c.batch_size, progress=self.progress, model_name=name)
         res["model_dir"] = model_dir
         dom = {t.id: t.domain for t in tasks}

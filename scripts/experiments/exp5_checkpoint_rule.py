@@ -19,9 +19,15 @@ script measures it, per domain:
 4. how well each probe signal predicts the post-RL result across the checkpoints: the Spearman rank
    correlation of probe pass@k, probe pass@1, minus validation loss and held-out post-SFT pass@1
    and pass@k with post-RL pass@1 (None where a signal is constant over the checkpoints).
+5. with ``large_k: {n: N, ks: [...]}``, Pass@(large k) as well: every checkpoint sampled N times on
+   each probe prompt, pass@k for each k of ks (the unbiased estimator from N samples) added as a
+   signal, and a rule ``pass@K`` (K the largest of ks, ties broken like the Pass@K rule: pass@1,
+   then validation loss) whose choice is judged after RL like the others. The probe split is the
+   one ``mlx_ssp sft`` probes, so this is a rule a user could apply.
 
     python scripts/experiments/exp5_checkpoint_rule.py [--profile testbed] [--tiny] [--set sft.save_every=20]
     python scripts/experiments/seeds.py exp5 --profile testbed --seeds 0-4 --jobs 2   # 5 training seeds
+    python scripts/experiments/exp5_checkpoint_rule.py --profile testbed --set 'large_k={n: 256, ks: [16, 64, 256]}'
 
 Results: WORK_DIR/exp5/results.{json,md}. Deviation from the paper: its probe rule picks among
 checkpoints of a full SFT run on a large model; here the checkpoints are few (``iters / save_every``).
@@ -46,11 +52,40 @@ SIGNALS = ("probe pass@k", "probe pass@1", "-val_loss", "held-out SFT pass@1", "
 
 
 def signals(ckpts: list[dict]) -> dict[str, list[Optional[float]]]:
-    """Each signal of :data:`SIGNALS` over the checkpoints, oriented so that higher is better."""
-    return {"probe pass@k": [c["probe pass@k"] for c in ckpts], "probe pass@1": [c["probe pass@1"] for c in ckpts],
-            "-val_loss": [None if c["val_loss"] is None else -c["val_loss"] for c in ckpts],
-            "held-out SFT pass@1": [c["sft"]["pass@1"] for c in ckpts],
-            "held-out SFT pass@k": [c["sft"]["pass@k"] for c in ckpts]}
+    """Each signal of :data:`SIGNALS` over the checkpoints, oriented so that higher is better, then
+    the Pass@(large k) ones where the checkpoints have them (``probe large k``: {label: value})."""
+    out = {"probe pass@k": [c["probe pass@k"] for c in ckpts], "probe pass@1": [c["probe pass@1"] for c in ckpts],
+           "-val_loss": [None if c["val_loss"] is None else -c["val_loss"] for c in ckpts],
+           "held-out SFT pass@1": [c["sft"]["pass@1"] for c in ckpts],
+           "held-out SFT pass@k": [c["sft"]["pass@k"] for c in ckpts]}
+    for label in ckpts[0].get("probe large k", {}) if ckpts else ():
+        out[label] = [c["probe large k"][label] for c in ckpts]
+    return out
+
+
+def large_k_setting(raw) -> Optional[tuple[int, list[int]]]:
+    """The ``large_k`` setting as (n, ks), None when off; anything else fails before any work."""
+    if raw is None:
+        return None
+    valid = "null or {n: samples per probe prompt, ks: [k, ...] with 1 <= k <= n}"
+    if not isinstance(raw, dict) or set(raw) != {"n", "ks"}:
+        raise common.UserError(f"large_k: {raw!r} is not valid; valid: {valid}")
+    n, ks = raw["n"], raw["ks"]
+
+    def is_int(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not is_int(n) or n < 1 or not isinstance(ks, list) or not ks or not all(is_int(k) and 1 <= k <= n for k in ks):
+        raise common.UserError(f"large_k: {raw!r} is not valid; valid: {valid}")
+    return n, sorted(set(ks))
+
+
+def large_k_scores(res: dict, n: int, ks: list[int], domain: str) -> dict[str, float]:
+    """label -> mean over the domain's probe tasks of the unbiased pass@k from each task's samples."""
+    from mlx_ssp.metrics import pass_at_k
+
+    rows = [t for t in res["tasks"] if t["domain"] == domain]
+    return {f"probe pass@{k} (n={n})": sum(pass_at_k(t["n"], t["c"], k) for t in rows) / len(rows) for k in ks}
 
 
 def spearman(xs: list[Optional[float]], ys: list[float]) -> Optional[float]:
@@ -85,6 +120,7 @@ def run(ctx: common.Ctx) -> dict:
 
     k = ctx.eval_cfg.k
     seed = ctx.sft_seeds[0]
+    large = large_k_setting(ctx.raw.get("large_k"))
     data = common.spectrum_data(ctx)["diverse"]
     doms = common.domains_with_data(data)
     if not doms:
@@ -108,10 +144,19 @@ def run(ctx: common.Ctx) -> dict:
             ckpts.append({"step": step, "probe pass@1": row["pass@1"], "probe pass@k": row["pass@k"],
                           "val_loss": row["val_loss"], "sft": common.scores(sft_ev, k, d),
                           "rl": common.scores(rl_ev, k, d), "_sft_eval": sft_ev, "_rl_eval": rl_ev})
+            if large:
+                big = ctx.evaluate(f"ckpt-s{seed}-{d}-step{step}-probe", mdir, [d], split="probe", n=large[0])
+                ckpts[-1]["probe large k"] = large_k_scores(big, *large, d)
         best = max(c["rl"]["pass@1"] for c in ckpts)
         probed = [{"step": c["step"], "pass@1": c["probe pass@1"], "pass@k": c["probe pass@k"], "val_loss": c["val_loss"]}
                   for c in ckpts]
         chosen = {rule: ckpts[select_checkpoint(probed, rule)] for rule in RULES}
+        rules = list(RULES)
+        if large:  # the Pass@K rule with K large: the same rule on the large-k probe's pass@K
+            label, top = f"probe pass@{large[1][-1]} (n={large[0]})", f"pass@{large[1][-1]}"
+            big_rows = [{**p, "pass@k": c["probe large k"][label]} for p, c in zip(probed, ckpts)]
+            chosen[top] = ckpts[select_checkpoint(big_rows, "pass@k")]
+            rules.append(top)
         r = {"checkpoints": [{kk: v for kk, v in c.items() if not kk.startswith("_")} for c in ckpts],
              "best_rl_pass@1": best, "rules": {}, "paired": {}, "spearman": {}}
         for rule, c in chosen.items():
@@ -120,12 +165,14 @@ def run(ctx: common.Ctx) -> dict:
             rows_md.append([d, rule, str(c["step"]), common.fmt(c["probe pass@1"]), common.fmt(c["probe pass@k"]),
                             common.fmt(c["val_loss"]), common.fmt(c["sft"]["pass@1"]),
                             common.fmt(c["rl"]["pass@1"], c["rl"]["pass@1_se"]), common.fmt(best - c["rl"]["pass@1"])])
-        for a, b in (("pass@k", "pass@1"), ("pass@k", "val_loss"), ("pass@1", "val_loss")):
+        pairs = [("pass@k", "pass@1"), ("pass@k", "val_loss"), ("pass@1", "val_loss")]
+        pairs += [(rules[-1], "pass@k"), (rules[-1], "pass@1")] if large else []
+        for a, b in pairs:
             r["paired"][f"{a} - {b}"] = common.paired(chosen[b]["_rl_eval"], chosen[a]["_rl_eval"], k, d)
         post = [c["rl"]["pass@1"] for c in ckpts]
         signal = signals(ckpts)
-        r["spearman"] = {s: spearman(signal[s], post) for s in SIGNALS}
-        corr_md.append([d, str(len(ckpts))] + [common.fmt(r["spearman"][s], signed=True) for s in SIGNALS])
+        r["spearman"] = {s: spearman(v, post) for s, v in signal.items()}
+        corr_md.append([d, str(len(ckpts))] + [common.fmt(v, signed=True) for v in r["spearman"].values()])
         per_domain[d] = r
     c = ctx.rl_cfg
     text = "\n".join([
@@ -138,7 +185,7 @@ def run(ctx: common.Ctx) -> dict:
         "",
         "Spearman correlation with post-RL pass@1 across the checkpoints:",
         "",
-        common.md_table(["domain", "checkpoints", *SIGNALS], corr_md),
+        common.md_table(["domain", "checkpoints", *signal], corr_md),
     ])
     results = {"k": k, "per_domain": per_domain}
     common.write_results(ctx, "exp5", results, text)
