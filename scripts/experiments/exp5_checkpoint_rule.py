@@ -27,7 +27,7 @@ script measures it, per domain:
 
     python scripts/experiments/exp5_checkpoint_rule.py [--profile testbed] [--tiny] [--set sft.save_every=20]
     python scripts/experiments/seeds.py exp5 --profile testbed --seeds 0-4 --jobs 2   # 5 training seeds
-    python scripts/experiments/exp5_checkpoint_rule.py --profile testbed --set 'large_k={n: 256, ks: [16, 64, 256]}'
+    python scripts/experiments/exp5_checkpoint_rule.py --profile testbed --set 'large_k={n: 256, ks: [8, 64, 256]}'
 
 Results: WORK_DIR/exp5/results.{json,md}. Deviation from the paper: its probe rule picks among
 checkpoints of a full SFT run on a large model; here the checkpoints are few (``iters / save_every``).
@@ -141,7 +141,7 @@ def run(ctx: common.Ctx) -> dict:
                                           overrides)
             sft_ev = ctx.evaluate(f"ckpt-s{seed}-{d}-step{step}", mdir, [d])
             rl_ev = common.rl_from(ctx, f"ckpt-s{seed}-{d}-step{step}", mdir, d)
-            ckpts.append({"step": step, "probe pass@1": row["pass@1"], "probe pass@k": row["pass@k"],
+            ckpts.append({"step": step, "probe pass@1": row["pass@1"], "probe pass@k": row["pass@k"], "probe k": row["k"],
                           "val_loss": row["val_loss"], "sft": common.scores(sft_ev, k, d),
                           "rl": common.scores(rl_ev, k, d), "_sft_eval": sft_ev, "_rl_eval": rl_ev})
             if large:
@@ -175,11 +175,13 @@ def run(ctx: common.Ctx) -> dict:
         corr_md.append([d, str(len(ckpts))] + [common.fmt(v, signed=True) for v in r["spearman"].values()])
         per_domain[d] = r
     c = ctx.rl_cfg
+    probe_k = {ck["probe k"] for r in per_domain.values() for ck in r["checkpoints"]}  # sft.probe.k, not eval.k
+    probe_k_head = f"probe pass@{probe_k.pop()}" if len(probe_k) == 1 else "probe pass@k"
     text = "\n".join([
         f"## Experiment 5: the checkpoint rule, judged after RL ({c.steps} RL steps x {c.batch_size} prompts x "
         f"G={c.group_size} from every checkpoint; held-out pass@1 with n={ctx.eval_cfg.n or k}; ± = SE across tasks)",
         "",
-        common.md_table(["domain", "rule", "chosen step", "probe pass@1", f"probe pass@{k}", "val loss",
+        common.md_table(["domain", "rule", "chosen step", "probe pass@1", probe_k_head, "val loss",
                          "held-out pass@1 after SFT", "held-out pass@1 after RL", "regret (best after RL - this)"],
                         rows_md),
         "",
