@@ -190,6 +190,25 @@ def test_exp3_mgpo_vs_grpo(work):
     c = json.loads((Path(res3["run_dirs"]["grpo_lr"]) / "rl_config.json").read_text())["rl"]
     assert res3["grpo_lr_scale"] == 0.5 and c["learning_rate"] == pytest.approx(cfgs[1]["learning_rate"] * 0.5)
 
+    # a lambda grid: one more MGPO arm per extra lambda, all against the one GRPO arm (reused)
+    for bad in ("[1.0]", "[0]", "[2, 2]", "4", "[.inf]"):
+        with pytest.raises(UserError, match="extra_lambdas.*valid: a list of distinct finite numbers > 0"):
+            _run("exp3_signal", work, "--set", f"extra_lambdas={bad}")
+    res4 = _run("exp3_signal", work, "--set", "extra_lambdas=[4, 0.5]")
+    assert res4["extra_lambdas"] == {"mgpo-l4": 4.0, "mgpo-l0.5": 0.5}
+    assert res4["curve"]["grpo"] == res["curve"]["grpo"] and res4["curve"]["mgpo"] == res["curve"]["mgpo"]
+    for arm, lam in res4["extra_lambdas"].items():
+        c = json.loads((Path(res4["run_dirs"][arm]) / "rl_config.json").read_text())["rl"]
+        assert c["mgpo_lambda"] == lam and {k: v for k, v in c.items() if k != "mgpo_lambda"} == rest[1]
+        assert sorted(int(s) for s in res4["curve"][arm]) == [0, 1, 2]
+        d = res4["curve"][f"{arm}_minus_grpo"]["2"]["d_pass@1"]
+        assert d == pytest.approx(res4["curve"][arm]["2"]["pass@1"] - res4["curve"]["grpo"]["2"]["pass@1"])
+        assert mod.headline(res4)[f"{arm} - grpo pass@1"] == d
+    # a larger lambda weights mixed groups less on average (w = exp(-lambda D) <= 1)
+    wl = {a: [r["mgpo_weight_mean"] for r in res4["train_metrics"][a]] for a in ("mgpo-l0.5", "mgpo", "mgpo-l4")}
+    assert all(x >= y >= z for x, y, z in zip(wl["mgpo-l0.5"], wl["mgpo"], wl["mgpo-l4"]))
+    assert set(mod.curves(work, 0)) == {"MGPO", "GRPO", "MGPO lambda=4", "MGPO lambda=0.5"}
+
 
 def test_exp5_checkpoint_rule_rl_from_every_checkpoint(work):
     from mlx_ssp.sft.probe import select_checkpoint

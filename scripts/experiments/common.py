@@ -92,6 +92,9 @@ DEFAULTS: dict[str, Any] = {
     # experiment 3: also a GRPO arm at this x the learning rate (a number > 0, or "mgpo": the MGPO
     # arm's mean weight over its steps); null: not run
     "grpo_lr_scale": None,
+    # experiment 3: more MGPO arms at these lambdas (numbers > 0), beside rl.mgpo_lambda's, e.g.
+    # [0.5, 2, 4] for a lambda grid that shares one GRPO arm
+    "extra_lambdas": [],
     # experiment 5: also probe every checkpoint with n samples per probe prompt and rank by pass@k at
     # each k of ks, e.g. {n: 256, ks: [16, 64, 256]}; null: not run
     "large_k": None,
@@ -136,6 +139,7 @@ TESTBED: dict[str, Any] = {
     "rl_eval_every": 60,
     "domains": None,
     "grpo_lr_scale": None,
+    "extra_lambdas": [],
     "large_k": None,
 }
 

@@ -16,7 +16,9 @@ lambda = 1). With the default AdamW that alone changes little: Adam divides each
 running RMS, so a constant factor on the loss cancels (up to epsilon and the clip threshold); only
 how the weights vary between prompts and steps is left. To measure rather than argue it,
 ``grpo_lr_scale`` adds a third arm, ``grpo_lr``: GRPO at that multiple of the learning rate (a
-number, or ``mgpo``: the MGPO arm's mean weight over its steps, measured after it has run). Every
+number, or ``mgpo``: the MGPO arm's mean weight over its steps, measured after it has run).
+``extra_lambdas`` adds an MGPO arm per lambda (``mgpo-l<lambda>``, e.g. ``[0.5, 2, 4]``: the
+lambda grid of issue 21's experiment 4 with one GRPO arm for all), each compared with GRPO. Every
 ``rl_eval_every`` steps (and at the last step) the in-memory policy is evaluated on the held-out
 split of every domain (pass@1, pass@K, same sampling seeds for every model); step 0 is the merged
 model's own evaluation. Reported: held-out pass@1 per evaluated step, the gain over step 0 with a
@@ -53,6 +55,10 @@ def headline(res: dict) -> dict[str, float]:
         out[f"{arm} pass@1"] = curve[arm][last]["pass@1"]
         out[f"{arm} - start pass@1"] = curve[arm][last]["gain"]["d_pass@1"]
     out["mgpo - grpo pass@1"] = curve["mgpo_minus_grpo"][last]["d_pass@1"]
+    for arm in res.get("extra_lambdas", {}):
+        out[f"{arm} pass@1"] = curve[arm][last]["pass@1"]
+        out[f"{arm} - start pass@1"] = curve[arm][last]["gain"]["d_pass@1"]
+        out[f"{arm} - grpo pass@1"] = curve[f"{arm}_minus_grpo"][last]["d_pass@1"]
     if "grpo_lr" in curve:
         out["grpo_lr pass@1"] = curve["grpo_lr"][last]["pass@1"]
         out["grpo_lr - start pass@1"] = curve["grpo_lr"][last]["gain"]["d_pass@1"]
@@ -65,7 +71,8 @@ def curves(seed_dir: Path, seed: int) -> dict[str, list[Path]]:
     """label -> this seed's RL run directories (the seed driver draws their per-step reward and
     pass rate with a band across seeds: ``mlx_ssp report``)."""
     res = json.loads((seed_dir / "exp3" / "results.json").read_text())
-    labels = {"mgpo": "MGPO", "grpo": "GRPO", "grpo_lr": "GRPO (lr scaled)"}
+    labels = {"mgpo": "MGPO", "grpo": "GRPO", "grpo_lr": "GRPO (lr scaled)",
+              **{arm: f"MGPO lambda={lam:g}" for arm, lam in res.get("extra_lambdas", {}).items()}}
     # results written before run_dirs existed: the two arms live under out_dir by name
     dirs = res.get("run_dirs") or {arm: str(Path(res["out_dir"]) / arm) for arm in ("mgpo", "grpo")}
     return {labels[arm]: [Path(d)] for arm, d in dirs.items()}
@@ -88,6 +95,19 @@ def check_lr_scale(setting) -> None:
         isinstance(setting, (int, float)) and not isinstance(setting, bool) and math.isfinite(setting) and setting > 0)
     if not ok:
         raise UserError(f"grpo_lr_scale: {setting!r} is not valid; valid: null, a finite number > 0, or mgpo")
+
+
+def extra_arms(setting, lam: float) -> dict[str, float]:
+    """``extra_lambdas`` as {arm name: lambda}; fail before any work unless it is a list of distinct
+    finite numbers > 0, none equal to ``rl.mgpo_lambda`` (that arm is ``mgpo``)."""
+    def ok(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+    if not isinstance(setting, list) or not all(ok(x) for x in setting) or len(set(setting)) != len(setting) \
+            or any(math.isclose(x, lam) for x in setting):
+        raise UserError(f"extra_lambdas: {setting!r} is not valid; valid: a list of distinct finite numbers > 0, "
+                        f"none equal to rl.mgpo_lambda ({lam})")
+    return {f"mgpo-l{x:g}": float(x) for x in setting}
 
 
 def check_cached_lr(run_dir: Path, lr: float) -> None:
@@ -113,6 +133,7 @@ def run(ctx: common.Ctx) -> dict:
         raise UserError("experiment 3 compares MGPO with GRPO: rl.mgpo_lambda must be > 0 (the GRPO arm uses 0)")
     scale_setting = ctx.raw.get("grpo_lr_scale")
     check_lr_scale(scale_setting)
+    extra = extra_arms(ctx.raw.get("extra_lambdas", []), lam)
     start, specs = merged_model(ctx)
     domains = list(specs)
     seed = ctx.sft_seeds[0]
@@ -120,8 +141,8 @@ def run(ctx: common.Ctx) -> dict:
     tag = common._fingerprint({"rl": ctx.raw["rl"], "every": ctx.rl_eval_every, "start": start})[:8]
     out = ctx.path("rl", tag)
     arms = {"mgpo": lam, "grpo": 0.0}
-    evals = {arm: common.rl_arm(ctx, arm, l, start, out, domains) for arm, l in arms.items()}
-    run_dirs = {arm: out / arm for arm in arms}
+    evals = {arm: common.rl_arm(ctx, arm, l, start, out, domains) for arm, l in {**arms, **extra}.items()}
+    run_dirs = {arm: out / arm for arm in {**arms, **extra}}
     steps = ctx.rl_cfg.steps
     scale = None
     if scale_setting is not None:
@@ -138,8 +159,10 @@ def run(ctx: common.Ctx) -> dict:
     for arm, ev in evals.items():
         for s in sorted(ev):
             curve[arm][s] = {**common.scores(ev[s], k), "gain": common.paired(start_eval, ev[s], k)}
-    for other in [a for a in evals if a != "mgpo"]:
+    for other in [a for a in evals if a in ("grpo", "grpo_lr")]:
         curve[f"mgpo_minus_{other}"] = {s: common.paired(evals[other][s], evals["mgpo"][s], k) for s in evals["mgpo"]}
+    for arm in extra:
+        curve[f"{arm}_minus_grpo"] = {s: common.paired(evals["grpo"][s], evals[arm][s], k) for s in evals[arm]}
 
     def cell(arm: str, s: int) -> str:
         return common.fmt(curve[arm][s]["pass@1"], curve[arm][s]["pass@1_se"])
@@ -160,11 +183,16 @@ def run(ctx: common.Ctx) -> dict:
             r += [common.fmt(m.get("pass_rate")), common.fmt(m.get("mgpo_weight_mean")),
                   common.fmt(m.get("frac_groups_mixed"))]
         train_rows.append(r)
-    extra = []
+    more = []
+    if extra:
+        lam_rows = [[f"{extra[arm]:g}", str(s), cell(arm, s), common.fdiff(curve[arm][s]["gain"], "pass@1"),
+                     common.fdiff(curve[f"{arm}_minus_grpo"][s], "pass@1")] for arm in extra for s in sorted(evals[arm])]
+        more += ["", "Other lambdas (extra_lambdas), each against the same GRPO arm:", "",
+                 common.md_table(["lambda", "step", "pass@1", "gain vs step 0", "minus GRPO"], lam_rows)]
     if scale is not None:
         lr_rows = [[str(s), cell("grpo_lr", s), common.fdiff(curve["grpo_lr"][s]["gain"], "pass@1"),
                     common.fdiff(curve["mgpo_minus_grpo_lr"][s], "pass@1")] for s in sorted(evals["grpo_lr"])]
-        extra = ["", f"GRPO at {scale:.4g} x the learning rate ({lr:.4g}; grpo_lr_scale={scale_setting}):", "",
+        more += ["", f"GRPO at {scale:.4g} x the learning rate ({lr:.4g}; grpo_lr_scale={scale_setting}):", "",
                  common.md_table(["step", "GRPO (scaled lr) pass@1", "its gain vs step 0", "MGPO - it"], lr_rows)]
     c = ctx.rl_cfg
     text = "\n".join([
@@ -181,12 +209,14 @@ def run(ctx: common.Ctx) -> dict:
         "",
         common.md_table(["step", "MGPO train pass rate", "MGPO mean w", "MGPO mixed groups",
                          "GRPO train pass rate", "GRPO mean w", "GRPO mixed groups"], train_rows),
-        *extra,
+        *more,
     ])
     results = {"k": k, "lambda": lam, "steps": steps, "curve": curve, "per_step": per_step,
                "train_metrics": logs, "out_dir": str(out), "run_dirs": {a: str(d) for a, d in run_dirs.items()}}
     if scale is not None:
         results["grpo_lr_scale"] = scale
+    if extra:
+        results["extra_lambdas"] = extra
     common.write_results(ctx, "exp3", results, text)
     # keep every RL setting's results (exp3/results.* is the latest run)
     for name in ("results.json", "results.md"):
