@@ -279,6 +279,17 @@ def test_seed_statistics_are_exact():
     assert seeds.parse_seeds("0-4") == [0, 1, 2, 3, 4] and seeds.parse_seeds("1,3") == [1, 3]
 
 
+def test_seed_driver_refuses_a_second_driver_on_the_same_out(tmp_path):
+    """Two drivers on one OUT would read each other's OUT/seed-S/EXP/results.json into their summaries."""
+    seeds = _load("seeds")
+    held = seeds.lock_out(tmp_path)
+    with pytest.raises(SystemExit, match="another seeds.py is running in"):
+        seeds.lock_out(tmp_path)
+    seeds.lock_out(tmp_path / "..").close()  # another OUT is free
+    held.close()
+    seeds.lock_out(tmp_path).close()  # free again once the first driver has exited
+
+
 @pytest.mark.slow
 def test_exp4_agents_transfer_runs_every_model_on_every_backend(tmp_path):
     """Experiment 4 at toy size: per SFT seed, each backend's specialist, the blend and the merge are

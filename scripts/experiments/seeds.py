@@ -17,12 +17,14 @@ Several experiments (``exp1,exp2``) run one after another within a seed and shar
 (experiment 2 merges experiment 1's diverse specialists). Resumable: each seed's steps are cached (a
 rerun redoes only what is missing). ``--jobs`` runs seeds in parallel processes (a 2-core machine:
 2). Results: OUT/summary-EXP.{json,md} (OUT/summary-EXP-TAG.* with ``--tag TAG``); each seed's own
-tables: OUT/seed-S/EXP/results.md.
+tables: OUT/seed-S/EXP/results.md. One driver at a time per OUT (a lock file, OUT/.seeds.lock): the
+summaries read OUT/seed-S/EXP/results.json, which a second driver with other settings would replace.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib
 import json
 import os
@@ -58,6 +60,19 @@ def aggregate(per_seed: dict[int, dict[str, float | None]]) -> dict[str, dict]:
         m, se = common.mean_se(list(vals.values()))
         out[key] = {"mean": m, "se": se, "n": len(vals), "values": vals}
     return out
+
+
+def lock_out(out: Path):
+    """Hold OUT/.seeds.lock for this process's life (returns the open file); a second driver on the
+    same OUT fails at once instead of mixing its per-seed results into this one's summaries."""
+    f = open(out / ".seeds.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise SystemExit(f"another seeds.py is running in {out} (its summaries read {out}/seed-S/EXP/results.json, "
+                         "which this run would replace): wait for it, or use another --out") from None
+    return f
 
 
 def summary_md(exp: str, agg: dict[str, dict], seeds: list[int], command: str) -> str:
@@ -96,6 +111,7 @@ def main() -> None:
     seeds = parse_seeds(args.seeds)
     out = Path(args.out or f"runs/seeds-{args.profile}{'-tiny' if args.tiny else ''}")
     out.mkdir(parents=True, exist_ok=True)
+    out_lock = lock_out(out)  # noqa: F841  (held until exit)
 
     def cmd(exp: str, seed: int) -> list[str]:
         c = [sys.executable, str(HERE / f"{EXPERIMENTS[exp]}.py"), "--profile", args.profile, "--work-dir",
