@@ -191,7 +191,7 @@ def test_exp3_mgpo_vs_grpo(work):
     assert res3["grpo_lr_scale"] == 0.5 and c["learning_rate"] == pytest.approx(cfgs[1]["learning_rate"] * 0.5)
 
     # a lambda grid: one more MGPO arm per extra lambda, all against the one GRPO arm (reused)
-    for bad in ("[1.0]", "[0]", "[2, 2]", "4", "[.inf]"):
+    for bad in ("[1.0]", "[0]", "[2, 2]", "4", "[.inf]", "[0.5, 0.5000001]"):
         with pytest.raises(UserError, match="extra_lambdas.*valid: a list of distinct finite numbers > 0"):
             _run("exp3_signal", work, "--set", f"extra_lambdas={bad}")
     res4 = _run("exp3_signal", work, "--set", "extra_lambdas=[4, 0.5]")
@@ -204,10 +204,13 @@ def test_exp3_mgpo_vs_grpo(work):
         d = res4["curve"][f"{arm}_minus_grpo"]["2"]["d_pass@1"]
         assert d == pytest.approx(res4["curve"][arm]["2"]["pass@1"] - res4["curve"]["grpo"]["2"]["pass@1"])
         assert mod.headline(res4)[f"{arm} - grpo pass@1"] == d
-    # a larger lambda weights mixed groups less on average (w = exp(-lambda D) <= 1)
-    wl = {a: [r["mgpo_weight_mean"] for r in res4["train_metrics"][a]] for a in ("mgpo-l0.5", "mgpo", "mgpo-l4")}
-    assert all(x >= y >= z for x, y, z in zip(wl["mgpo-l0.5"], wl["mgpo"], wl["mgpo-l4"]))
+    # step 1 (the same rollouts in every arm): a larger lambda weights the groups less (w = exp(-lambda D))
+    w1 = [res4["train_metrics"][a][0]["mgpo_weight_mean"] for a in ("mgpo-l0.5", "mgpo", "mgpo-l4")]
+    assert w1[0] >= w1[1] >= w1[2]
     assert set(mod.curves(work, 0)) == {"MGPO", "GRPO", "MGPO lambda=4", "MGPO lambda=0.5"}
+    # each setting of added arms keeps its own copy of the results beside the shared arms
+    out = Path(res4["out_dir"])
+    assert (out / "results.json").is_file() and len(list(out.glob("results-*.json"))) == 3  # 2 scales + the grid
 
 
 def test_exp5_checkpoint_rule_rl_from_every_checkpoint(work):
@@ -244,7 +247,7 @@ def test_exp5_large_k_probe_is_a_signal_and_a_rule(work):
     from mlx_ssp.metrics import pass_at_k
     from mlx_ssp.sft.probe import select_checkpoint
 
-    for bad in ("{n: 0, ks: [1]}", "{n: 4, ks: [8]}", "{n: 4, ks: []}", "{n: 4, ks: [2], x: 1}", "16"):
+    for bad in ("{n: 0, ks: [1]}", "{n: 4, ks: [8]}", "{n: 4, ks: []}", "{n: 4, ks: [2], x: 1}", "16", "{n: 4, ks: [1]}"):
         with pytest.raises(UserError, match="large_k.*valid: null or"):
             _run("exp5_checkpoint_rule", work, "--set", "domains=[addition]", "--set", f"large_k={bad}")
     res = _run("exp5_checkpoint_rule", work, "--set", "domains=[addition]", "--set", "large_k={n: 4, ks: [4, 2]}")
@@ -252,7 +255,15 @@ def test_exp5_large_k_probe_is_a_signal_and_a_rule(work):
     labels = ["probe pass@2 (n=4)", "probe pass@4 (n=4)"]
     assert list(r["spearman"])[-2:] == labels and set(r["rules"]) == {"pass@k", "pass@1", "val_loss", "pass@4"}
     assert {"pass@4 - pass@k", "pass@4 - pass@1"} <= set(r["paired"])
-    evals = sorted(work.glob("eval/*/ckpt-s0-addition-step*-probe-*.json"))
+    # large k probes what `mlx_ssp sft` probes: the same sampling, the same tasks
+    with pytest.raises(UserError, match="differs from sft.probe.sampling"):
+        _run("exp5_checkpoint_rule", work, "--set", "domains=[addition]", "--set", "large_k={n: 4, ks: [4]}",
+             "--set", "eval.sampling.temperature=0.5")
+    with pytest.raises(UserError, match="sft.probe.max_tasks=1"):
+        _run("exp5_checkpoint_rule", work, "--set", "domains=[addition]", "--set", "large_k={n: 4, ks: [4]}",
+             "--set", "sft.probe.max_tasks=1")
+    evals = sorted(work.glob("eval/*/ckpt-s0-addition-step*-probe-*.json"),
+                   key=lambda f: int(f.name.split("-step")[1].split("-")[0]))
     assert len(evals) == 2  # one n=4 probe evaluation per checkpoint
     for c, f in zip(r["checkpoints"], evals):
         tasks = json.loads(f.read_text())["tasks"]
@@ -263,6 +274,15 @@ def test_exp5_large_k_probe_is_a_signal_and_a_rule(work):
     rows = [{"step": c["step"], "pass@1": c["probe pass@1"], "pass@k": c["probe large k"][labels[1]],
              "val_loss": c["val_loss"]} for c in r["checkpoints"]]
     assert r["rules"]["pass@4"]["step"] == r["checkpoints"][select_checkpoint(rows, "pass@k")]["step"]
+    # the rule ranks by the largest k's pass@k, where the small-k probe, the large probe's smaller k and
+    # pass@1 all disagree; ties go to the probe's pass@1
+    exp5 = _load("exp5_checkpoint_rule")
+    probed = [{"step": 10, "pass@1": 0.9, "pass@k": 0.5, "val_loss": 1.0},
+              {"step": 20, "pass@1": 0.1, "pass@k": 0.9, "val_loss": 0.5},
+              {"step": 30, "pass@1": 0.2, "pass@k": 0.4, "val_loss": 2.0}]
+    big = [{"s": 0.9, "L": 0.5}, {"s": 0.2, "L": 0.6}, {"s": 0.1, "L": 0.8}]
+    assert exp5.large_k_rule(probed, big, "L") == 2 and exp5.large_k_rule(probed, big, "s") == 0
+    assert exp5.large_k_rule(probed, [{"L": 1.0}, {"L": 1.0}, {"L": 0.9}], "L") == 0  # tie: pass@1 decides
 
 
 def test_seed_statistics_are_exact():

@@ -99,12 +99,13 @@ def check_lr_scale(setting) -> None:
 
 def extra_arms(setting, lam: float) -> dict[str, float]:
     """``extra_lambdas`` as {arm name: lambda}; fail before any work unless it is a list of distinct
-    finite numbers > 0, none equal to ``rl.mgpo_lambda`` (that arm is ``mgpo``)."""
+    finite numbers > 0 (distinct as arm names, ``mgpo-l<x:g>``), none equal to ``rl.mgpo_lambda``
+    (that arm is ``mgpo``)."""
     def ok(x) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
     if not isinstance(setting, list) or not all(ok(x) for x in setting) or len(set(setting)) != len(setting) \
-            or any(math.isclose(x, lam) for x in setting):
+            or any(math.isclose(x, lam) for x in setting) or len({f"{x:g}" for x in setting}) != len(setting):
         raise UserError(f"extra_lambdas: {setting!r} is not valid; valid: a list of distinct finite numbers > 0, "
                         f"none equal to rl.mgpo_lambda ({lam})")
     return {f"mgpo-l{x:g}": float(x) for x in setting}
@@ -218,9 +219,12 @@ def run(ctx: common.Ctx) -> dict:
     if extra:
         results["extra_lambdas"] = extra
     common.write_results(ctx, "exp3", results, text)
-    # keep every RL setting's results (exp3/results.* is the latest run)
+    # keep every RL setting's results (exp3/results.* is the latest run); the arms a run adds to the
+    # shared two name its copy, so a grid run and a plain one keep theirs
+    arms_key = {"extra_lambdas": sorted(extra.values()), "grpo_lr_scale": scale_setting}
+    suffix = "" if not extra and scale_setting is None else f"-{common._fingerprint(arms_key)[:8]}"
     for name in ("results.json", "results.md"):
-        shutil.copyfile(ctx.path("exp3", name), out / name)
+        shutil.copyfile(ctx.path("exp3", name), out / name.replace("results", f"results{suffix}"))
     return results
 
 

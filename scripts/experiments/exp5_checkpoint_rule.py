@@ -67,7 +67,7 @@ def large_k_setting(raw) -> Optional[tuple[int, list[int]]]:
     """The ``large_k`` setting as (n, ks), None when off; anything else fails before any work."""
     if raw is None:
         return None
-    valid = "null or {n: samples per probe prompt, ks: [k, ...] with 1 <= k <= n}"
+    valid = "null or {n: samples per probe prompt, ks: [k, ...] with 1 <= k <= n, the largest >= 2}"
     if not isinstance(raw, dict) or set(raw) != {"n", "ks"}:
         raise common.UserError(f"large_k: {raw!r} is not valid; valid: {valid}")
     n, ks = raw["n"], raw["ks"]
@@ -75,9 +75,36 @@ def large_k_setting(raw) -> Optional[tuple[int, list[int]]]:
     def is_int(x) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
-    if not is_int(n) or n < 1 or not isinstance(ks, list) or not ks or not all(is_int(k) and 1 <= k <= n for k in ks):
+    if not is_int(n) or n < 1 or not isinstance(ks, list) or not ks or not all(is_int(k) and 1 <= k <= n for k in ks) \
+            or max(ks) < 2:  # the rule is named pass@<largest k>: pass@1 would be the Pass@1 rule's name
         raise common.UserError(f"large_k: {raw!r} is not valid; valid: {valid}")
     return n, sorted(set(ks))
+
+
+def check_probe_matches(ctx: common.Ctx, domains: list[str]) -> None:
+    """The large-k probe samples the probe split with ``eval.sampling``; it is the probe ``mlx_ssp
+    sft`` runs only if that equals ``sft.probe.sampling`` and every probe task of a domain is among
+    the first ``sft.probe.max_tasks``: fail before any work otherwise."""
+    from mlx_ssp.config import validate
+    from mlx_ssp.sft.config import ProbeConfig
+
+    probe = validate(ProbeConfig, ctx.raw["sft"].get("probe", {}), source="experiment", prefix="sft.probe")
+    if probe.sampling != ctx.eval_cfg.sampling:
+        raise common.UserError("large_k samples the probe split with eval.sampling, which differs from "
+                               "sft.probe.sampling: set them equal so that it probes what mlx_ssp sft probes")
+    for d in domains:
+        n = len(ctx.load_tasks("probe", [d]))
+        if probe.max_tasks is not None and n > probe.max_tasks:
+            raise common.UserError(f"large_k samples all {n} probe tasks of {d}, mlx_ssp sft probes the first "
+                                   f"sft.probe.max_tasks={probe.max_tasks}: make them equal")
+
+
+def large_k_rule(probed: list[dict], large: list[dict[str, float]], label: str) -> int:
+    """Index of the checkpoint the Pass@K rule picks when pass@k is the large-k probe's ``label``
+    (``probed``: the SFT probe's rows; ties go to its pass@1, then validation loss, then the earlier step)."""
+    from mlx_ssp.sft.probe import select_checkpoint
+
+    return select_checkpoint([{**p, "pass@k": lk[label]} for p, lk in zip(probed, large)], "pass@k")
 
 
 def large_k_scores(res: dict, n: int, ks: list[int], domain: str) -> dict[str, float]:
@@ -121,6 +148,8 @@ def run(ctx: common.Ctx) -> dict:
     k = ctx.eval_cfg.k
     seed = ctx.sft_seeds[0]
     large = large_k_setting(ctx.raw.get("large_k"))
+    if large:
+        check_probe_matches(ctx, ctx.domains)
     data = common.spectrum_data(ctx)["diverse"]
     doms = common.domains_with_data(data)
     if not doms:
@@ -154,8 +183,7 @@ def run(ctx: common.Ctx) -> dict:
         rules = list(RULES)
         if large:  # the Pass@K rule with K large: the same rule on the large-k probe's pass@K
             label, top = f"probe pass@{large[1][-1]} (n={large[0]})", f"pass@{large[1][-1]}"
-            big_rows = [{**p, "pass@k": c["probe large k"][label]} for p, c in zip(probed, ckpts)]
-            chosen[top] = ckpts[select_checkpoint(big_rows, "pass@k")]
+            chosen[top] = ckpts[large_k_rule(probed, [c["probe large k"] for c in ckpts], label)]
             rules.append(top)
         r = {"checkpoints": [{kk: v for kk, v in c.items() if not kk.startswith("_")} for c in ckpts],
              "best_rl_pass@1": best, "rules": {}, "paired": {}, "spearman": {}}
