@@ -112,6 +112,24 @@ def test_exp1_rerun_is_cached_and_config_keys_the_cache(work):
         common.make_ctx(True, str(work / "other"), ("nope=1",), True)
 
 
+def test_a_domain_with_fewer_records_than_the_batch_trains_on_all_of_them(tmp_path):
+    # found at demo scale: seed 2's base model solved 3 of 12 subtraction prompts, batch 4
+    from mlx_ssp.io import write_jsonl_atomic
+
+    common = _load("common")
+    ctx = common.make_ctx(True, str(tmp_path), ("sft.batch_size=2", "sft.iters=1", "sft.save_every=1"), True)
+    rec = {"messages": [{"role": "user", "content": "1 + 1 ="}, {"role": "assistant", "content": "2"}]}
+    sizes = {"addition": 3, "subtraction": 1}
+    for d, n in sizes.items():
+        write_jsonl_atomic(tmp_path / "data" / d / "train.jsonl", [rec] * n)
+    probe = str(ctx.tasks("probe"))
+    out = ctx.sft("cap", {d: {"data": str(tmp_path / "data" / d), "probe_tasks": probe} for d in sizes}, 0)
+    assert set(out) == set(sizes) and all(Path(m).is_dir() for m in out.values())
+    used = {d: json.loads((ctx.sft_dir("cap") / d / "adapter_config.json").read_text())["batch_size"]
+            for d in sizes}
+    assert used == {"addition": 2, "subtraction": 1}  # the configured batch where the data allow it
+
+
 def test_exp2_merge_is_the_average_and_blend_sees_all_domains(work):
     import mlx.core as mx
 

@@ -178,6 +178,17 @@ def _register_tiny_verifier() -> None:
         return VerifyResult(1.0 if ok else 0.0, "correct" if ok else "wrong_answer", "")
 
 
+def _train_records(data: str) -> Optional[int]:
+    """Records in an SFT data path (a JSONL file, or a directory holding train.jsonl); None when
+    there is no such file (``run_sft`` then says so)."""
+    p = Path(data)
+    p = p / "train.jsonl" if p.is_dir() else p
+    if not p.is_file():
+        return None
+    with open(p) as f:
+        return sum(1 for line in f if line.strip())
+
+
 def _fingerprint(x: Any) -> str:
     return hashlib.sha256(json.dumps(x, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -306,11 +317,17 @@ class Ctx:
             raw["probe"] = {**raw.get("probe", {}), "max_tasks": probe_max_tasks}
         cfg = validate(SFTConfig, raw, source="experiment", prefix="sft")
         todo = [d for d in domains if not (out / d / "result.json").exists()]
-        if todo:
-            self.log(f"sft {name}: {', '.join(todo)} ({cfg.iters} iters, seed {seed})")
+        # A domain with fewer train records than the batch (a seed whose base model solved only a
+        # few prompts) trains with one batch of all its records rather than stopping the
+        # experiment; other domains keep the configured batch, so their results do not change.
+        batch = {d: min(cfg.batch_size, max(1, _train_records(domains[d]["data"]) or cfg.batch_size)) for d in todo}
+        for b in sorted(set(batch.values()), reverse=True):
+            group = [d for d in todo if batch[d] == b]
+            note = "" if b == cfg.batch_size else f"; batch {b}: fewer train records than batch_size={cfg.batch_size}"
+            self.log(f"sft {name}: {', '.join(group)} ({cfg.iters} iters, seed {seed}{note})")
             model, tok, path = self.base()
-            run_sft(cfg, self.raw["model"], run_dir=self.work, seed=seed, only=todo,
-                    model_and_tokenizer=(model, tok, path))
+            run_sft(cfg.model_copy(update={"batch_size": b}), self.raw["model"], run_dir=self.work, seed=seed,
+                    only=group, model_and_tokenizer=(model, tok, path))
         return {d: str(out / "specialists" / d) for d in domains}
 
     def eval_path(self, name: str, key: str, domains: Optional[list[str]], split: str = "eval",
