@@ -375,7 +375,7 @@ def test_a_validation_set_smaller_than_the_batch_still_gives_a_loss(tmp_path, ba
         ("no_messages", r"train.jsonl:2: unknown record format"),
         ("no_assistant", r"train.jsonl:1: with mask_prompt the last message"),
         ("mixed", r"train.jsonl:2: a 'completions' record in a 'chat' file"),
-        ("too_few", "fewer than batch_size"),
+        ("too_few", r"fewer than batch_size=\d+; set sft.batch_size to at most \d+"),
         ("no_probe_for_domain", "no probe tasks for domain 'math'"),
         ("bad_keys", "no layer 'self_attn.qq_proj'"),
         ("too_many_layers", "only has|has only 2 blocks"),

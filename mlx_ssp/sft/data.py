@@ -209,7 +209,8 @@ def plan_domains(cfg: SFTConfig, model, tokenizer, run_data: dict, run_dir: Path
         kw = dict(mask_prompt=cfg.mask_prompt, max_seq_length=cfg.max_seq_length)
         train_set, stats = load_sft_file(train_path, tokenizer, **kw)
         if len(train_set) < cfg.batch_size:
-            raise UserError(f"{train_path}: {len(train_set)} records, fewer than batch_size={cfg.batch_size}")
+            raise UserError(f"{train_path}: {len(train_set)} records, fewer than batch_size={cfg.batch_size}; "
+                            f"set sft.batch_size to at most {len(train_set)}, or give domain '{name}' more data")
         valid_set = None
         if valid_path is not None and cfg.val_batches != 0:
             valid_set, vstats = load_sft_file(valid_path, tokenizer, **kw)
