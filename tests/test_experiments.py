@@ -128,6 +128,11 @@ def test_a_domain_with_fewer_records_than_the_batch_trains_on_all_of_them(tmp_pa
     used = {d: json.loads((ctx.sft_dir("cap") / d / "adapter_config.json").read_text())["batch_size"]
             for d in sizes}
     assert used == {"addition": 2, "subtraction": 1}  # the configured batch where the data allow it
+    summary = json.loads((ctx.sft_dir("cap") / "summary.json").read_text())
+    assert set(summary["domains"]) == set(sizes)  # the two run_sft calls share one summary
+    stamp = {d: (ctx.sft_dir("cap") / d / "result.json").stat().st_mtime_ns for d in sizes}
+    assert ctx.sft("cap", {d: {"data": str(tmp_path / "data" / d), "probe_tasks": probe} for d in sizes}, 0) == out
+    assert stamp == {d: (ctx.sft_dir("cap") / d / "result.json").stat().st_mtime_ns for d in sizes}  # cached
 
 
 def test_exp2_merge_is_the_average_and_blend_sees_all_domains(work):

@@ -375,7 +375,7 @@ def test_a_validation_set_smaller_than_the_batch_still_gives_a_loss(tmp_path, ba
         ("no_messages", r"train.jsonl:2: unknown record format"),
         ("no_assistant", r"train.jsonl:1: with mask_prompt the last message"),
         ("mixed", r"train.jsonl:2: a 'completions' record in a 'chat' file"),
-        ("too_few", r"fewer than batch_size=\d+; set sft.batch_size to at most \d+"),
+        ("too_few", r"fewer than batch_size=2; set sft\.batch_size to at most 1, or give domain 'math' more data"),
         ("no_probe_for_domain", "no probe tasks for domain 'math'"),
         ("bad_keys", "no layer 'self_attn.qq_proj'"),
         ("too_many_layers", "only has|has only 2 blocks"),

@@ -320,7 +320,8 @@ class Ctx:
         # A domain with fewer train records than the batch (a seed whose base model solved only a
         # few prompts) trains with one batch of all its records rather than stopping the
         # experiment; other domains keep the configured batch, so their results do not change.
-        batch = {d: min(cfg.batch_size, max(1, _train_records(domains[d]["data"]) or cfg.batch_size)) for d in todo}
+        # (Lines, not usable records: a domain that loses records to max_seq_length still fails in run_sft.)
+        batch = {d: min(cfg.batch_size, _train_records(domains[d]["data"]) or cfg.batch_size) for d in todo}
         for b in sorted(set(batch.values()), reverse=True):
             group = [d for d in todo if batch[d] == b]
             note = "" if b == cfg.batch_size else f"; batch {b}: fewer train records than batch_size={cfg.batch_size}"
