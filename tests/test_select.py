@@ -172,3 +172,22 @@ def test_bad_inputs(tmp_path):
     res = CliRunner().invoke(__import__("mlx_ssp.cli", fromlist=["main"]).main,
                              ["select", str(p), "--set", "select.per_prompt=0", "-o", str(tmp_path / "o")])
     assert res.exit_code == 2 and "per_prompt" in res.output
+
+
+def test_cli_distance_choices_are_the_config_choices(tmp_path):
+    """``--distance`` offers exactly what ``select.distance`` accepts, ``auto`` included."""
+    from typing import get_args
+
+    from mlx_ssp.cli import main
+    from mlx_ssp.commands.select import cli
+    from mlx_ssp.io import write_jsonl_atomic
+
+    flag = next(p for p in cli.params if p.name == "distance")
+    config_choices = get_args(SelectConfig.model_fields["distance"].annotation)
+    assert tuple(flag.type.choices) == config_choices
+    assert set(DISTANCES) < set(config_choices) and "auto" in config_choices
+
+    src = tmp_path / "rollouts.jsonl"
+    write_jsonl_atomic(src, [rec("t0", i, f"2 + {i} = {2 + i}. The answer is {2 + i}") for i in range(3)])
+    res = CliRunner().invoke(main, ["select", str(src), "--distance", "auto", "-o", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output

@@ -6,14 +6,14 @@ import click
 
 from mlx_ssp.commands.options import config_option, set_option
 from mlx_ssp.errors import UserError
-from mlx_ssp.select import DISTANCES, POLICIES
+from mlx_ssp.select import DISTANCE_CHOICES, POLICIES
 
 
 @click.command("select")
 @click.argument("rollouts", required=False)
 @click.option("--policy", type=click.Choice(list(POLICIES)), default=None, help="Selection policy (default diverse).")
 @click.option("--per-prompt", "per_prompt", type=int, default=None, help="M: most solutions per prompt (diverse). Default 4.")
-@click.option("--distance", type=click.Choice(list(DISTANCES)), default=None, help="Diversity distance (default ngram).")
+@click.option("--distance", type=click.Choice(DISTANCE_CHOICES), default=None, help="Diversity distance (default ngram).")
 @click.option("--near-duplicate", type=float, default=None, help="Distance at or below which two solutions are duplicates.")
 @click.option("-o", "--output", default=None, help="OUT_DIR for <domain>/train.jsonl, valid.jsonl and spectrum.json.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT_DIR.")
