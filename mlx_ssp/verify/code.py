@@ -34,6 +34,7 @@ from mlx_ssp.sandbox_policy import Limits, task_limits
 from mlx_ssp.verify import VerifyResult, register
 from mlx_ssp.verify.extract import strip_thinking
 from mlx_ssp.verify.sandbox import Harness, run_python
+from mlx_ssp.verify.work import charge, find
 
 if TYPE_CHECKING:
     from mlx_ssp.tasks import Task
@@ -48,17 +49,18 @@ def _fenced_blocks(text: str) -> list[tuple[str, str]]:
     backtracked quadratically on a long line after a fence): an opener is a fence with a newline
     later in the text; the body runs to the next fence or the end of the text."""
     blocks = []
-    i = text.find(_FENCE)
+    i = find(text, _FENCE)
     while i >= 0:
-        nl = text.find("\n", i + len(_FENCE))
+        nl = find(text, "\n", i + len(_FENCE))
         if nl < 0:
             break  # no later fence has a newline after it either
         lang = _LANG_RE.match(text, i + len(_FENCE), nl).group(1)
-        end = text.find(_FENCE, nl + 1)
+        end = find(text, _FENCE, nl + 1)
         blocks.append((lang, text[nl + 1:end if end >= 0 else len(text)]))
+        charge(len(blocks[-1][1]))  # the copy
         if end < 0:
             break
-        i = text.find(_FENCE, end + len(_FENCE))
+        i = find(text, _FENCE, end + len(_FENCE))
     return blocks
 
 
@@ -68,6 +70,7 @@ def extract_code(completion: str, entry_point: str | None = None) -> str:
     if not blocks:
         return text.strip("\n")
     if entry_point:
+        charge(sum(map(len, blocks)))
         defining = [b for b in blocks if re.search(rf"\bdef\s+{re.escape(entry_point)}\s*\(", b)]
         if defining:
             return defining[-1]

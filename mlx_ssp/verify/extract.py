@@ -19,13 +19,16 @@ Bounded work (a policy under RL writes whatever makes the verifier slow): only t
 length. Each marker kind is found by one regex pass that keeps only its last match (no regex here
 can backtrack: quantifiers that could give characters back to a neighbour are possessive), only
 the winning marker's line is read, and ``\\boxed{`` braces are matched in one stack pass over the
-braces instead of one scan per ``\\boxed{``.
+braces instead of one scan per ``\\boxed{``. Each scan charges the characters it covers to
+:mod:`mlx_ssp.verify.work`, where the tests bound it.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from mlx_ssp.verify.work import charge
 
 MODES = ("strict", "lenient")
 DEFAULT_MODE = "strict"
@@ -53,6 +56,7 @@ class Extracted:
 
 def strip_thinking(text: str) -> str:
     i = text.rfind("</think>")
+    charge(len(text) - max(i, 0))
     return text[i + len("</think>"):] if i >= 0 else text
 
 
@@ -64,6 +68,7 @@ def answer_region(text: str) -> str:
 
 
 def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+    charge(len(text))  # one pass: no pattern here can backtrack
     last = None
     for last in pattern.finditer(text):
         pass
@@ -76,18 +81,23 @@ def _balanced(text: str, start: int) -> str | None:
     for m in _BRACE_RE.finditer(text, start):
         depth += 1 if m.group() == "{" else -1
         if depth == 0:
+            charge(m.end() - start)
             return text[start:m.start()]
+    charge(len(text) - start)
     return None
 
 
 def _last_closed_box(text: str) -> tuple[int, str] | None:
     """(start, content) of the last ``\\boxed{...}`` whose brace closes, by one stack pass."""
+    charge(2 * len(text))  # the two looks for a box
     if "\\boxed" not in text and "\\fbox" not in text:  # the common case, at C speed
         return None
+    charge(len(text))  # the regex pass
     boxes = list(_BOX_RE.finditer(text))
     if not boxes:
         return None
     first = boxes[0].end() - 1
+    charge(len(text) - first + len(boxes))  # the brace pass, then the boxes from the last
     closes: dict[int, int] = {}
     stack: list[int] = []
     for m in _BRACE_RE.finditer(text, first):
@@ -119,6 +129,7 @@ def _strip_emphasis(ans: str) -> str:
     i = n
     while i > p and ans[i - 1] in _EMPHASIS:
         i -= 1
+    charge(p + 2 * (n - i))  # the leading run; the trailing run here and in the underscore pass
     # an underscore only strips in pairs: start after the last odd run of underscores
     j = n
     while j > i:
@@ -136,6 +147,7 @@ def _strip_emphasis(ans: str) -> str:
 
 
 def _clean(ans: str) -> str:
+    charge(len(ans))
     ans = ans.strip()
     # markdown emphasis and surrounding math delimiters the model may wrap its answer in
     ans = _strip_emphasis(ans).strip()
@@ -161,6 +173,7 @@ def _rest_of_line(text: str, pos: int) -> str:
     end = text.find("\n", pos)
     line = text[pos:] if end < 0 else text[pos:end]
     if line.strip() or end < 0:
+        charge(len(line))
         return line
     block: list[str] = []
     i = end + 1
@@ -174,6 +187,7 @@ def _rest_of_line(text: str, pos: int) -> str:
         if j < 0:
             break
         i = j + 1
+    charge(i + len(nxt) - pos)
     return "\n".join(block)
 
 
@@ -183,6 +197,7 @@ def _strict(text: str) -> Extracted | None:
     m = _last_match(_ANSWER_RE, text)
     if m is not None:
         cands.append((m.start(), "answer_marker", m.end()))
+    charge(len(text))  # the look for "####"
     m = _last_match(_HASH_RE, text) if "####" in text else None
     if m is not None:
         cands.append((m.start(), "hashes", m.end()))
@@ -196,6 +211,7 @@ def _strict(text: str) -> Extracted | None:
         return Extracted(_clean(box[1]), "boxed")  # type: ignore[index]
     ex = Extracted(_clean(_rest_of_line(text, pos)), method)
     # a boxed answer inside the "Answer:" line wins over the raw line ("Answer: $\boxed{5}$")
+    charge(len(ex.text))
     m = _BOX_RE.search(ex.text)
     inner = _balanced(ex.text, m.end()) if m else None
     if inner is not None:
@@ -213,8 +229,10 @@ def _last_line(text: str) -> str | None:
         i = text.rfind("\n", 0, end)
         line = text[i + 1:end]
         if line.strip():
+            charge(len(text) - i)
             return line
         if i < 0:
+            charge(len(text))
             return None
         end = i
     return None
@@ -236,10 +254,12 @@ def extract(text: str, mode: str = DEFAULT_MODE, last_resort: str = "last_number
     if hit is not None:
         rest = _rest_of_line(body, hit.end())
         # a sentence ends the answer ("The answer is 12. Next ..."); keep decimals like 3.5
+        charge(len(rest))
         rest = _SENTENCE_END_RE.split(rest, maxsplit=1)[0]
         if _clean(rest):
             return Extracted(_clean(rest), "answer_is")
     eq = body.rfind("=")
+    charge(len(body) - max(eq, 0))
     if eq >= 0:
         rhs = _clean(_rest_of_line(body, eq + 1))
         if rhs and "=" not in rhs:

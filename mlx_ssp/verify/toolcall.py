@@ -37,6 +37,8 @@ Bounded work (a policy under RL writes whatever makes the verifier slow):
 - calls are matched to expected calls through an index on (function name, argument, value) and an
   iterative augmenting-path search, so a task expecting thousands of calls is scored exactly, in
   time about linear in their number (it was quadratic, and recursive).
+
+Each of these steps charges its work to :mod:`mlx_ssp.verify.work`, where the tests bound it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_ssp.verify import VerifyResult, register
 from mlx_ssp.verify.extract import answer_region
+from mlx_ssp.verify.work import charge, find
 
 if TYPE_CHECKING:
     from mlx_ssp.tasks import Task
@@ -94,14 +97,15 @@ def _tag_blocks(text: str) -> list[str]:
     """Bodies of ``<tool_call>...</tool_call>`` blocks, stripped; an unclosed last block runs to the
     end of the text."""
     blocks = []
-    i = text.find(_OPEN_TAG)
+    i = find(text, _OPEN_TAG)
     while i >= 0:
         start = i + len(_OPEN_TAG)
-        end = text.find(_CLOSE_TAG, start)
+        end = find(text, _CLOSE_TAG, start)
         blocks.append(text[start:end if end >= 0 else len(text)].strip())
+        charge(len(blocks[-1]))
         if end < 0:
             break
-        i = text.find(_OPEN_TAG, end + len(_CLOSE_TAG))
+        i = find(text, _OPEN_TAG, end + len(_CLOSE_TAG))
     return blocks
 
 
@@ -129,12 +133,16 @@ class _Scanner:
                 raise Malformed("the JSON in the completion is too convoluted to search")
             m = _STRUCT_RE.search(text, i)
             if m is None:
+                charge(len(text) - i)
                 break
             c, j = m.group(), m.start()
+            charge(j + 1 - i)
             if c == '"':
                 s = _STRING_TAIL_RE.match(text, j + 1)
                 if s is None:
+                    charge(len(text) - j)
                     break
+                charge(s.end() - j)
                 i = s.end()
                 continue
             if c in _CLOSER:
@@ -168,6 +176,7 @@ class _Scanner:
 
 def _loads(body: str, what: str) -> Any:
     """``json.loads`` of a ``<tool_call>`` body, with its nesting checked first."""
+    charge(3 * len(body))  # the bracket counts and the decoding
     if body[:1] in _CLOSER and body.count("[") + body.count("{") > MAX_JSON_DEPTH:
         _Scanner(body).end(0)  # raises Malformed when nested too deep; json reports any other error
     try:
@@ -205,13 +214,15 @@ def _first_json_calls(text: str) -> list[tuple[str, dict]]:
     for how the search is bounded)."""
     scan = _Scanner(text)
     covered = -1  # candidates before this position lie inside a value already searched
+    charge(len(text))  # the candidates, in one pass
     for m in _CANDIDATE_RE.finditer(text):
         p = m.start()
         if p < covered:
             continue
         end = scan.end(p)
-        if end is None or text.find("{", p, end) < 0:  # unclosed, or a list with no object inside
+        if end is None or find(text, "{", p, end) < 0:  # unclosed, or a list with no object inside
             continue
+        charge(end - p)  # the decoding
         try:
             obj = json.loads(text[p:end])
         except ValueError:
@@ -353,6 +364,7 @@ def _candidates(calls: list, expected: list) -> list[list[int]]:
         if args and pool:
             sets = sorted((index.get((name, k, _value_key(v)), set()) for k, v in args.items()), key=len)
             pool = sorted(set(sets[0]).intersection(*sets[1:]))  # the index is per name already
+        charge(1 + len(pool))
         out.append(pool)
     return out
 
@@ -360,6 +372,7 @@ def _candidates(calls: list, expected: list) -> list[list[int]]:
 def _keyed_candidates(calls: list, expected: list) -> tuple[list[str], dict[str, list[int]]]:
     """A key per call (identical calls share it) and the candidate list per key."""
     keys = [json.dumps(c, sort_keys=True, default=str) for c in calls]
+    charge(sum(map(len, keys)))
     first: dict[str, int] = {}
     for i, k in enumerate(keys):
         first.setdefault(k, i)
@@ -385,20 +398,24 @@ def _match(calls: list, expected: list, task: "Task") -> tuple[bool, str]:
     def ok(i: int, j: int) -> bool:
         k = (keys[i], j)
         if k not in memo:
+            charge(1)
             memo[k] = call_error(calls[i], expected[j], task) is None
         return memo[k]
 
     owner = [-1] * len(expected)
     for i in range(len(calls)):
         lst, p = cands[i], pointer[keys[i]]
+        p0 = p
         while p < len(lst) and (owner[lst[p]] >= 0 or not ok(i, lst[p])):
             p += 1
+        charge(1 + p - p0)
         pointer[keys[i]] = p
         if p < len(lst):
             owner[lst[p]] = i
             continue
         if not _augment(i, cands, ok, owner):
             # report the closest miss: the first error for this call against a same-named function
+            charge(len(expected))
             errs = [e for e in (call_error(calls[i], e, task) for e in expected) if e is not None]
             same = [e for e in errs if not e.startswith("wrong_function")]
             return False, (same or errs or ["wrong_call"])[0]
@@ -410,9 +427,12 @@ def _augment(start: int, cands: list[list[int]], ok, owner: list[int]) -> bool:
     seen: set[int] = set()
     stack = [(start, iter(cands[start]))]
     via: list[int] = []  # via[d]: the expected call through which stack[d + 1] was reached
+    steps = 0  # charged on the way out
     while stack:
         i, it = stack[-1]
+        steps += 1
         for j in it:
+            steps += 1
             if j in seen or not ok(i, j):
                 continue
             seen.add(j)
@@ -420,6 +440,7 @@ def _augment(start: int, cands: list[list[int]], ok, owner: list[int]) -> bool:
                 owner[j] = i
                 for d in range(len(via) - 1, -1, -1):
                     owner[via[d]] = stack[d][0]
+                charge(steps + len(via))
                 return True
             via.append(j)
             stack.append((owner[j], iter(cands[owner[j]])))
@@ -428,6 +449,7 @@ def _augment(start: int, cands: list[list[int]], ok, owner: list[int]) -> bool:
             stack.pop()
             if via:
                 via.pop()
+    charge(steps)
     return False
 
 
