@@ -52,12 +52,13 @@ def evaluate(model, tokenizer, tasks: list[Task], *, k: int, n: Optional[int] = 
     """Returns ``{"model", "k", "n", "domains": {D: {"n_tasks", "pass@1", "pass@K", ...}},
     "overall": {...}, "tasks": [{"task_id", "n", "c", "pass@1", "pass@K", ...}], "skipped": [...]}``.
     ``settings``: the other fields of :class:`mlx_ssp.rollout.RolloutRequest` (``sampling`` required;
-    seed, batch size, context, system prompt, progress)."""
+    seed, batch size, context, system prompt, progress; the progress bar says ``eval``)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise UserError(f"k must be an integer >= 1, got {k!r}")
     n = k if n is None else n
     if n < k:
         raise UserError(f"n ({n}) must be >= k ({k})")
+    settings.setdefault("progress_label", "eval")
     request = RolloutRequest(tasks=tasks, k=n, verify=True, **settings)
     sampling, seed = request.sampling, request.seed
     stats: dict = {}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from mlx_ssp.commands.options import config_option, load_task_stage, sampling_flags, sampling_options, set_option
+from mlx_ssp.commands.options import (
+    config_option, load_task_stage, no_progress_option, sampling_flags, sampling_options, set_option,
+)
 
 
 @click.command("eval")
@@ -16,10 +18,10 @@ from mlx_ssp.commands.options import config_option, load_task_stage, sampling_fl
 @sampling_options
 @click.option("--system", default=None, help="System prompt for tasks that have none.")
 @click.option("-o", "--output", default=None, help="EVAL.json to write.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@no_progress_option
 @config_option
 @set_option
-def cli(model, tasks_path, k, n, greedy, system, output, no_progress, config_path, overrides, **kw):
+def cli(model, tasks_path, k, n, greedy, system, output, config_path, overrides, **kw):
     """pass@1 and pass@k per domain (unbiased estimator), printed and written as JSON."""
     from mlx_ssp import distributed as dist
     from mlx_ssp.eval import run_eval
@@ -27,7 +29,7 @@ def cli(model, tasks_path, k, n, greedy, system, output, no_progress, config_pat
 
     flags = {"k": k, "n": n, "greedy": greedy, "tasks": tasks_path, "output": output, "system": system, **sampling_flags(kw)}
     mcfg, cfg = load_task_stage(config_path, overrides, "eval", flags, model, "EVAL.json")
-    result = run_eval(mcfg, cfg.tasks, cfg, cfg.output, progress=not no_progress)
+    result = run_eval(mcfg, cfg.tasks, cfg, cfg.output)
     if not dist.is_main():  # rank 0 reports for all ranks
         return
     click.echo(format_table(result, extra=("greedy_pass@1",) if cfg.greedy else ()))

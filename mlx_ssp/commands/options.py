@@ -1,4 +1,4 @@
-"""Flags shared by the stage commands: ``--set``, ``--config`` and the sampling flags of rollout and
+"""Flags shared by the stage commands: ``--set``, ``--config``, ``--no-progress`` and the sampling flags of rollout and
 eval (:func:`sampling_flags` names their keys in the stage's section, for
 :func:`mlx_ssp.stage_config.apply_flags`); :func:`load_task_stage`, the load both of those share."""
 
@@ -16,6 +16,20 @@ def set_option(f):
         metavar="KEY=VALUE",
         help="Override a config value, e.g. --set rollout.k=8 (repeatable; beats the YAML file).",
     )(f)
+
+
+def no_progress_option(f):
+    """``--no-progress``: no progress bar from any stage while the command runs
+    (:func:`mlx_ssp.progress.turned_off`, left when the command's context closes)."""
+
+    def turn_off(ctx: click.Context, param, value: bool) -> None:
+        if value:
+            from mlx_ssp.progress import turned_off
+
+            ctx.with_resource(turned_off())
+
+    return click.option("--no-progress", is_flag=True, expose_value=False, callback=turn_off,
+                        help="No progress bars (from any stage).")(f)
 
 
 def config_option(f):

@@ -7,7 +7,7 @@ import json
 
 import click
 
-from mlx_ssp.commands.options import set_option
+from mlx_ssp.commands.options import no_progress_option, set_option
 from mlx_ssp.errors import UserError
 
 
@@ -15,6 +15,7 @@ from mlx_ssp.errors import UserError
 @click.argument("config_path", type=click.Path(dir_okay=False), required=False)
 @click.option("--restart", is_flag=True, help="Ignore existing checkpoints and start afresh.")
 @set_option
+@no_progress_option
 def cli(config_path, restart, overrides):
     """MGPO-weighted GRPO with verifiable rewards on the run file's model.
 

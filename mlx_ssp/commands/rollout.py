@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import click
 
-from mlx_ssp.commands.options import config_option, load_task_stage, sampling_flags, sampling_options, set_option
+from mlx_ssp.commands.options import (
+    config_option, load_task_stage, no_progress_option, sampling_flags, sampling_options, set_option,
+)
 
 
 @click.command("rollout")
@@ -26,10 +28,10 @@ from mlx_ssp.commands.options import config_option, load_task_stage, sampling_fl
 @click.option("--system", default=None, help="System prompt for tasks that have none.")
 @click.option("-o", "--output", default=None, help="rollouts.jsonl to write (resumed if it exists).")
 @click.option("--overwrite", is_flag=True, help="Start the output afresh instead of resuming it.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@no_progress_option
 @config_option
 @set_option
-def cli(model, endpoint, api_key_env, concurrency, tokenizer, tasks_path, k, system, output, overwrite, no_progress,
+def cli(model, endpoint, api_key_env, concurrency, tokenizer, tasks_path, k, system, output, overwrite,
         config_path, overrides, **kw):
     """Sample K completions per task with behaviour log-probs and verifier rewards.
 
@@ -50,7 +52,7 @@ def cli(model, endpoint, api_key_env, concurrency, tokenizer, tasks_path, k, sys
 
         raise UserError("--api-key-env, --concurrency and --tokenizer go with --endpoint URL")
     mcfg, cfg = load_task_stage(config_path, overrides, "rollout", flags, model, "ROLLOUTS.jsonl")
-    summary = run_rollouts(teacher or mcfg, cfg.tasks, cfg, cfg.output, overwrite=overwrite, progress=not no_progress)
+    summary = run_rollouts(teacher or mcfg, cfg.tasks, cfg, cfg.output, overwrite=overwrite)
     if not dist.is_main():  # rank 0 reports for all ranks
         return
     click.echo(format_table(summary))

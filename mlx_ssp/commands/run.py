@@ -7,7 +7,7 @@ from typing import Optional
 
 import click
 
-from mlx_ssp.commands.options import set_option
+from mlx_ssp.commands.options import no_progress_option, set_option
 from mlx_ssp.errors import UserError
 from mlx_ssp.pipeline import STAGES
 
@@ -19,9 +19,8 @@ from mlx_ssp.pipeline import STAGES
               help="Rerun this stage and every stage after it (earlier stages must be complete).")
 @click.option("--only", type=click.Choice(STAGES), default=None,
               help="Run only this stage (earlier stages must be complete).")
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
-def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str], only: Optional[str],
-        no_progress: bool) -> None:
+@no_progress_option
+def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str], only: Optional[str]) -> None:
     """Run the whole SSP loop from CONFIG.yaml: tasks -> rollout -> select -> sft -> merge -> rl -> eval,
     into the run directory (config key run_dir; --set run_dir=PATH moves it).
 
@@ -33,4 +32,4 @@ def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str],
 
     if from_stage and only:
         raise UserError("give --from or --only, not both")
-    run_pipeline(config_path, overrides, from_stage=from_stage, only=only, progress=not no_progress)
+    run_pipeline(config_path, overrides, from_stage=from_stage, only=only)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from mlx_ssp.commands.options import set_option
+from mlx_ssp.commands.options import no_progress_option, set_option
 
 
 def load_config(config_path: str, overrides, overwrite: bool):
@@ -24,6 +24,7 @@ def load_config(config_path: str, overrides, overwrite: bool):
 @set_option
 @click.option("--domain", "domains", multiple=True, help="Train only this domain (repeatable).")
 @click.option("--overwrite", is_flag=True, help="Discard earlier checkpoints and specialists instead of resuming.")
+@no_progress_option
 def cli(config_path: str, overrides: tuple[str, ...], domains: tuple[str, ...], overwrite: bool) -> None:
     """Train one LoRA specialist per domain (sft: section), keep the checkpoint with the best
     probe Pass@K, fuse it into OUT/specialists/<domain>/. Re-running resumes."""

@@ -24,9 +24,8 @@ def cli(in_path: str, output: str, tasks_path: str | None, workers: int | None, 
     episode: {"task": ..., "messages": [OpenAI chat messages]}) with its task's verifier and write
     OUT.jsonl: the input plus `reward` and `reason` (episodes: also per-turn verdicts). Use it to
     re-score old rollouts after fixing a verifier; prints the mean reward and the counts by reason."""
-    from tqdm import tqdm
-
     from mlx_ssp.io import read_jsonl
+    from mlx_ssp.progress import bar as progress_bar
     from mlx_ssp.verify import PARALLEL
     from mlx_ssp.verify.rescore import rescore, tasks_of
 
@@ -48,7 +47,7 @@ def cli(in_path: str, output: str, tasks_path: str | None, workers: int | None, 
         from mlx_ssp.verify.sandbox import describe
 
         click.echo(describe(), err=True)
-    bar = tqdm(total=len(records), unit="completion", desc="verify", disable=no_progress, dynamic_ncols=True)
+    bar = progress_bar(len(records), unit="completion", desc="verify", enabled=not no_progress)
     try:
         scores = rescore(records, tasks, output, workers=workers, progress=bar.update)
     finally:

@@ -147,7 +147,7 @@ def _merge_tensors(job: MergeJob, writer: sio.ShardedWriter, seed: int, n_worker
     """Merge every planned tensor into ``writer`` (on ``n_workers`` threads, largest first); the
     output does not depend on the order (each tensor's result depends only on its inputs, and DARE
     seeds on its name)."""
-    from tqdm import tqdm
+    from mlx_ssp.progress import bar as progress_bar
 
     def merge_one(p: TensorPlan) -> None:
         parts = merge_tensor(job, p, seed)
@@ -161,7 +161,7 @@ def _merge_tensors(job: MergeJob, writer: sio.ShardedWriter, seed: int, n_worker
         for name, x in stored.items():
             writer.write(name, [sio.to_bytes(x)])
 
-    bar = tqdm(total=len(job.plans), desc=f"merge {job.cfg.merge_method}", unit="tensor", disable=not progress)
+    bar = progress_bar(len(job.plans), desc=f"merge {job.cfg.merge_method}", unit="tensor", enabled=progress)
     try:
         with _buffer_cache():
             if n_workers == 1:

@@ -49,6 +49,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlx_ssp import distributed as dist
+from mlx_ssp import progress
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import write_json_atomic
 from mlx_ssp.finetune import checkpoints as ckpts
@@ -780,7 +781,7 @@ def train(model, tokenizer, tasks: list[Task], cfg: RLConfig, out_dir: str | Pat
     tr = Trainer(model, tokenizer, tasks, cfg, out, seed=seed, ref_model=ref_model, model_path=model_path)
     metrics_path = out / "metrics.jsonl"
     _start_or_resume(tr, metrics_path, resume)
-    bar = _progress_bar(cfg, tr.step_no)
+    bar = progress.bar(cfg.steps, initial=tr.step_no, desc="rl", unit="step", enabled=cfg.progress and dist.is_main())
     last = {}
     with dist.appender(metrics_path) as log:  # rank 0 writes the metrics
         while tr.step_no < cfg.steps:
@@ -789,12 +790,10 @@ def train(model, tokenizer, tasks: list[Task], cfg: RLConfig, out_dir: str | Pat
             last = rec
             if on_step is not None:
                 on_step(tr, rec)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", loss=f"{rec.get('loss', float('nan')):.4f}")
+            bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", loss=f"{rec.get('loss', float('nan')):.4f}")
+            bar.update(1)
             _checkpoint_or_stop(tr)
-    if bar is not None:
-        bar.close()
+    bar.close()
     return {"steps": tr.step_no, "skipped_total": tr.skipped_total, "last": last, "checkpoint": tr.last_good_ckpt,
             "out_dir": str(out)}
 
@@ -828,15 +827,6 @@ def _start_or_resume(tr: Trainer, metrics_path: Path, resume: bool) -> None:
         metrics_path.unlink()
     if dist.is_main():
         write_json_atomic(out / "rl_config.json", record)
-
-
-def _progress_bar(cfg: RLConfig, initial: int):
-    """A tqdm bar on rank 0 when ``progress`` is on, else None."""
-    if not (cfg.progress and dist.is_main()):
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.steps, initial=initial, desc="rl", unit="step")
 
 
 def _checkpoint_or_stop(tr: Trainer) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from mlx_ssp import progress
 from mlx_ssp.rollout.request import RolloutRequest
 
 
@@ -24,7 +25,7 @@ def _shareable(model) -> bool:
 
 class Decoder:
     """``gen`` (the generator), ``path`` (the sampling path), ``lp_temp`` (the temperature behaviour
-    log-probs are stored at), ``bar`` (tqdm or None); :meth:`close` restores the model's mode."""
+    log-probs are stored at), ``bar`` (:func:`mlx_ssp.progress.bar`); :meth:`close` restores the model's mode."""
 
     def __init__(self, model, tokenizer, request: RolloutRequest, *, total: int, unit: str, desc: str,
                  episodes: bool = False):
@@ -49,11 +50,7 @@ class Decoder:
         self.share_prefix = request.share_prefix and _shareable(model)
         self.saved_prefill = 0  # prompt tokens samples did not prefill themselves (shared prefixes)
         self.prefix_s, self.prefix_tokens = 0.0, 0  # the shared prefills (outside the generator's timers)
-        self.bar = None
-        if request.progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit=unit, desc=desc, dynamic_ncols=True)
+        self.bar = progress.bar(total, unit=unit, desc=desc, enabled=request.progress)
         self.t_start = time.perf_counter()
         self.gen_s_before = 0.0  # time of an earlier pass in the same request (episodes, then single turns)
 

@@ -334,11 +334,10 @@ class EndpointRollout:
         return e
 
     def run(self) -> Iterator[list[dict]]:
-        bar = None
-        if self.request.progress:
-            from tqdm import tqdm
+        from mlx_ssp.progress import bar as progress_bar
 
-            bar = tqdm(total=self.total, unit="sample", desc="rollout (endpoint)", dynamic_ncols=True)
+        bar = progress_bar(self.total, unit="sample", desc=f"{self.request.progress_label} (endpoint)",
+                           enabled=self.request.progress)
         t0 = time.perf_counter()
         self.listed = self.client.list_models()  # an unreachable server fails here, after the retries
         results: queue.SimpleQueue = queue.SimpleQueue()

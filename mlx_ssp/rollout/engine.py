@@ -92,7 +92,7 @@ class _Generation:
     def __init__(self, model, tokenizer, request: RolloutRequest, plan: WorkPlan, stats: dict):
         self.model, self.tokenizer, self.request, self.plan, self.stats = model, tokenizer, request, plan, stats
         self.stops = StopMatcher(request.sampling.stop)
-        self.dec = Decoder(model, tokenizer, request, total=len(plan.work), unit="sample", desc="rollout")
+        self.dec = Decoder(model, tokenizer, request, total=len(plan.work), unit="sample", desc=request.progress_label)
         self.gen, self.bar, self.lp_temp = self.dec.gen, self.dec.bar, self.dec.lp_temp
         self.live: dict[int, LiveSequence] = {}
         groups = TaskGroups(Counter(ti for ti, _ in plan.work))

@@ -25,6 +25,7 @@ class RolloutRequest:
     batch_size: int = 64
     verify: bool = True
     progress: bool = True
+    progress_label: str = "rollout"  # what the progress bar calls the pass
     max_context: Optional[int] = None
     system: Optional[str] = None
     verify_workers: int = 4

@@ -122,7 +122,7 @@ def default_probe(model, tokenizer, tasks: list, probe: ProbeConfig, seed: int) 
 
     res = evaluate(
         model, tokenizer, tasks, k=probe.k, n=probe.n, sampling=probe.sampling, seed=seed,
-        batch_size=probe.batch_size, progress=probe.progress, system=probe.system,
+        batch_size=probe.batch_size, progress=probe.progress, progress_label="sft probe", system=probe.system,
     )
     overall = res["overall"]
     if not overall.get("n_tasks"):

@@ -20,6 +20,7 @@ from mlx_ssp.finetune.lora import attach_lora
 from mlx_ssp.finetune.optim import build_optimizer as _build
 from mlx_ssp.finetune.seed import step_seed
 from mlx_ssp.io import JsonlAppender, write_json_atomic
+from mlx_ssp.progress import mlx_lm_train_ui
 from mlx_ssp.sft.batches import make_iterate_batches, make_masked_iterate_batches
 from mlx_ssp.sft.config import SFTConfig
 from mlx_ssp.sft.data import DomainPlan, plan_domains, val_batch_size
@@ -205,7 +206,8 @@ class _DomainRun:
                 hook = _Hook(self, start, callbacks)
                 self.model.train()
                 tic = time.perf_counter()
-                with dist.watch(f"sft {self.plan.name} training"):  # mlx-lm's all_sums: stop, not hang, on a lost rank
+                # mlx-lm's all_sums: stop, not hang, on a lost rank; our bar in place of mlx-lm's display
+                with dist.watch(f"sft {self.plan.name} training"), mlx_lm_train_ui(f"sft {self.plan.name}"):
                     train(
                         model=self.model, optimizer=self.optimizer, train_dataset=self.plan.train_set, val_dataset=None,
                         args=args, training_callback=hook, **batching(self.plan, self.seed, skip=start),

@@ -36,6 +36,7 @@ import types
 from pathlib import Path
 from typing import Optional
 
+from mlx_ssp.progress import is_on, mlx_lm_train_ui
 from mlx_ssp.testbed.problems import DOMAINS, LEVELS, draw, held_out, strategies, trace
 
 VERSION = 2  # 2: the held-out quarter of the problem space is left out of the corpus
@@ -188,11 +189,12 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
                                  [warm])
     opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
     losses: list[dict] = []
+    show = is_on(progress)
 
     class Log:
         def on_train_loss_report(self, info):
             losses.append({"step": int(info["iteration"]), "loss": round(float(info["train_loss"]), 4)})
-            if progress:
+            if show:
                 print(f"[testbed {size}:{seed}] step {info['iteration']}/{steps} loss {info['train_loss']:.3f}",
                       file=sys.stderr, flush=True)
 
@@ -203,8 +205,8 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
     args = TrainingArgs(batch_size=s["batch_size"], iters=steps, val_batches=0, steps_per_report=max(1, steps // 10),
                         steps_per_eval=steps + 1, steps_per_save=steps + 1, max_seq_length=MAX_SEQ,
                         adapter_file=str(tmp / "unused.safetensors"))
-    quiet = contextlib.redirect_stdout(io.StringIO()) if not progress else contextlib.nullcontext()
-    with quiet:
+    quiet = contextlib.redirect_stdout(io.StringIO()) if not show else contextlib.nullcontext()
+    with quiet, mlx_lm_train_ui("testbed", enabled=False):  # Log's lines below say how far it is
         train(model=model, optimizer=opt, train_dataset=data, val_dataset=None, args=args, training_callback=Log(),
               iterate_batches=make_iterate_batches(seed))
     (tmp / "unused.safetensors").unlink(missing_ok=True)

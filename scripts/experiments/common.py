@@ -28,6 +28,7 @@ seconds, it measures nothing.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -43,6 +44,7 @@ import mlx_ssp  # noqa: F401  (loads OpenBLAS before mlx.core)
 from mlx_ssp.config import apply_overrides
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import read_jsonl, write_json_atomic, write_jsonl_atomic
+from mlx_ssp.progress import turned_off
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -653,8 +655,9 @@ def entry_point(run_fn, doc: str):
     @click.option("--profile", type=click.Choice(sorted(PROFILES)), default="demo", show_default=True,
                   help="The defaults: the demo model, or the issue-21 testbed model (testbed:multi, three domains).")
     def cli(tiny, work_dir, overrides, no_progress, profile):
-        run_fn(make_ctx(tiny, work_dir, overrides, no_progress, defaults=PROFILES[profile],
-                        name="experiments" if profile == "demo" else f"experiments-{profile}"))
+        with turned_off() if no_progress else contextlib.nullcontext():  # also the bars no flag reaches (SFT)
+            run_fn(make_ctx(tiny, work_dir, overrides, no_progress, defaults=PROFILES[profile],
+                            name="experiments" if profile == "demo" else f"experiments-{profile}"))
 
     return cli
 
