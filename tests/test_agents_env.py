@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("bfcl_eval")
 
-from mlx_ssp.agents.backends import BACKENDS, CallLimits, Environment, function_docs  # noqa: E402
+from mlx_ssp.agents.backends import CallLimits, Environment  # noqa: E402
+from mlx_ssp.agents.bfcl import BACKENDS, function_docs  # noqa: E402
 from mlx_ssp.agents.calls import (  # noqa: E402
     Call,
     CallSyntaxError,
@@ -271,18 +272,59 @@ def test_bad_arguments_are_error_texts_and_bind_names_positionals():
 # ---------------------------------------------------------------- limits
 
 
-def test_slow_call_times_out_and_breaks_the_environment(monkeypatch):
-    from bfcl_eval.eval_checker.multi_turn_eval.func_source_code.gorilla_file_system import GorillaFileSystem
+def test_a_call_that_holds_the_interpreter_lock_is_stopped_at_its_time_limit():
+    # 10**(10**8) is one big-integer computation that never releases the GIL (minutes of CPU): a
+    # thread's join timeout could not fire; the worker process is killed instead
+    env = Environment({}, ["MathAPI"], limits=CallLimits(timeout_s=1.0))
+    other = Environment({}, ["MathAPI"], limits=CallLimits(timeout_s=1.0))
+    pid = env._worker.pid
+    cpu0 = time.process_time()
+    r = env.execute([Call("power", {"base": 10, "exponent": 10**8}), Call("add", {"a": 1, "b": 2})], env.method_names())
+    assert time.process_time() - cpu0 < 10  # this process only waited: the work ran (and died) elsewhere
+    assert "power did not finish within 1s" in r[0] and "the environment was stopped" in r[0]
+    assert r[1].startswith("Error during execution: the environment is unusable")
+    assert env.broken and not env._worker.alive and not _pid_running(pid)
+    assert other.execute([Call("add", {"a": 1, "b": 2})], other.method_names()) == ['{"result": 3}']
+    other.close()
 
+
+def test_process_wide_state_a_call_changes_stays_in_its_episode():
+    import mpmath
+
+    dps = mpmath.mp.dps
+    with Environment({}, ["MathAPI"]) as env:
+        r = env.execute([Call("logarithm", {"value": 2, "base": 10, "precision": 400})], env.method_names())
+        assert len(r[0]) > 400  # the high-precision result came back...
+    assert mpmath.mp.dps == dps  # ...and this process's mpmath precision is untouched
+
+
+def test_a_checker_run_with_a_call_over_its_limit_fails_that_turn_and_later_ones_with_the_reason():
+    spec = EpisodeSpec({}, ["MathAPI"], [["add(a=1, b=2)"], ["add(a=2, b=3)"]])
+    turns = [[[Call("power", {"base": 10, "exponent": 10**8})]], [[Call("add", {"a": 2, "b": 3})]]]
+    v = score_episode(spec, turns, limits=CallLimits(timeout_s=1.0))
+    assert [t.passed for t in v.turns] == [False, False]
+    assert all("the model's environment was stopped" in t.reason and "power did not finish" in t.reason for t in v.turns)
+
+
+def test_environment_workers_are_stopped_on_close():
     e, _ = entry("multi_turn_base_0")
-    env = Environment(e["initial_config"], e["involved_classes"], limits=CallLimits(timeout_s=0.2))
-    monkeypatch.setattr(GorillaFileSystem, "pwd", lambda self: time.sleep(3) or "/")
-    env2 = Environment(e["initial_config"], e["involved_classes"], limits=CallLimits(timeout_s=0.2))
-    t0 = time.monotonic()
-    r = env2.execute([Call("pwd", {}), Call("ls", {})], env2.method_names())
-    assert time.monotonic() - t0 < 1.5
-    assert "did not finish within 0.2s" in r[0] and r[1].startswith("Error during execution: the environment is unusable")
-    assert env.execute([Call("ls", {})], env.method_names())[0].startswith("{")  # the other episode is unaffected
+    env = Environment(e["initial_config"], e["involved_classes"])
+    pid = env._worker.pid
+    assert _pid_running(pid)
+    env.close()
+    assert not _pid_running(pid)
+    assert env.execute([Call("ls", {})], {"ls"})[0].startswith("Error during execution: ")
+
+
+def _pid_running(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) is not running
+        return f.read().split(") ")[-1][0] != "Z"
 
 
 def test_huge_result_is_capped_with_a_marker():

@@ -392,3 +392,28 @@ def test_strategy_keeps_turn_boundaries():
     late = {"kind": "episode", "messages": [u0, say, u1, ls, say]}
     assert strategy_text(early) != strategy_text(late)
     assert strategy_text(early) == strategy_text({"kind": "episode", "messages": [u0, say, ls, u1, say]})
+
+
+def test_a_call_over_its_time_limit_ends_that_episode_and_the_batch_goes_on(model_tok, tasks, monkeypatch):
+    """Sample 0 calls MathAPI.power(10, 10**8), which holds the interpreter lock for minutes: its
+    worker is killed at the task's call_timeout_s, the episode ends (call_timeout) and fails with the
+    reason; sample 1 of the same batch plays the ground truth and passes."""
+    from mlx_ssp.agents.calls import Call
+
+    def parse_calls(self, text):
+        if self.sample == 0:
+            return [Call("power", {"base": 10, "exponent": 10**8})]
+        gt = self.task.metadata["episode"]["ground_truth"][self.turn]
+        return [parse_ground_truth(c) for c in gt] if self.steps == 0 else []
+
+    monkeypatch.setattr(Episode, "parse_calls", parse_calls)
+    t = tasks[0].model_copy(deep=True)
+    ep = t.metadata["episode"]
+    ep["involved_classes"] = [*ep["involved_classes"], "MathAPI"]
+    ep.pop("offered", None), ep.pop("held_out", None)
+    ep["call_timeout_s"] = 1.0
+    hostile, fine = _run(model_tok, [t], batch_size=2)
+    assert hostile["finish_reason"] == "call_timeout" and hostile["reward"] == 0.0
+    assert "power did not finish within 1s" in hostile["messages"][-1]["content"]
+    assert "the model's environment was stopped" in hostile["turns"][0]["reason"]
+    assert fine["finish_reason"] == "done" and fine["reward"] == 1.0, fine["detail"]

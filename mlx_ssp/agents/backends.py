@@ -1,8 +1,7 @@
-"""BFCL's executable multi-turn backends and one episode's world over them.
+"""One episode's world over BFCL's executable multi-turn backends (the registry of the 8 classes,
+BFCL's ``CLASS_FILE_PATH_MAPPING`` minus WebSearch and Memory, is :data:`mlx_ssp.agents.bfcl.BACKENDS`).
 
-:data:`BACKENDS` is the registry of the 8 multi-turn classes (BFCL's
-``executable_backend_config.CLASS_FILE_PATH_MAPPING``, minus WebSearch and Memory). An
-:class:`Environment` holds fresh instances of an episode's ``involved_classes``, each loaded from a deep
+An :class:`Environment` holds fresh instances of an episode's ``involved_classes``, each loaded from a deep
 copy of its ``initial_config`` entry, and runs :class:`~mlx_ssp.agents.calls.Call` data against them:
 
 1. the call's name is looked up in a table of the instances' public bound methods built at start
@@ -11,9 +10,12 @@ copy of its ``initial_config`` entry, and runs :class:`~mlx_ssp.agents.calls.Cal
    offered in that turn);
 2. the arguments' repr is capped (:attr:`CallLimits.max_argument_chars`), positional arguments are
    bound with ``inspect.signature(method).bind`` (BFCL's ground truth has ``sort('final_report.pdf')``);
-3. the method runs in a daemon thread joined with :attr:`CallLimits.timeout_s`; a call still running
-   then cannot be stopped (Python threads cannot be killed) and may still change the instances, so the
-   environment is marked broken and every later call returns an error;
+3. the instances live in a worker process of their own (:mod:`mlx_ssp.agents.worker`: a thread
+   holding the interpreter lock, as big-integer or mpmath work does, could not be stopped); a call
+   still running after :attr:`CallLimits.timeout_s` gets its worker killed, the environment is
+   marked broken and every later call returns an error (an episode ends there:
+   :class:`~mlx_ssp.agents.episode.Episode`); the worker's memory is capped at
+   :attr:`CallLimits.max_memory_mb`;
 4. the result is formatted as BFCL does (``str`` as is; ``dict`` -> ``json.dumps``, falling back to
    ``str``; else ``str``) and any failure becomes ``"Error during execution: <message>"``; the text
    returned to the model is cut at :attr:`CallLimits.max_result_chars` with a marker (the checker
@@ -23,7 +25,8 @@ Deviations from BFCL's executor (``multi_turn_utils.execute_multi_turn_func_call
 call strings (and so no name blocklist: nothing outside the method table can be reached); instances
 are never cached in ``globals()`` (BFCL keys them by model name and test id, so K parallel samples of
 one task would share one world); ``allowed`` restricts calls to the offered functions (BFCL's eval
-run executes any method of the involved classes); time and size limits per call.
+run executes any method of the involved classes); time, memory and size limits per call; process-wide state a
+call changes (``mpmath.mp.dps``, module globals) dies with the episode's worker.
 
 Randomness: every stochastic backend (MessageAPI, TradingBot, TravelAPI, VehicleControlAPI) draws from
 its own ``random.Random(scenario.get("random_seed", <class default>))`` made in ``_load_scenario``, none
@@ -34,94 +37,33 @@ into the dict it is given (``self.inbox = scenario.get("inbox")``): hence the de
 
 from __future__ import annotations
 
-import copy
-import functools
-import importlib
-import inspect
-import json
-import threading
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Collection
+from typing import Collection
 
+from mlx_ssp.agents.bfcl import BACKENDS, backend, build_instances, format_result
 from mlx_ssp.agents.calls import Call
+from mlx_ssp.agents.worker import Worker, WorkerGone
 from mlx_ssp.errors import UserError
 
-_PREFIX = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
 _ERROR = "Error during execution: "
-
-
-@dataclass(frozen=True)
-class Backend:
-    class_name: str
-    short: str
-    module: str
-    doc_file: str
-    stateless: bool = False
-
-
-def _b(class_name: str, short: str, module: str, doc: str, stateless: bool = False) -> Backend:
-    return Backend(class_name, short, f"{_PREFIX}.{module}", doc, stateless)
-
-
-#: The 8 multi-turn backend classes (BFCL's mapping; MathAPI is its one stateless class).
-BACKENDS: dict[str, Backend] = {
-    b.class_name: b
-    for b in (
-        _b("GorillaFileSystem", "file_system", "gorilla_file_system", "gorilla_file_system.json"),
-        _b("MathAPI", "math", "math_api", "math_api.json", stateless=True),
-        _b("MessageAPI", "message", "message_api", "message_api.json"),
-        _b("TwitterAPI", "twitter", "posting_api", "posting_api.json"),
-        _b("TicketAPI", "ticket", "ticket_api", "ticket_api.json"),
-        _b("TradingBot", "trading", "trading_bot", "trading_bot.json"),
-        _b("TravelAPI", "travel", "travel_booking", "travel_booking.json"),
-        _b("VehicleControlAPI", "vehicle_control", "vehicle_control", "vehicle_control.json"),
-    )
-}
-
-
-def backend(class_name: str) -> Backend:
-    try:
-        return BACKENDS[class_name]
-    except KeyError:
-        raise UserError(f"unknown BFCL backend class {class_name!r}; known: {', '.join(BACKENDS)}") from None
-
-
-def _backend_class(class_name: str) -> type:
-    return getattr(importlib.import_module(backend(class_name).module), class_name)
-
-
-@functools.lru_cache(maxsize=None)
-def _docs(class_name: str) -> tuple[dict, ...]:
-    import bfcl_eval
-
-    path = Path(bfcl_eval.__file__).parent / "data" / "multi_turn_func_doc" / backend(class_name).doc_file
-    with open(path, encoding="utf-8") as f:
-        return tuple(json.loads(line) for line in f if line.strip())
-
-
-def function_docs(class_name: str) -> list[dict]:
-    """BFCL's JSON function docs for the class (one dict per function; a fresh copy each call)."""
-    return copy.deepcopy(list(_docs(class_name)))
-
 
 @dataclass(frozen=True)
 class CallLimits:
     timeout_s: float = 5.0
     max_result_chars: int = 8192
     max_argument_chars: int = 65536
+    max_memory_mb: int = 2048  # the worker's address space (Linux); 0 = no cap
 
 
-def format_result(result: Any) -> str:
-    """A method's return value as the text BFCL shows (and compares)."""
-    if type(result) is str:
-        return result
-    if type(result) is dict:
-        try:
-            return json.dumps(result)
-        except (TypeError, ValueError, RecursionError):  # e.g. an object instance inside
-            return str(result)
-    return str(result)
+def limits_of(episode: dict) -> CallLimits:
+    """An episode task's call limits: ``metadata.episode`` may raise the result cap
+    (``max_result_chars``: long_context's point is long results) and set ``call_timeout_s``."""
+    d = CallLimits()
+    try:
+        return CallLimits(timeout_s=float(episode.get("call_timeout_s", d.timeout_s)),
+                          max_result_chars=int(episode.get("max_result_chars", d.max_result_chars)))
+    except (TypeError, ValueError):
+        raise UserError("metadata.episode: call_timeout_s and max_result_chars must be numbers") from None
 
 
 def cap_result(text: str, max_chars: int) -> str:
@@ -137,7 +79,8 @@ class _CallFailed(Exception):
 class Environment:
     """One episode's world: fresh instances of ``involved_classes``, each loaded from a deep copy of
     ``initial_config[class]`` (``_load_scenario(cfg, long_context=...)``), never shared with another
-    Environment."""
+    Environment, living in a worker process of their own (:mod:`mlx_ssp.agents.worker`) that is
+    killed when a call is over its time limit. :meth:`close` (or ``with``) stops the worker."""
 
     def __init__(
         self,
@@ -149,37 +92,38 @@ class Environment:
     ):
         if not isinstance(initial_config, dict):
             raise UserError("initial_config must be an object mapping backend class -> scenario")
+        for name in involved_classes:
+            backend(name)  # an unknown class is a UserError here, before any process starts
         self.limits = limits
         self.broken = ""  # why later calls are refused ("" = not broken)
-        self._instances: dict[str, Any] = {}
-        self._methods: dict[str, Any] = {}  # public method name -> bound method
-        for name in involved_classes:
-            b = backend(name)
-            inst = _backend_class(name)()
-            if not b.stateless:
-                cfg = initial_config.get(name, {})
-                if not isinstance(cfg, dict):
-                    raise UserError(f"initial_config[{name!r}] must be an object")
-                inst._load_scenario(copy.deepcopy(cfg), long_context=long_context)
-            self._instances[name] = inst
-            # later classes win a name clash, as in BFCL's mapping (the 8 classes have none today)
-            for m, fn in inspect.getmembers(inst, predicate=inspect.ismethod):
-                if not m.startswith("_"):
-                    self._methods[m] = fn
+        self._worker = Worker(build_instances, (initial_config, list(involved_classes), long_context), format_result,
+                              max_memory_mb=limits.max_memory_mb,
+                              preload=["mlx_ssp.agents.bfcl", *(b.module for b in BACKENDS.values())])
+        self._signatures = self._worker.signatures  # public method name -> signature
+
+    def close(self) -> None:
+        """Stop the worker process (the state is gone with it)."""
+        self._worker.close()
+
+    def __enter__(self) -> "Environment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------ calls
 
     def method_names(self) -> set[str]:
-        return set(self._methods)
+        return set(self._signatures)
 
     def bind(self, call: Call) -> Call:
         """``call`` with its positional arguments named by the method's signature (unchanged if it has
         none, or if the name is unknown or binding fails: executing it reports why)."""
-        fn = self._methods.get(call.name)
-        if not call.positional or fn is None:
+        sig = self._signatures.get(call.name)
+        if not call.positional or sig is None:
             return call
         try:
-            bound = inspect.signature(fn).bind(*call.positional, **call.arguments)
+            bound = sig.bind(*call.positional, **call.arguments)
         except TypeError:
             return call
         return Call(call.name, dict(bound.arguments), ())
@@ -187,8 +131,8 @@ class Environment:
     def _prepare(self, call: Call, allowed: Collection[str]):
         if not isinstance(call, Call):
             raise _CallFailed(f"not a call: {type(call).__name__}")
-        fn = self._methods.get(call.name)
-        if fn is None:
+        sig = self._signatures.get(call.name)
+        if sig is None:
             raise _CallFailed(f"no function named {call.name!r} is available")
         if call.name not in allowed:
             raise _CallFailed(f"function {call.name!r} is not available in this turn")
@@ -199,29 +143,20 @@ class Environment:
         if size > self.limits.max_argument_chars:
             raise _CallFailed(f"the arguments of {call.name} are longer than {self.limits.max_argument_chars} characters")
         try:
-            # copies: a backend keeps argument objects in its state (TwitterAPI stores the `mentions`
-            # list and a later mention() appends to it), which must not reach back into the call
-            bound = inspect.signature(fn).bind(*copy.deepcopy(call.positional), **copy.deepcopy(call.arguments))
+            # the worker gets its own copies (the request is pickled): a backend keeps argument objects
+            # in its state (TwitterAPI stores the `mentions` list), which never reach back into the call
+            return sig.bind(*call.positional, **call.arguments)
         except TypeError as e:
             raise _CallFailed(f"{call.name}: {e}") from None
-        return fn, bound
 
-    def _run(self, fn, bound) -> str:
-        box: dict[str, Any] = {}
-
-        def work():
-            try:
-                box["ok"] = format_result(fn(*bound.args, **bound.kwargs))
-            except BaseException as e:  # a backend bug is the call's error, as in BFCL
-                box["err"] = str(e)
-
-        t = threading.Thread(target=work, name="mlx_ssp-agent-call", daemon=True)
-        t.start()
-        t.join(self.limits.timeout_s)
-        if t.is_alive():
-            self.broken = f"an earlier call ({fn.__name__}) did not finish within {self.limits.timeout_s:g}s"
-            return f"{_ERROR}{fn.__name__} did not finish within {self.limits.timeout_s:g}s"
-        return box["ok"] if "ok" in box else _ERROR + box["err"]
+    def _run(self, name: str, bound) -> str:
+        try:
+            kind, text = self._worker.request(("call", name, bound.args, bound.kwargs), self.limits.timeout_s,
+                                              f"{name}")
+        except WorkerGone as e:
+            self.broken = f"an earlier call ({e}) was stopped"
+            return f"{_ERROR}{e}; the environment was stopped"
+        return text if kind == "ok" else _ERROR + text
 
     def execute_full(self, calls: list[Call], allowed: Collection[str]) -> list[str]:
         """One uncut result text per call, in order (what the checker compares)."""
@@ -231,11 +166,11 @@ class Environment:
                 out.append(f"{_ERROR}the environment is unusable: {self.broken}")
                 continue
             try:
-                fn, bound = self._prepare(call, allowed)
+                bound = self._prepare(call, allowed)
             except _CallFailed as e:
                 out.append(_ERROR + str(e))
                 continue
-            out.append(self._run(fn, bound))
+            out.append(self._run(call.name, bound))
         return out
 
     def execute(self, calls: list[Call], allowed: Collection[str]) -> list[str]:
@@ -244,22 +179,29 @@ class Environment:
 
     # ------------------------------------------------------------ state
 
-    def _public(self, name: str) -> dict[str, Any]:
-        return {k: v for k, v in vars(self._instances[name]).items() if not k.startswith("_")}
-
     def state(self) -> dict[str, dict]:
-        """class -> {public attribute: deep copy of its value} (what the state check compares)."""
-        return {name: copy.deepcopy(self._public(name)) for name in self._instances}
+        """class -> {public attribute: a copy of its value} (what the state check compares); raises
+        :class:`EnvironmentBroken` once the environment was stopped."""
+        if self.broken:
+            raise EnvironmentBroken(self.broken)
+        try:
+            kind, state = self._worker.request(("state",), self.limits.timeout_s, "reading the state")
+        except WorkerGone as e:
+            self.broken = str(e)
+            raise EnvironmentBroken(self.broken) from None
+        if kind != "ok":
+            raise EnvironmentBroken(f"the state could not be read: {state}")
+        return state
 
     def state_difference(self, other: "Environment | dict[str, dict]") -> str:
         """"" if every public attribute of every instance equals ``other``'s (an Environment or a
         :meth:`state` snapshot), else which class and attribute differ first."""
-        theirs = other.state_live() if isinstance(other, Environment) else other
-        return state_difference(self.state_live(), theirs)
+        theirs = other.state() if isinstance(other, Environment) else other
+        return state_difference(self.state(), theirs)
 
-    def state_live(self) -> dict[str, dict]:
-        """Like :meth:`state` but without copying: references into the live instances (read only)."""
-        return {name: self._public(name) for name in self._instances}
+
+class EnvironmentBroken(Exception):
+    """The environment's worker was stopped (a call over its time limit, or the process died)."""
 
 
 def state_difference(mine: dict[str, dict], theirs: dict[str, dict]) -> str:

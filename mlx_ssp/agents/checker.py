@@ -8,7 +8,9 @@ and the ground-truth calls in a fresh twin, turn by turn, and judges each turn:
   are an unordered sub-multiset of the model's result texts of all turns so far (a result the model
   already got in an earlier turn counts, as in BFCL);
 - ground truth empty (irrelevance): the turn passes iff the model's calls in it changed no state;
-- a turn in ``step_limit_hit`` fails ("step limit"): BFCL force-quits such an entry.
+- a turn in ``step_limit_hit`` fails ("step limit"): BFCL force-quits such an entry;
+- a call over its time limit stops its environment (:mod:`mlx_ssp.agents.worker`): that turn and
+  every later one fail, saying which call and whose environment (the model's or the ground truth's).
 
 Reward = 1 iff every turn passes (BFCL's accuracy); ``partial`` = the fraction of turns passed.
 
@@ -30,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
-from mlx_ssp.agents.backends import CallLimits, Environment, backend
+from mlx_ssp.agents.backends import CallLimits, Environment, EnvironmentBroken, backend
 from mlx_ssp.agents.calls import Call, CallSyntaxError, parse_ground_truth
 from mlx_ssp.errors import UserError
 
@@ -150,42 +152,60 @@ def score_episode(
     if len(turns) > n:
         raise UserError(f"the episode has {len(turns)} turns, the task {n}")
     gt = _parse_gt(spec)
-    model = Environment(spec.initial_config, spec.involved_classes, long_context=spec.long_context, limits=limits)
-    twin = Environment(spec.initial_config, spec.involved_classes, long_context=spec.long_context, limits=limits)
+    with Environment(spec.initial_config, spec.involved_classes, long_context=spec.long_context, limits=limits) as model, \
+            Environment(spec.initial_config, spec.involved_classes, long_context=spec.long_context, limits=limits) as twin:
+        verdicts = _judge_turns(gt, turns, model, twin, set(step_limit_hit), allowed_per_turn)
+    return EpisodeVerdict(tuple(verdicts))
+
+
+def _judge_turns(gt: list[list[Call]], turns: list[list[list[Call]]], model: Environment, twin: Environment,
+                 limit_hit: set[int], allowed_per_turn: Sequence[Collection[str]] | None) -> list[TurnVerdict]:
+    n = len(gt)
     everything = twin.method_names()
-    limit_hit = set(step_limit_hit)
     so_far: list[str] = []  # the model's result texts of all turns so far
     verdicts = []
     for t in range(n):
         steps = turns[t] if t < len(turns) else []
         allowed = everything if allowed_per_turn is None else allowed_per_turn[t]
         irrelevance = not gt[t]
-        before = model.state() if irrelevance else None
+        before = model.state() if irrelevance and not model.broken else None
         n_calls = 0
         for step in steps:
             so_far.extend(model.execute_full(list(step), allowed))
             n_calls += len(step)
         expected = twin.execute_full(gt[t], everything)
-        if irrelevance:
-            diff = model.state_difference(before)
-            state_ok, response_ok = not diff, True
-            reason = f"irrelevance: the model's calls changed state ({diff})" if diff else ""
-        else:
-            diff = model.state_difference(twin)
-            missing = _missing(expected, so_far)
-            state_ok, response_ok = not diff, not missing
-            if n_calls == 0:
-                reason = "no call in a turn that needs one"
-            elif diff:
-                reason = f"state: {diff} from the ground truth's"
-            elif missing:
-                reason = f"response: {len(missing)} ground-truth result(s) missing, e.g. {_short(missing[0])!r}"
-            else:
-                reason = ""
+        try:
+            state_ok, response_ok, reason = _judge(model, twin, before, expected, so_far, n_calls)
+        except EnvironmentBroken as e:
+            state_ok, response_ok, reason = False, False, str(e)
+        if model.broken or twin.broken:  # a call over its time limit: nothing after it can be judged
+            who = "the model's" if model.broken else "the ground truth's"
+            state_ok = response_ok = False
+            reason = f"{who} environment was stopped: {model.broken or twin.broken}"
         if t >= len(turns):
             reason = "not reached"
         if t in limit_hit:
             reason = "step limit" + (f"; {reason}" if reason else "")
         passed = not reason
         verdicts.append(TurnVerdict(t, passed, state_ok, response_ok, irrelevance, reason))
-    return EpisodeVerdict(tuple(verdicts))
+    return verdicts
+
+
+def _judge(model: Environment, twin: Environment, before: dict | None, expected: list[str], so_far: list[str],
+           n_calls: int) -> tuple[bool, bool, str]:
+    """One turn's (state ok, response ok, failure reason) after its calls ran; ``before`` (the model's
+    state at the turn's start) marks an irrelevance turn."""
+    if before is not None:
+        diff = model.state_difference(before)
+        return not diff, True, f"irrelevance: the model's calls changed state ({diff})" if diff else ""
+    diff = model.state_difference(twin)
+    missing = _missing(expected, so_far)
+    if n_calls == 0:
+        reason = "no call in a turn that needs one"
+    elif diff:
+        reason = f"state: {diff} from the ground truth's"
+    elif missing:
+        reason = f"response: {len(missing)} ground-truth result(s) missing, e.g. {_short(missing[0])!r}"
+    else:
+        reason = ""
+    return not diff, not missing, reason

@@ -9,6 +9,8 @@ run against this episode's own :class:`~mlx_ssp.agents.backends.Environment` (re
 functions offered so far), and the results are appended as ``tool`` messages; this repeats until
 the model answers without a call (the turn ends) or ``max_steps`` messages with calls were made in
 the turn (BFCL's force-quit: the episode ends there and that turn fails). Then the next user turn.
+A call over its time limit stops the environment's worker and ends the episode (``call_timeout``;
+the tool message says which call); the other episodes of the batch go on.
 A message that tries to call but cannot be parsed gets the parse error back as the tool's text.
 
 Tokens are appended, never re-rendered: the conversation's ids are the prompt, then each generated
@@ -104,18 +106,16 @@ class Episode:
     turn: int = 0
     steps: int = 0  # messages in the current turn that tried to call (made calls, or failed to parse)
     n_messages: int = 0
-    end: Optional[str] = None  # "done" | "step_limit" | "context"
+    end: Optional[str] = None  # "done" | "step_limit" | "context" | "call_timeout"
 
     def __post_init__(self) -> None:
-        from mlx_ssp.agents.backends import CallLimits, Environment
+        from mlx_ssp.agents.backends import Environment, limits_of
 
         ep = self.task.metadata["episode"]
         self.user_turns: list[list[dict]] = ep["user_turns"]
         self.max_steps = int(ep.get("max_steps", self.max_steps))
-        # the cap on a result the model sees (long_context's point is long results: its tasks raise it)
-        limits = CallLimits(max_result_chars=int(ep.get("max_result_chars", CallLimits.max_result_chars)))
         self.env = Environment(ep.get("initial_config", {}), ep["involved_classes"],
-                               long_context=bool(ep.get("long_context")), limits=limits)
+                               long_context=bool(ep.get("long_context")), limits=limits_of(ep))
         from mlx_ssp.verify.multi_turn import allowed_per_turn
 
         # the same per-turn rule the verifier re-executes with
@@ -150,12 +150,16 @@ class Episode:
         elif calls:
             results = self.env.execute(calls, self.allowed_by_turn[self.turn])
             new = [{"role": "tool", "name": c.name, "content": r} for c, r in zip(calls, results)]
+            if self.env.broken:  # a call over its time limit: the world is gone, so is the episode
+                self.messages += new
+                self.stop("call_timeout")
+                return None
         else:
             return self._next_turn(deltas, ended_with)
         self.steps += 1
         if self.steps >= self.max_steps:
             self.messages += new
-            self.end = "step_limit"
+            self.stop("step_limit")
             return None
         return self._feed(new, deltas, ended_with)
 
@@ -169,7 +173,7 @@ class Episode:
         self.turn += 1
         self.steps = 0
         if self.turn >= len(self.user_turns):
-            self.end = "done"
+            self.stop("done")
             return None
         return self._feed([dict(m) for m in self.user_turns[self.turn]], deltas, ended_with)
 
@@ -182,8 +186,10 @@ class Episode:
         return ids
 
     def stop(self, reason: str) -> None:
-        """End the episode early (``context``: the next message would not fit)."""
+        """End the episode (early with ``context``: the next message would not fit) and stop its
+        environment's worker."""
         self.end = reason
+        self.env.close()
 
     def record(self, logprob_temperature: float) -> dict[str, Any]:
         """The episode's record (unscored: ``reward``/``reason``/``detail`` None)."""

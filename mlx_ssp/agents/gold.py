@@ -22,30 +22,30 @@ CANNOT = "None of the available functions can do that."
 
 def gold_messages(task: Task, system: Optional[str] = None) -> list[dict]:
     """The gold conversation of an episode task, in OpenAI chat format."""
-    from mlx_ssp.agents.backends import CallLimits, Environment
+    from mlx_ssp.agents.backends import Environment, limits_of
     from mlx_ssp.agents.calls import parse_ground_truth
     from mlx_ssp.agents.episode import tool_call_text
     from mlx_ssp.verify.multi_turn import allowed_per_turn
 
     ep = task.metadata["episode"]
-    limits = CallLimits(max_result_chars=int(ep.get("max_result_chars", CallLimits.max_result_chars)))
-    env = Environment(ep.get("initial_config", {}), ep["involved_classes"], long_context=bool(ep.get("long_context")),
-                      limits=limits)
-    allowed = allowed_per_turn(ep) or [env.method_names()] * len(ep["user_turns"])
-    msgs = [dict(m) for m in task.messages()]
-    if system is not None and not any(m.get("role") == "system" for m in msgs):
-        msgs = [{"role": "system", "content": system}] + msgs
-    for t, calls_text in enumerate(ep["ground_truth"]):
-        if t > 0:
-            msgs += [dict(m) for m in ep["user_turns"][t]]
-        if not calls_text:
-            msgs.append({"role": "assistant", "content": CANNOT})
-            continue
-        calls = [env.bind(parse_ground_truth(c)) for c in calls_text]
-        msgs.append({"role": "assistant", "content": tool_call_text([(c.name, c.arguments) for c in calls]),
-                     "tool_calls": [c.as_openai() for c in calls]})
-        msgs += [{"role": "tool", "name": c.name, "content": r} for c, r in zip(calls, env.execute(calls, allowed[t]))]
-        msgs.append({"role": "assistant", "content": DONE})
+    with Environment(ep.get("initial_config", {}), ep["involved_classes"], long_context=bool(ep.get("long_context")),
+                     limits=limits_of(ep)) as env:
+        allowed = allowed_per_turn(ep) or [env.method_names()] * len(ep["user_turns"])
+        msgs = [dict(m) for m in task.messages()]
+        if system is not None and not any(m.get("role") == "system" for m in msgs):
+            msgs = [{"role": "system", "content": system}] + msgs
+        for t, calls_text in enumerate(ep["ground_truth"]):
+            if t > 0:
+                msgs += [dict(m) for m in ep["user_turns"][t]]
+            if not calls_text:
+                msgs.append({"role": "assistant", "content": CANNOT})
+                continue
+            calls = [env.bind(parse_ground_truth(c)) for c in calls_text]
+            msgs.append({"role": "assistant", "content": tool_call_text([(c.name, c.arguments) for c in calls]),
+                         "tool_calls": [c.as_openai() for c in calls]})
+            msgs += [{"role": "tool", "name": c.name, "content": r}
+                     for c, r in zip(calls, env.execute(calls, allowed[t]))]
+            msgs.append({"role": "assistant", "content": DONE})
     return msgs
 
 

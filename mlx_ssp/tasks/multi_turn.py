@@ -100,7 +100,7 @@ def _check_params(params: dict) -> None:
 
 
 def _backend_filter(params: dict) -> str | None:
-    from mlx_ssp.agents.backends import BACKENDS
+    from mlx_ssp.agents.bfcl import BACKENDS
 
     name = params.get("backend")
     if name is None:
@@ -127,7 +127,7 @@ def held_out_message(docs: list[dict]) -> dict:
 def entry_item(entry: dict, ground_truth: list[list[str]], category: str, *, with_domain: bool,
                tools: str = "all", reward: str = "accuracy", max_steps: int = MAX_STEPS) -> Item:
     """One BFCL multi-turn entry as an :class:`Item` (see the module docstring)."""
-    from mlx_ssp.agents.backends import BACKENDS, function_docs
+    from mlx_ssp.agents.bfcl import BACKENDS, function_docs
 
     classes = list(entry["involved_classes"])
     unknown = [c for c in classes if c not in BACKENDS]

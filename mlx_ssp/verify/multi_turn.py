@@ -105,6 +105,7 @@ def allowed_per_turn(ep: dict) -> list[set[str]] | None:
 
 @register("bfcl_multi_turn", check=_check)
 def verify_episode(completion: Any, task: "Task") -> VerifyResult:
+    from mlx_ssp.agents.backends import limits_of
     from mlx_ssp.agents.checker import EpisodeSpec, score_episode
     from mlx_ssp.agents.episode import MAX_STEPS
 
@@ -115,7 +116,7 @@ def verify_episode(completion: Any, task: "Task") -> VerifyResult:
     except EpisodeFormatError as e:
         return VerifyResult(0.0, "malformed_episode", str(e))
     verdict = score_episode(EpisodeSpec.from_task_metadata(ep), turns, step_limit_hit=over,
-                            allowed_per_turn=allowed_per_turn(ep))
+                            allowed_per_turn=allowed_per_turn(ep), limits=limits_of(ep))
     reward = verdict.partial if ep.get("reward", "accuracy") == "partial" else verdict.reward
     passed = sum(1 for t in verdict.turns if t.passed)
     reason = "correct" if verdict.reward >= 1.0 else "turn_failed"
