@@ -27,7 +27,7 @@ from mlx_ssp.verify import VerifyResult, register
 
 
 def _reference(rewards, lengths, lam):
-    """RECIPE.md's formula written out with Python floats (no NumPy)."""
+    """The Long2Short formula (mlx_ssp.rl.shaping's docstring) written out with Python floats (no NumPy)."""
     C = [i for i, r in enumerate(rewards) if r >= 0.999]
     out = [float(r) for r in rewards]
     if len(C) < 2:

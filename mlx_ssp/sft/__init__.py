@@ -1,6 +1,6 @@
 """Specialist SFT: one LoRA specialist per domain, checkpoint chosen by Pass@K on a probe set, fused.
 
-Algorithm (VibeThinker-1.5B, arXiv:2511.06221, section 3.2 "Spectrum phase"; DESIGN.md step 3).
+Algorithm (VibeThinker-1.5B, arXiv:2511.06221, section 3.2 "Spectrum phase"; the loop's third stage).
 For each domain d listed in the ``sft:`` section:
 
 1. Fresh LoRA (or DoRA) layers are put on the base model (loaded once for all domains) with

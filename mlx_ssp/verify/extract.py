@@ -9,8 +9,8 @@ Two modes, chosen per domain (``tasks.domains.<name>.answer_extraction``) and st
   block of non-empty lines (a grid written under ``Answer:``). Anything else is "no answer".
 - ``lenient``: strict first; then the last "answer is X"; then the last "= X" (the right-hand side of
   the last equals sign); then a verifier-specific last resort: the last number (``math``) or the last
-  non-empty line (``reasoning_gym``). This is the rule the calibration in CALIBRATION.md used: the demo
-  model rarely writes the requested format, and strict scoring gives RL almost no signal.
+  non-empty line (``reasoning_gym``). It exists because the demo model rarely writes the requested
+  format, and strict scoring gives RL almost no signal.
 
 Text before the last ``</think>`` is dropped (thinking models reason there; the answer follows it).
 

@@ -1,8 +1,8 @@
 """Experiment 4 (agents): does a narrow specialist erode the other backends, and does merging not?
 
-The agents plan (RECIPE.md) trains one LoRA specialist per BFCL backend and merges them, because the
-brief measured negative transfer: a file-system specialist cut breadth across backends from 60 to 42,
-a blended multi-backend distillation from 60 to 31. This script measures, on every backend's
+The agents configuration trains one LoRA specialist per BFCL backend and merges them, because training
+on one backend, or on all of them blended, can erode a model's breadth across the backends (negative
+transfer). This script measures, on every backend's
 held-out multi-turn episodes (``bfcl_multi_turn:base``, one domain per backend), for each SFT seed:
 
 - ``specialist:<backend>``: one LoRA per backend, trained on that backend's selected passing episodes
