@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import stat
+import sys
 import tempfile
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -96,10 +97,39 @@ def clean_stale_temps(path: Path) -> list[Path]:
     return removed
 
 
+#: kernel interfaces, not storage: an output there is refused (``/dev/shm`` is a tmpfs for files)
+_SPECIAL_ROOTS = ("/proc", "/sys", "/dev")
+_FILE_ROOTS = ("/dev/shm",)
+
+
+def check_output_path(path: str | Path, what: str = "output", *, kind: str | None = "file") -> Path:
+    """``path`` if it may be written as an output; else a UserError naming ``what``: a path (after
+    symlinks) inside /proc, /sys or /dev, or an existing entry that is not a ``kind`` (``"file"``,
+    ``"dir"``; None: either) such as a device, pipe or socket."""
+    p = Path(path).expanduser()
+    real = os.path.realpath(p)
+    for root in _SPECIAL_ROOTS:
+        inside = real == root or real.startswith(root + "/")
+        if inside and not any(real == r or real.startswith(r + "/") for r in _FILE_ROOTS):
+            raise UserError(f"{what} {p} is in {root}, a special filesystem, not a place for outputs; choose another path")
+    try:
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        return p
+    except OSError as e:
+        raise UserError(f"{what} {p}: cannot use it ({e.strerror})") from None
+    is_file, is_dir = stat.S_ISREG(mode), stat.S_ISDIR(mode)
+    if (kind == "file" and not is_file) or (kind == "dir" and not is_dir) or not (is_file or is_dir):
+        found = "a directory" if is_dir else "a regular file" if is_file else "a device, pipe or socket"
+        want = {"file": "a regular file", "dir": "a directory"}.get(kind, "a regular file or directory")
+        raise UserError(f"{what} {p} is {found}, not {want}; choose another path")
+    return p
+
+
 @contextmanager
 def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it into place only if the block succeeds."""
-    path = Path(path)
+    path = check_output_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{_tmp_tag()}.", suffix=suffix + ".tmp", dir=path.parent)
@@ -138,7 +168,7 @@ def atomic_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
     A killed job leaves only a ``.NAME.tmp-PID@HOST.*`` sibling, never a half-written ``path``, and
     the next ``atomic_dir`` of the same ``path`` removes it. An existing ``path`` is refused unless
     ``overwrite``."""
-    path = Path(path)
+    path = check_output_path(path, kind="dir")
     if path.exists() and not overwrite:
         raise UserError(f"{path} already exists; pass --overwrite to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,7 +199,7 @@ class JsonlAppender:
     ``write_many`` or by ``close()``. A crash then loses at most the records still queued."""
 
     def __init__(self, path: str | Path, fsync: bool = True, background: bool = False):
-        self.path = Path(path)
+        self.path = check_output_path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         repair_jsonl_tail(self.path)
         self._f = open(self.path, "a")
@@ -290,10 +320,7 @@ def iter_jsonl_numbered(path: str | Path, *, what: str = "records") -> Iterator[
                 if bad is not None:
                     byte = ord(bad.group()) - 0xDC00
                     raise UserError(f"{p}:{lineno}: not valid UTF-8 (byte 0x{byte:02x} at column {bad.start() + 1})")
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+                rec = parse_json(line, f"{p}:{lineno}", in_line=True)
                 if not isinstance(rec, dict):
                     raise UserError(f"{p}:{lineno}: expected a JSON object, got {type(rec).__name__}")
                 yield lineno, rec
@@ -304,6 +331,49 @@ def iter_jsonl_numbered(path: str | Path, *, what: str = "records") -> Iterator[
 #: what surrogateescape makes of a byte that is not UTF-8
 _BAD_BYTE = re.compile("[\udc80-\udcff]")
 
+#: the largest JSON file :func:`read_json` reads (model configs and tokenizers are far smaller)
+MAX_JSON_BYTES = 1 << 30
+
+
+def decode_utf8(data: bytes, where: str) -> str:
+    """``data`` as UTF-8 text; a byte that is not UTF-8 is a UserError naming ``where`` and its offset."""
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{where}: not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+
+
+def parse_json(data: str | bytes, where: str, *, in_line: bool = False) -> Any:
+    """``json.loads`` of untrusted text (bytes: UTF-8): bad bytes, bad JSON and nesting deeper than
+    the parser can recurse are each a UserError naming ``where`` (a file; with ``in_line``, one
+    line of a file, ``file:line``, so an error gives only the column)."""
+    text = data if isinstance(data, str) else decode_utf8(data, where)
+    try:
+        return json.loads(text)
+    except RecursionError:  # the C parser stops at the interpreter's recursion limit
+        raise UserError(f"{where}: JSON nested too deeply (about {sys.getrecursionlimit()} levels at most)") from None
+    except json.JSONDecodeError as e:
+        at = f"column {e.colno}" if in_line else f"line {e.lineno}, column {e.colno}"
+        raise UserError(f"{where}: not valid JSON ({e.msg}, {at})") from None
+    except ValueError as e:  # an integer literal too long to convert
+        raise UserError(f"{where}: not valid JSON ({e})") from None
+
+
+def read_json(path: str | Path, where: str | None = None) -> Any:
+    """The JSON value in the file ``path``; unreadable, oversized, not UTF-8, bad or too deeply
+    nested JSON is a UserError naming ``where`` (default: the file)."""
+    p = Path(path)
+    where = where or str(p)
+    try:
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_JSON_BYTES:
+                raise UserError(f"{where}: {size} bytes is more than a JSON file read here may hold ({MAX_JSON_BYTES})")
+            data = f.read()
+    except OSError as e:
+        raise UserError(f"{where}: cannot read ({e.strerror})") from None
+    return parse_json(data, where)
+
 
 @contextmanager
 def exclusive_lock(path: str | Path, what: str) -> Iterator[None]:
@@ -312,7 +382,7 @@ def exclusive_lock(path: str | Path, what: str) -> Iterator[None]:
     removed on release; a lock won on a file its last holder has just removed is retried."""
     import fcntl
 
-    path = Path(path)
+    path = check_output_path(path, "lock file")
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)

@@ -7,7 +7,6 @@ the user's cache directory, so the whole toolchain runs offline on a fresh machi
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Literal, Optional
 
 from mlx_ssp.config import StrictModel
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import read_json
 
 DEMO_NAMES = ("demo",)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -44,10 +44,7 @@ def check_model_dir(path: Path) -> Path:
     cfg = path / "config.json"
     if not cfg.is_file():
         raise UserError(f"{path} is not a model directory (no config.json); expected HF/mlx-lm layout")
-    try:
-        conf = json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{cfg} is corrupt: {e.msg} at line {e.lineno}") from None
+    conf = read_json(cfg, f"{cfg} is corrupt")
     if not isinstance(conf, dict) or "model_type" not in conf:
         raise UserError(f"{cfg} has no 'model_type'; is this a transformers model directory?")
     if not any(path.glob("*.safetensors")):

@@ -8,7 +8,8 @@ What it does, in order:
 2. the process-wide setup, once per load: the ``distributed:`` section's timeouts/backend
    (:func:`mlx_ssp.distributed.configure`; the group itself is initialised lazily by the stage's
    first collective, as before) and the top-level ``sandbox:`` policy;
-3. the stage's section and the ``model:`` section validated.
+3. the stage's section and the ``model:`` section validated, the section's ``output`` checked
+   (:func:`mlx_ssp.io.check_output_path`: nothing in /proc, /sys, /dev, no device or pipe).
 
 Flags reach the data through :func:`apply_flags` (the commands in :mod:`mlx_ssp.commands` name
 them; this module holds no CLI code).
@@ -32,6 +33,7 @@ from typing import Any, Optional
 import sys
 
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import check_output_path
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,8 @@ def load_stage(
     dist.configure(load_section(data, "distributed", source=source))  # timeouts under mlx.launch (issue 10)
     install_from_config(data, source)  # bounds what code tasks may ask of the sandbox, in every stage
     cfg = load_section(data, section, source=source, cls=cls) if section is not None else None
+    if getattr(cfg, "output", None):  # refused before any work (a file or a directory, by stage)
+        check_output_path(cfg.output, f"{section}.output", kind=None)
     mcfg = load_section(data, "model", source=source) if with_model else None
     return StageConfig(
         data=data, source=source, cfg=cfg, model=mcfg, seed=section_seed(cfg, top_seed(data, source)),

@@ -81,6 +81,7 @@ def load_task_stage(config_path, overrides, section: str, flags: dict, model, ou
     writes ``output_what`` (rollout, eval), through :func:`mlx_ssp.stage_config.load_stage`; both
     paths must be set, by flag or file."""
     from mlx_ssp.errors import UserError
+    from mlx_ssp.io import check_output_path
     from mlx_ssp.stage_config import load_stage
 
     st = load_stage(config_path, overrides, section, flags=flags, model=model)
@@ -89,4 +90,5 @@ def load_task_stage(config_path, overrides, section: str, flags: dict, model, ou
         raise UserError(f"no task file: pass --tasks FILE (or set {section}.tasks)")
     if not cfg.output:
         raise UserError(f"no output: pass -o {output_what} (or set {section}.output)")
+    check_output_path(cfg.output, f"{section}.output")  # a file, before the model is loaded
     return st.model, cfg

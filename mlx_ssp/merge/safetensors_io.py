@@ -22,6 +22,7 @@ missing shard) is a :class:`UserError` naming the file and, where it applies, th
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import threading
@@ -32,6 +33,7 @@ from typing import Iterable
 import numpy as np
 
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import parse_json, read_json
 
 #: safetensors dtype code -> (itemsize, numpy dtype used to carry the raw bytes, mlx dtype name)
 DTYPES: dict[str, tuple[int, str, str]] = {
@@ -84,17 +86,44 @@ def read_header(path: Path) -> tuple[dict, int]:
             text = f.read(n)
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        header = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: corrupt safetensors header (not valid JSON: {e})") from None
+    header = parse_json(text, f"{path}: corrupt safetensors header")
     if not isinstance(header, dict):
         raise UserError(f"{path}: corrupt safetensors header (not a JSON object)")
     return header, 8 + n
 
 
+def _is_count(x) -> bool:
+    """A JSON non-negative integer (``true`` is not one, though Python's bool is an int)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def check_entry(path: Path, name: str, meta) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype code, shape, begin, end) of one header entry, each checked: a known dtype, every dim
+    a non-negative integer, two integer offsets in order, and dtype x shape bytes between them."""
+    if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= meta.keys():
+        raise UserError(f"{path}: corrupt safetensors header entry for tensor '{name}' "
+                        "(expected an object with dtype, shape and data_offsets)")
+    code, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+    if not isinstance(code, str) or code not in DTYPES:
+        raise UserError(f"{path}: tensor '{name}' has unsupported dtype {code!r}")
+    if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+        raise UserError(f"{path}: corrupt safetensors header: tensor '{name}' has shape {shape!r} "
+                        "(each dimension must be a non-negative integer)")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(x) for x in offsets) \
+            or offsets[0] > offsets[1]:
+        raise UserError(f"{path}: corrupt safetensors header: tensor '{name}' has data_offsets {offsets!r} "
+                        "(expected [begin, end], integers with 0 <= begin <= end)")
+    begin, end = offsets
+    want = math.prod(shape) * DTYPES[code][0]  # exact: a numpy product could overflow to a match
+    if end - begin != want:
+        raise UserError(f"{path}: corrupt safetensors file: tensor '{name}' has {end - begin} bytes, "
+                        f"expected {want} for {code}{shape}")
+    return code, tuple(shape), begin, end
+
+
 def scan_file(path: Path) -> dict[str, TensorInfo]:
-    """Every tensor of one safetensors file, checked against the file size (truncation)."""
+    """Every tensor of one safetensors file, each header entry checked (:func:`check_entry`), and
+    against the file: within its size (truncation), no two tensors overlapping."""
     header, data_start = read_header(path)
     size = path.stat().st_size
     out: dict[str, TensorInfo] = {}
@@ -102,20 +131,7 @@ def scan_file(path: Path) -> dict[str, TensorInfo]:
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        try:
-            code = meta["dtype"]
-            shape = tuple(int(s) for s in meta["shape"])
-            begin, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise UserError(f"{path}: corrupt safetensors header entry for tensor '{name}'") from None
-        if code not in DTYPES:
-            raise UserError(f"{path}: tensor '{name}' has unsupported dtype {code}")
-        numel = int(np.prod(shape)) if shape else 1
-        if end - begin != numel * DTYPES[code][0] or begin < 0:
-            raise UserError(
-                f"{path}: corrupt safetensors file: tensor '{name}' has {end - begin} bytes, "
-                f"expected {numel * DTYPES[code][0]} for {code}{list(shape)}"
-            )
+        code, shape, begin, end = check_entry(path, name, meta)
         if data_start + end > size:
             raise UserError(
                 f"{path}: truncated safetensors file: tensor '{name}' ends at byte {data_start + end}, "
@@ -135,11 +151,10 @@ def scan_model(model_dir: Path) -> dict[str, TensorInfo]:
     index = model_dir / "model.safetensors.index.json"
     tensors: dict[str, TensorInfo] = {}
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (json.JSONDecodeError, KeyError, TypeError, AssertionError):
-            raise UserError(f"{index}: corrupt index (expected JSON with a 'weight_map' object)") from None
+        data = read_json(index, f"{index}: corrupt index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f == Path(f).name for f in weight_map.values()):
+            raise UserError(f"{index}: corrupt index (expected JSON with a 'weight_map' object of shard file names)")
         files = sorted(set(weight_map.values()))
         for fname in files:
             p = model_dir / fname

@@ -7,7 +7,6 @@ each quantized module as one float ``.weight``, dequantized when read (:mod:`.qu
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -16,6 +15,7 @@ import mlx_ssp  # noqa: F401
 import mlx.core as mx
 
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import read_json
 from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.quant import QuantTensor, dequantize, dequantized_view
 
@@ -86,10 +86,9 @@ def attach_adapter(src: Source, ad: Path) -> None:
     if not cfg_file.is_file() or not weights.is_file():
         raise UserError(f"model {ref}: {ad} is not an mlx-lm adapter directory "
                         "(needs adapter_config.json and adapters.safetensors)")
-    try:
-        acfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{cfg_file}: corrupt JSON ({e.msg})") from None
+    acfg = read_json(cfg_file)
+    if not isinstance(acfg, dict):
+        raise UserError(f"{cfg_file}: expected a JSON object")
     kind = acfg.get("fine_tune_type", "lora")
     if kind != "lora":
         raise UserError(f"model {ref}: adapter type '{kind}' cannot be fused on the fly; "
@@ -120,9 +119,16 @@ def read_model_config(src: Source) -> dict:
     path = src.path / "config.json"
     if not path.is_file():
         return {}
-    try:
-        conf = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: corrupt JSON in the config of model {src.ref} ({e})") from None
-    return conf if isinstance(conf, dict) else {}
+    conf = read_json(path, f"{path} (the config of model {src.ref})")
+    if not isinstance(conf, dict):
+        return {}
+    for key in _COUNT_KEYS:  # the merge plans with them: a string or a float here is a corrupt config
+        n = conf.get(key)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise UserError(f"{path}: {key} is {n!r}, not a non-negative integer (the config of model {src.ref})")
+    return conf
+
+
+#: the config.json counts the merge reads
+_COUNT_KEYS = ("vocab_size", "num_hidden_layers", "n_layer")
 

@@ -47,6 +47,7 @@ import mlx_ssp  # noqa: F401
 import mlx.core as mx
 
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import decode_utf8, parse_json, read_json
 
 #: files a model's tokenizer may consist of (copied when the output vocabulary is that model's)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -77,7 +78,7 @@ def read_tokenizer_json(model_dir: Path, ref: str) -> Optional[str]:
     then assumes the base's); an error when it has only slow-tokenizer files."""
     f = Path(model_dir) / "tokenizer.json"
     if f.is_file():
-        return f.read_text(encoding="utf-8")
+        return decode_utf8(f.read_bytes(), f"model {ref}: {f}")
     slow = [n for n in _SLOW_FILES if (Path(model_dir) / n).is_file()]
     if slow:
         raise UserError(f"model {ref}: tokenizer surgery needs tokenizer.json (found only {', '.join(slow)}); "
@@ -89,16 +90,27 @@ def vocab_of(tokenizer_json: str, vocab_size: Optional[int], ref: str) -> Vocab:
     """The :class:`Vocab` of a ``tokenizer.json`` text: the model's token -> id map (a list of
     pieces for Unigram) and the added tokens, as the library's ``get_vocab(with_added_tokens)``
     gives them (read from the JSON: building the tokenizer costs far more on 150k vocabularies)."""
+    data = parse_json(tokenizer_json, f"model {ref}: tokenizer.json")
     try:
-        data = json.loads(tokenizer_json)
         vocab = data["model"]["vocab"]
         ids = dict(vocab) if isinstance(vocab, dict) else {piece[0]: i for i, piece in enumerate(vocab)}
-        added = {int(a["id"]): {"content": a["content"], **{k: bool(a.get(k, False)) for k in _ADDED_FLAGS}}
+        added = {a["id"]: {"content": a["content"], **{k: bool(a.get(k, False)) for k in _ADDED_FLAGS}}
                  for a in data.get("added_tokens") or []}
-    except (ValueError, KeyError, TypeError, IndexError) as e:
+    except (KeyError, TypeError, IndexError, AttributeError) as e:
         raise UserError(f"model {ref}: unreadable tokenizer.json ({type(e).__name__}: {e})") from None
+    # ids index rows and sort against ints: a string, float, bool or negative id is refused here
+    bad = next(((t, i) for t, i in ids.items() if not (isinstance(t, str) and _is_id(i))), None)
+    if bad is None:
+        bad = next(((a["content"], i) for i, a in added.items() if not (isinstance(a["content"], str) and _is_id(i))), None)
+    if bad is not None:
+        raise UserError(f"model {ref}: tokenizer.json maps {bad[0]!r} to {bad[1]!r}: token ids must be non-negative "
+                        "integers and tokens strings")
     ids.update({a["content"]: i for i, a in added.items()})
     return Vocab(ids, added, int(vocab_size) if vocab_size else len(ids))
+
+
+def _is_id(i) -> bool:
+    return isinstance(i, int) and not isinstance(i, bool) and i >= 0
 
 
 def plain_token(content: str) -> dict:
@@ -133,7 +145,10 @@ def extend_tokenizer(tokenizer_json: str, ids: dict[str, int], additions: list[d
     vocabulary)."""
     from tokenizers import AddedToken, Tokenizer
 
-    tok = Tokenizer.from_str(tokenizer_json)
+    try:
+        tok = Tokenizer.from_str(tokenizer_json)
+    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for a file it cannot build
+        raise UserError(f"the tokenizers library cannot load the tokenizer.json to extend ({e})") from None
     out = dict(ids)
     for a in additions:  # one at a time: the ids follow this order exactly
         at = AddedToken(a["content"], **{k: a[k] for k in _ADDED_FLAGS})
@@ -434,7 +449,9 @@ def write_tokenizer(vp: VocabPlan, out_dir: Path) -> None:
     (out_dir / "tokenizer.json").write_text(vp.tokenizer_json, encoding="utf-8")
     conf_file = src / "tokenizer_config.json"
     if conf_file.is_file():
-        conf = json.loads(conf_file.read_text(encoding="utf-8"))
+        conf = read_json(conf_file)
+        if not isinstance(conf, dict):
+            raise UserError(f"{conf_file}: expected a JSON object")
         dec = conf.get("added_tokens_decoder")
         if isinstance(dec, dict):
             for a in vp.new_added:
