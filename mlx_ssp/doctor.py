@@ -102,7 +102,7 @@ def report() -> tuple[list[tuple[str, str]], list[str]]:
     return rows, advice
 
 
-# -- the RL stage's predicted peak (issue 23) -----------------------------------------------------
+# -- the RL stage's predicted peak ----------------------------------------------------------------
 
 
 def machine_memory_bytes() -> int | None:

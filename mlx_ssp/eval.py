@@ -38,7 +38,7 @@ class EvalConfig(StrictModel):
     max_context: Optional[int] = Field(None, ge=2)
     system: Optional[str] = None
     prefill_batch_size: Optional[int] = Field(None, ge=1)  # sequences prefilled together; None: 1 on CPU, 8 on GPU
-    OMIT_AT_DEFAULT = frozenset({"prefill_batch_size"})  # added in issue 17: old fingerprints kept
+    OMIT_AT_DEFAULT = frozenset({"prefill_batch_size"})  # added after runs existed: old fingerprints kept
 
     @model_validator(mode="after")
     def _n_ge_k(self):
@@ -104,6 +104,6 @@ def run_eval(model_spec, tasks_path, cfg: EvalConfig, out: str | Path, *, progre
     result["tasks_file"] = str(tasks_path)
     from mlx_ssp import distributed as dist
 
-    if dist.is_main():  # the ranks sampled their shares; rank 0 writes (issue 10)
+    if dist.is_main():  # the ranks sampled their shares; rank 0 writes
         write_json_atomic(out, result)
     return result

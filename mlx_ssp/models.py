@@ -61,7 +61,7 @@ def resolve_model(spec: str, revision: str | None = None) -> Path:
         from mlx_ssp.demo import ensure_demo_model
 
         return ensure_demo_model()
-    if spec == "testbed" or spec.startswith("testbed:"):  # the issue-21 testbed: pretrained here, cached
+    if spec == "testbed" or spec.startswith("testbed:"):  # the testbed: pretrained here, cached
         from mlx_ssp.testbed.build import ensure_testbed
 
         return ensure_testbed(spec)

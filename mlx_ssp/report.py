@@ -26,7 +26,7 @@ RL_SERIES = {
     "MGPO weight": ("mgpo_weight_mean", "weight_mean", "mgpo_weight"),
     "clip fraction": ("clip_frac", "clip_fraction"),
     "pass@1": ("pass@1",),
-    "correct length": ("correct_len_mean",),  # Long2Short's effect (issue 19)
+    "correct length": ("correct_len_mean",),  # Long2Short's effect
 }
 
 
@@ -350,7 +350,7 @@ def build_report(run_dir: str | Path) -> Path:
     return path
 
 
-# -- several runs: seeds of one setting, settings side by side (issue 21) ----------------------------
+# -- several runs: seeds of one setting, settings side by side ---------------------------------------
 
 #: the per-step series a comparison draws, with a band across each setting's seeds
 BAND_SERIES = ("reward", "pass@1")

@@ -17,7 +17,7 @@ n-grams (default n=3), ``edit`` = word-level Levenshtein distance / the longer l
 strategy distances of :mod:`mlx_ssp.strategy` (``steps``, ``ast``, ``calls``; ``auto`` picks one per
 prompt, :func:`strategy_kind`). All are in [0, 1]; the report counts each prompt's distinct
 strategies whatever distance selects. For an episode the compared text is its call sequence (:func:`strategy_text`), so distinct
-strategies are distinct call sequences, not distinct wording (issue 17). ``first`` keeps the first correct sample per prompt (the single-path baseline SSP argues
+strategies are distinct call sequences, not distinct wording. ``first`` keeps the first correct sample per prompt (the single-path baseline SSP argues
 against) and ``all`` keeps every correct one.
 
 Output: ``OUT_DIR/<domain>/train.jsonl`` and ``valid.jsonl`` in mlx-lm's chat format
@@ -29,7 +29,7 @@ whole prompts (``valid_fraction``, at least one); a domain with a single prompt 
 (mlx-lm needs a non-empty valid set), flagged ``valid_is_train`` in the report. Deviation: the paper
 does not say how diversity is measured; n-gram Jaccard is our documented default.
 
-Data quality (VibeThinker-3B technical report, section 2.1.1; issue 19), each off by default and
+Data quality (VibeThinker-3B technical report, section 2.1.1), each off by default and
 counted per reason in the report when on (:mod:`mlx_ssp.quality` holds the pure functions):
 ``repetition`` drops degenerate (looping) samples before the diversity walk; ``decontaminate`` leaves
 out whole training prompts that share an n-gram with a held-out, probe or benchmark prompt;
@@ -209,7 +209,7 @@ class PseudoLabelConfig(StrictModel):
 class SelectConfig(StrictModel):
     """The ``select:`` section of a run file."""
 
-    # gold: added for episodes (issue 18); the quality filters (issue 19)
+    # added after runs existed (gold, the quality filters): left out of dumps while unset, so fingerprints hold
     OMIT_AT_DEFAULT = frozenset({"gold", "repetition", "decontaminate", "pseudo_label"})
 
     policy: Literal["diverse", "first", "all"] = "diverse"
@@ -387,7 +387,7 @@ def select_prompt(recs: list[dict], cfg: SelectConfig) -> tuple[list[dict], dict
         "selected_samples": [correct[i]["sample"] for i in chosen],
         "mean_pairwise_distance": mean_pairwise(dist, chosen),
         "mean_pairwise_distance_distinct": mean_pairwise(dist, distinct),
-        # what the solutions *do* (issue 20): distinct feature sets of the prompt's kind of solution
+        # what the solutions *do*: distinct feature sets of the prompt's kind of solution
         "strategy_kind": kind,
         "n_strategies": _n_strategies(texts, kind),
     }

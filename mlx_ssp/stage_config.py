@@ -19,7 +19,7 @@ The rules, one each:
   ``seed`` (an integer), else 0 (:func:`section_seed`);
 - run directory: the top-level ``run_dir``; else ``runs/<config file stem>``; with no file
   ``runs``, so a stage's default outputs ``<run_dir>/<stage>`` are ``runs/<stage>``
-  (:func:`default_run_dir`). Until issue 16 ``mlx_ssp sft`` defaulted to ``run`` and ``mlx_ssp rl``
+  (:func:`default_run_dir`). Older versions of ``mlx_ssp sft`` wrote to ``run`` and ``mlx_ssp rl``
   to ``runs/rl`` for a file without ``run_dir``; :func:`note_old_default` names such a directory
   when it holds an earlier run and the new place does not exist yet.
 """
@@ -82,7 +82,7 @@ def default_run_dir(data: dict[str, Any], config_path: Optional[str | Path]) -> 
 
 
 def note_old_default(st: StageConfig, old: Path, new: Path, how: str) -> None:
-    """One stderr line when the pre-issue-16 default location holds an earlier run that this run
+    """One stderr line when the old default location holds an earlier run that this run
     (defaulted to ``new``) would not resume; ``how`` says what to set to resume it."""
     if not st.run_dir_set and old.exists() and not new.exists():
         print(f"note: {old} holds an earlier run (the old default); this run writes {new}; "
@@ -134,7 +134,7 @@ def load_stage(
 
     data = _apply_model_and_flags(load_file(config_path, overrides), section, flags, model)
     source = str(config_path) if config_path else ("flags" if flags is not None else "--set")
-    dist.configure(load_section(data, "distributed", source=source))  # timeouts under mlx.launch (issue 10)
+    dist.configure(load_section(data, "distributed", source=source))  # timeouts under mlx.launch
     install_from_config(data, source)  # bounds what code tasks may ask of the sandbox, in every stage
     cfg = load_section(data, section, source=source, cls=cls) if section is not None else None
     if getattr(cfg, "output", None):  # refused before any work (a file or a directory, by stage)

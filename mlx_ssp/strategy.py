@@ -1,4 +1,4 @@
-"""Strategy-level distances between solutions: what a solution *does*, not how it is worded (issue 20).
+"""Strategy-level distances between solutions: what a solution *does*, not how it is worded.
 
 Word n-grams measure wording: in a check, a paraphrase of one method scored 0.90 from it, a
 different method in the same template 0.48, and a bare final answer 1.0, so farthest-point selection

@@ -1,4 +1,4 @@
-"""Benchmark: multi-turn tool-use episodes (issue 17), batched vs one at a time, cache reuse vs re-prefill.
+"""Benchmark: multi-turn tool-use episodes, batched vs one at a time, cache reuse vs re-prefill.
 
 Measured side by side in one run, per model, on the same tasks, samples and seeds
 (:func:`mlx_ssp.agents.engine.run_episodes`, verification included, as ``mlx_ssp rollout`` runs it):

@@ -10,7 +10,7 @@ LoRA case: the head is frozen) of
            loop's training path): two head matmuls (as naive) and one exp pass (naive: two).
 Each variant runs --repeat times after one warm-up; the median is reported.
 
-    python scripts/bench_logprobs.py                      # the issue's setting: 4096 x 151936 x 1024
+    python scripts/bench_logprobs.py                      # the target setting: 4096 x 151936 x 1024
     python scripts/bench_logprobs.py --tokens 1024 --vocab 32000 --hidden 512
 """
 

@@ -16,9 +16,9 @@ line per method.
     python scripts/bench_merge.py --small --no-mergekit --compare /tmp/ref_tree --repeat 5  # vs another tree
     python scripts/bench_merge.py --methods slerp,della,model_stock,passthrough --mergekit-bin /tmp/mkvenv/bin
 
-Methods: linear, ties, dare_ties (issue 5) and slerp (t 0.5, base + 1), della (base + 2, density
+Methods: linear, ties, dare_ties and slerp (t 0.5, base + 1), della (base + 2, density
 0.5, epsilon 0.1, lambda 1), model_stock (base + 2), passthrough (a frankenmerge of overlapping
-layer ranges of two models via ``slices:``) (issue 22); each config is valid for both tools.
+layer ranges of two models via ``slices:``); each config is valid for both tools.
 ``--mergekit-bin DIR`` finds mergekit-yaml in DIR (a separate venv) instead of on PATH.
 
 ``--compare TREE`` also times the merge of another checkout of this project (its ``mlx_ssp``
@@ -105,7 +105,7 @@ def configs(models: list[Path], layers: int) -> dict:
                  "models": [{"model": m, "parameters": {"weight": 0.5, "density": 0.5}} for m in (m1, m2)]},
         "dare_ties": {"merge_method": "dare_ties", "base_model": m0, "dtype": "bfloat16",
                       "models": [{"model": m, "parameters": {"weight": 0.5, "density": 0.5}} for m in (m1, m2)]},
-        # issue 22: the base and one other model; mergekit's slerp wants both under models:
+        # the base and one other model; mergekit's slerp wants both under models:
         "slerp": {"merge_method": "slerp", "base_model": m0, "dtype": "bfloat16", "parameters": {"t": 0.5},
                   "models": [{"model": m0}, {"model": m1}]},
         "della": {"merge_method": "della", "base_model": m0, "dtype": "bfloat16", "parameters": {"lambda": 1.0},

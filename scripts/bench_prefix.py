@@ -1,8 +1,8 @@
-"""Benchmark: shared prompt prefixes (issue 23). The G samples of a prompt prefilled once vs each
+"""Benchmark: shared prompt prefixes. The G samples of a prompt prefilled once vs each
 sample prefilling its own prompt, side by side in one process, same tasks, seeds and sampling.
 
 Prompts: GSM8K test questions behind a system prompt padded to ``--prompt-tokens`` tokens (the RL
-step's shape in issue 23: a 256-token prompt, G = 8). Reported per arm (best of ``--repeats``,
+step's target shape: a 256-token prompt, G = 8). Reported per arm (best of ``--repeats``,
 alternating): wall seconds, mlx-lm's own prefill and decode timers (``BatchGenerator`` counters),
 prompt tokens actually prefilled, and whether both arms drew the same tokens.
 

@@ -16,7 +16,7 @@ other jobs share the cores. mlx-lm-lora gets OpenBLAS through LD_PRELOAD (as `im
     python -m venv /tmp/lora-venv && /tmp/lora-venv/bin/pip install "mlx[cpu]" mlx-lm-lora
     python scripts/bench_rl.py --lora-python /tmp/lora-venv/bin/python
 
-At a real model's shape (issue 23): ``--model demo`` (SmolLM2-135M, vocabulary 49,152) or any model
+At a real model's shape: ``--model demo`` (SmolLM2-135M, vocabulary 49,152) or any model
 directory, with ``--prompt-tokens 256`` (a shared system prompt padded so that every rendered prompt
 is about that long; both tools get the same one), ``--group 8 --batch 1 --max-tokens 128``. Ours
 also reports the step split: generation, the reference forward (adapters off: the same cost as a

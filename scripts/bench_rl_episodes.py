@@ -1,4 +1,4 @@
-"""Benchmark: one MGPO-GRPO step on BFCL multi-turn episodes (issue 18), with and without KV-cache
+"""Benchmark: one MGPO-GRPO step on BFCL multi-turn episodes, with and without KV-cache
 reuse across turns.
 
 Each step is :meth:`mlx_ssp.rl.loop.Trainer.step` on ``bfcl_multi_turn:base`` file-system tasks

@@ -1,5 +1,5 @@
 """Benchmark: SFT step time with length-sorted batches (what `mlx_ssp sft` uses) vs batches of
-random composition, on traces of mixed length (issue 19: "so long traces do not waste batches").
+random composition, on traces of mixed length (so that long traces do not waste batches).
 
 The records are GSM8K train solutions rendered as chat (question masked, solution trained), each
 repeated 1-4 times so lengths spread from ~150 to ~1,000 tokens, as a curriculum's long-trace subset

@@ -1,4 +1,4 @@
-"""Build and calibrate the issue-21 testbed models (mlx_ssp.testbed).
+"""Build and calibrate the testbed models (mlx_ssp.testbed).
 
     python scripts/testbed.py build --size small --seed 0      # pretrain (cached; prints the path)
     python scripts/testbed.py calibrate testbed:small:0         # pass@1 by domain and level, pass band, strategies

@@ -18,7 +18,7 @@ Deviations from BFCL's ``multi_turn_checker``:
 - BFCL stops at the first failing turn; we keep executing so every turn has a verdict (the partial
   score). The episode reward is the same.
 - Irrelevance: BFCL's separate irrelevance checker fails a turn with empty ground truth if the model
-  made any call at all; we fail it only if a call changed state (issue 17: a read-only look before
+  made any call at all; we fail it only if a call changed state (a read-only look before
   answering "I cannot do that" is not penalised).
 - The state check compares the union of both sides' public attributes (BFCL iterates the ground
   truth's), and compares uncut result texts (the model saw them cut at ``max_result_chars``).

@@ -1,4 +1,4 @@
-"""Many episodes at once through one mlx-lm ``BatchGenerator`` (issue 17).
+"""Many episodes at once through one mlx-lm ``BatchGenerator``.
 
 Every in-flight episode owns one sequence of the generator at a time: one assistant message. When
 a sequence ends (an end-of-message token, or ``max_tokens`` for the message), it leaves the batch

@@ -1,5 +1,5 @@
 """One multi-turn tool-use episode: its conversation, the tokens the model saw, which of them are the
-model's, their behaviour log-probs, and the environment its calls run in (issue 17).
+model's, their behaviour log-probs, and the environment its calls run in.
 
 The loop of an episode, BFCL's multi-turn inference loop in our words: the first user turn is
 rendered with the model's chat template (:func:`mlx_ssp.tasks.render_prompt`: the template's own

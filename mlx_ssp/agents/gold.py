@@ -1,4 +1,4 @@
-"""Gold episodes: BFCL's ground truth played through the environment (issue 18, "teacher episodes").
+"""Gold episodes: BFCL's ground truth played through the environment ("teacher episodes").
 
 For each turn, one assistant message makes the turn's ground-truth calls (in the ``<tool_call>``
 format the prompts ask for, positional arguments named by the method's signature), the real results

@@ -373,4 +373,4 @@ class MergeStageConfig(StrictModel):
     #: store the merged model MLX-quantized (``{bits, group_size, mode}``); None: float
     out_quantization: Optional[OutQuantization] = None
 
-    OMIT_AT_DEFAULT = frozenset({"out_quantization"})  # added in issue 22: old fingerprints kept
+    OMIT_AT_DEFAULT = frozenset({"out_quantization"})  # added after runs existed: old fingerprints kept

@@ -3,7 +3,7 @@
 Neither VibeThinker paper gives lambda, the clip range, G or the temperature; the defaults below
 are common GRPO/DAPO choices, not the paper's. See docs/rl.md for what each key does.
 
-Issue 19 (VibeThinker-3B report, arXiv:2606.16140, section 2.2.2) adds three keys, each left out of
+Three keys come from the VibeThinker-3B report (arXiv:2606.16140, section 2.2.2), each left out of
 dumps while unset so that earlier runs keep their fingerprints: ``long2short`` (reward shaping,
 :mod:`mlx_ssp.rl.shaping`), ``prompt_filter`` (drop the prompts the starting policy always or never
 solves, :mod:`mlx_ssp.rl.prompt_filter`) and ``phases`` (sequential RL phases, each a set of
@@ -61,10 +61,10 @@ class PromptFilterConfig(StrictModel):
 class RLConfig(StrictModel):
     """MGPO-GRPO training (``mlx_ssp rl``)."""
 
-    # keys added after runs existed (issue 19): left out of dumps while unset, so fingerprints hold
+    # keys added after runs existed: left out of dumps while unset, so fingerprints hold
     OMIT_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset({
         "long2short", "prompt_filter", "phases",
-        # issue 23: the policy-gradient menu
+        # the policy-gradient menu
         "loss", "importance_sampling_level", "seq_eps_low", "seq_eps_high", "cispo_eps_low", "cispo_eps_high",
         "overlong", "mask_truncated_completions", "top_entropy_quantile", "tis_cap", "tis_mode", "entropy_coef",
         "share_prefix",  # shared prompt prefixes in training
@@ -101,7 +101,7 @@ class RLConfig(StrictModel):
     dual_clip: Optional[float] = Field(None, gt=1.0)
     aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     beta: float = Field(0.0, ge=0.0)  # k3 KL coefficient; reference = adapters off (LoRA)
-    # issue 23 (mlx_ssp.rl.objectives; docs/rl.md): surrogate, ratio level and their clip ranges
+    # the policy-gradient menu (mlx_ssp.rl.objectives; docs/rl.md): surrogate, ratio level and their clip ranges
     loss: Literal["clip", "cispo"] = "clip"
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
     seq_eps_low: float = Field(3e-4, ge=0.0, lt=1.0)  # GSPO's clip range (its section 5.1)
@@ -128,7 +128,7 @@ class RLConfig(StrictModel):
     chunk_size: Optional[int] = Field(None, ge=1)  # tokens per log-prob chunk (None: ~64 MB of logits)
     kernels: Optional[Literal["auto", "reference", "metal", "cuda"]] = None  # default: $MLX_SSP_KERNELS / auto
 
-    # issue 19: reward shaping, the 0/1 prompt filter, sequential phases
+    # reward shaping, the 0/1 prompt filter, sequential phases
     long2short: Optional[Long2ShortConfig] = None
     prompt_filter: Optional[PromptFilterConfig] = None
     phases: Optional[list["RLPhaseConfig"]] = Field(None, min_length=1)

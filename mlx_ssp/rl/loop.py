@@ -131,7 +131,7 @@ def build_batch(records: list[dict], advantages: np.ndarray) -> dict:
     """Right-padded [B, L] inputs/targets of prompt + completion, the loss mask, the behaviour
     log-probs on the mask, and the per-sample advantages.
 
-    Episodes (issue 18): ``token_ids`` is the whole conversation after the prompt (the model's
+    Episodes: ``token_ids`` is the whole conversation after the prompt (the model's
     messages and the tool results / user turns rendered between them) and ``model_mask`` marks the
     tokens the model sampled. The forward still runs over the whole conversation (the model's later
     messages are conditioned on the tool results), but the mask is the completion span times
@@ -483,7 +483,7 @@ class Trainer:
         recs = [r for g in groups for r in g]
         gids = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
         rewards = np.array([float(r["reward"]) for r in recs], np.float32)
-        if shaping_on(cfg):  # reward shaping (issues 19, 23): Long2Short, DAPO's overlong penalty
+        if shaping_on(cfg):  # reward shaping: Long2Short, DAPO's overlong penalty
             lengths = np.array([float(r["num_tokens"]) for r in recs], np.float64)
             shaped = apply_shapings(cfg, rewards, lengths, gids)
             rec["shaping_abs_mean"] = float(np.abs(shaped - rewards).mean())
@@ -570,7 +570,7 @@ class Trainer:
             batch["mask"] = objectives.top_entropy_mask(ent, batch["mask"], thr)
             batch["entropy_kept_frac"] = float(batch["mask"].sum().item()) / max(n_before, 1.0)
         units = float(aggregation_units(cfg.aggregation, batch["mask"]).item()) or 1.0
-        # data parallel (issue 10): each rank trains on its block of the (identical, gathered)
+        # data parallel: each rank trains on its block of the (identical, gathered)
         # batch; loss shares are of the global units, so the summed gradients are the batch's
         lo, hi = dist.shard_bounds(batch["inputs"].shape[0], dist.rank(), dist.size())
         batch = _slice(batch, lo, hi)
@@ -720,7 +720,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         ckpt = ckpts.checkpoint_dir(self.out_dir / "checkpoints", self.step_no)
         self.last_good_ckpt = str(ckpt)
-        if not dist.is_main():  # rank 0 writes; every rank holds the same weights (issue 10)
+        if not dist.is_main():  # rank 0 writes; every rank holds the same weights
             return ckpt
         ckpts.write_checkpoint(ckpt, self.trained_weights(), adapter_config(self.cfg, self.model),
                                dict(tree_flatten(self.opt.state)), {

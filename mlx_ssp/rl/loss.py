@@ -27,7 +27,7 @@ KL, mean entropy when given. All computed in float32. Each is also returned as *
 or ``max/NAME``. Totals of several micro-batches, inner updates or ranks combine exactly with
 :func:`merge_totals` (sums add, maxima take the max) and become the whole batch's values once, at
 the end, with :func:`finalize_totals`; averaging per-micro-batch means instead weights them by the
-micro-batch's share of the loss, which is not its share of the tokens (issue 15).
+micro-batch's share of the loss, which is not its share of the tokens.
 """
 
 from __future__ import annotations

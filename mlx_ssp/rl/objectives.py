@@ -1,4 +1,4 @@
-"""Policy-gradient objectives beyond PPO-clip (issue 23): importance ratios, surrogates, token
+"""Policy-gradient objectives beyond PPO-clip: importance ratios, surrogates, token
 selection and importance-sampling correction, each a small pure function over the [B, T] grid of
 one batch, registered where there are variants (:data:`RATIOS`, :data:`SURROGATES`).
 

@@ -120,7 +120,7 @@ def run_phases(model_cfg, tasks: list, cfg, out: Path, *, seed: int, resume: boo
                      "tasks": summary.get("tasks", len(ptasks)),
                      **{k: summary.get(k) for k in ("steps", "skipped_total", "last", "checkpoint", "out_dir",
                                                      "prompt_filter")}}
-            # rank 0 writes the next phase's starting model; the other ranks wait for it (issue 10)
+            # rank 0 writes the next phase's starting model; the other ranks wait for it
             with dist.main_first(f"rl: fuse phase {phase.name}") as do_it:
                 if do_it:
                     fuse_and_save(model, tok, Path(path), d / "model", dequantize=False, overwrite=True)

@@ -1,4 +1,4 @@
-"""Shared prompt prefixes in the trainer's forward passes (issue 23).
+"""Shared prompt prefixes in the trainer's forward passes.
 
 The G samples of one prompt are G rows that start with the same prompt tokens. The update's
 forward + backward, the reference forward and the entropy pass used to run the prompt once per row;

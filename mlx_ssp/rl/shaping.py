@@ -18,7 +18,7 @@ Deviations / choices the report does not spell out:
   all-correct group is kept or dropped exactly as without shaping.
 
 :data:`SHAPINGS` maps each ``rl:`` key that turns a shaping on to the function that applies it;
-the loop applies every one whose key is set (:func:`apply_shapings`). ``overlong`` (issue 23) is
+the loop applies every one whose key is set (:func:`apply_shapings`). ``overlong`` is
 DAPO's soft length penalty in the last ``buffer`` tokens before the generation limit.
 """
 

@@ -7,7 +7,7 @@ and, when ``rl.tasks`` is not set, the ``tasks:`` section's ``train`` split. Wri
 adapters.safetensors + adapter_config.json (fuse with ``mlx_lm fuse --adapter-path``). Rerunning
 resumes from the last checkpoint; ``restart`` starts afresh.
 
-With ``rl.phases`` (issue 19) the phases run one after another in ``<output>/phases/<name>/``
+With ``rl.phases`` the phases run one after another in ``<output>/phases/<name>/``
 (:func:`mlx_ssp.rl.phases.run_phases`), each fused into its own ``model/``; a rerun skips the finished ones.
 """
 

@@ -40,7 +40,7 @@ Choices and deviations (the paper gives none of these details):
   prompt + completion fit.
 - The model is put in eval mode during generation (LoRA dropout off) and restored afterwards; it
   is never reloaded, so a LoRA policy samples as itself.
-- Shared prompt prefixes (issue 23): the K samples of a prompt queued together are prefilled once
+- Shared prompt prefixes: the K samples of a prompt queued together are prefilled once
   (``prompt[:-1]`` through mlx-lm's own prompt batch) and all start from that cache, with their last
   prompt token as their prompt (:meth:`mlx_ssp.rollout.decoder.Decoder.insert_shared`); the same
   tokens as prefilling each alone (tests), behaviour log-probs equal up to float32 rounding (the

@@ -63,7 +63,7 @@ class Decoder:
         return uids
 
     def insert_shared(self, prompt: list[int], max_tokens: list[int], streams: list[int]) -> list[int]:
-        """Queue the samples of one prompt (issue 23: shared prompt prefixes). With ``share_prefix``
+        """Queue the samples of one prompt (shared prompt prefixes). With ``share_prefix``
         and two or more samples, ``prompt[:-1]`` is prefilled once, by mlx-lm's own prompt batch (the
         arithmetic a sequence prefilled alone goes through), and every sample starts from that one
         cache (the generator copies it when it batches the samples; it never writes to it) with its

@@ -242,7 +242,7 @@ def generate(model, tokenizer, request: RolloutRequest, *, stats: Optional[dict]
     """All records of ``request`` in memory, ordered by (task order, sample index)."""
     from mlx_ssp import distributed as dist
 
-    if dist.size() > 1:  # data parallel (issue 10): each rank samples its share, records gathered
+    if dist.size() > 1:  # data parallel: each rank samples its share, records gathered
         request.check()
         groups = iter_sharded(model, tokenizer, request, {t.id: list(range(request.k)) for t in request.tasks}, stats=stats)
     else:

@@ -103,7 +103,7 @@ def run_rollouts(model_spec, tasks_path: str | Path, cfg: RolloutConfig, out: st
     from mlx_ssp.tasks import load_tasks
 
     out = Path(out)
-    main = dist.is_main()  # under mlx.launch rank 0 alone reads/writes the output (issue 10)
+    main = dist.is_main()  # under mlx.launch rank 0 alone reads/writes the output
     # empty file / bad record / unknown verifier: UserError (unlabelled tasks: checked by the request)
     tasks = load_tasks(tasks_path, check_verifiers=not getattr(cfg, "unlabelled", False))
     settings = stage_settings(cfg)

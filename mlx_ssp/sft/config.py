@@ -61,7 +61,7 @@ class DomainSpec(StrictModel):
     valid: Optional[str] = None
     #: a task JSONL used as the probe set (only this domain's tasks are used)
     probe_tasks: Optional[str] = None
-    OMIT_AT_DEFAULT = frozenset({"probe_domains"})  # added for the blend (issue 18)
+    OMIT_AT_DEFAULT = frozenset({"probe_domains"})  # added after runs existed: old fingerprints kept
     #: the domains whose probe tasks choose this one's checkpoint (default: its own; a blend: all)
     probe_domains: Optional[list[str]] = None
 
@@ -69,7 +69,7 @@ class DomainSpec(StrictModel):
 class SFTConfig(StrictModel):
     """The ``sft:`` section."""
 
-    OMIT_AT_DEFAULT = frozenset({"blend", "curriculum"})  # added for episodes (issue 18), curriculum (19)
+    OMIT_AT_DEFAULT = frozenset({"blend", "curriculum"})  # added after runs existed: old fingerprints kept
 
     #: required by the command; the pipeline fills it from the tasks section when empty
     domains: dict[str, DomainSpec] = Field(default_factory=dict)
@@ -96,7 +96,7 @@ class SFTConfig(StrictModel):
     dequantize: bool = False  # fuse a quantized base into a dequantized specialist
     overwrite: bool = False  # discard earlier checkpoints/specialists instead of resuming
     #: `mlx_ssp run`: also train one LoRA on every domain's data mixed (the blend the merge is compared
-    #: with: issue 18's negative-transfer experiment); evaluated, never merged
+    #: with in the negative-transfer experiment); evaluated, never merged
     blend: bool = False
     #: curriculum stage 2 of every specialist (mlx_ssp.sft.curriculum); null = one stage
     curriculum: Optional[CurriculumConfig] = None

@@ -1,4 +1,4 @@
-"""``bfcl_multi_turn:CATEGORY``: BFCL v4's multi-turn entries as episode tasks (issue 17).
+"""``bfcl_multi_turn:CATEGORY``: BFCL v4's multi-turn entries as episode tasks.
 
 Each entry of ``bfcl_eval/data/BFCL_v4_multi_turn_{CATEGORY}.json`` (``base``, ``miss_func``,
 ``miss_param``, ``long_context``; 200 each) becomes one task:

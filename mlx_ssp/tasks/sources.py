@@ -111,7 +111,7 @@ SOURCES: dict[str, Source] = {
         Source("instruct", "instruct", "", instruct_items, default_size=50, arg_required=False,
                help="[TEMPLATE,...] (default: all)", catalogue=lambda: "instruct templates: " + ", ".join(INSTRUCT_TEMPLATES)),
         Source("testbed", "testbed", "", lambda *a: _testbed_items(*a), default_size=100,
-               help="DOMAIN (sum, diff, countdown: the issue-21 testbed's family)", domain_name=lambda arg: f"tb_{arg}",
+               help="DOMAIN (sum, diff, countdown: the testbed's synthetic family)", domain_name=lambda arg: f"tb_{arg}",
                catalogue=lambda: "testbed domains: sum, diff, countdown"),
         Source("jsonl", None, "", file_items, load_jsonl, help="PATH (with params: prompt_field, answer_field...)",
                domain_name=file_stem),

@@ -1,4 +1,4 @@
-"""Build (pretrain) and cache a testbed model (issue 21).
+"""Build (pretrain) and cache a testbed model.
 
 A random Llama in mlx-lm's own architecture (so every stage runs on it unchanged) with a byte-level
 BPE tokenizer trained on the corpus, pretrained from scratch with mlx-lm's trainer (all weights
@@ -62,7 +62,7 @@ SIZES: dict[str, dict] = {
     "ci": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192,
                corpus=8000, steps=900, batch_size=32, learning_rate=3e-3, domains=("sum",), levels={"sum": (2, 3)},
                guess=0.5),
-    # the merge experiment's model (issue 21, experiment 3): ci's shape and recipe over all three domains
+    # the merge experiment's model (experiment 3): ci's shape and recipe over all three domains
     # at their two easiest levels (sum and diff share a surface, so specialists interfere), twice ci's
     # steps for 2.5x its traces. Fixed before any experiment ran on it
     "multi": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192,

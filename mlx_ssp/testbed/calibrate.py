@@ -1,4 +1,4 @@
-"""What a testbed model can do (issue 21): pass@1 per domain and level, how many held-out prompts sit
+"""What a testbed model can do: pass@1 per domain and level, how many held-out prompts sit
 in the 30-70% pass band (and at 0 and 1), and which strategies its correct samples use (a spectrum
 exists when more than one does). Run on fresh problems of every level, K samples each."""
 

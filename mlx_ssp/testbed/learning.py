@@ -1,4 +1,4 @@
-"""The learning check (issue 21): does one round of the recipe raise held-out pass@1 on the testbed?
+"""The learning check: does one round of the recipe raise held-out pass@1 on the testbed?
 
 One round at its smallest, through the project's own stage functions and nothing hand-written, in
 either of the recipe's two phases (``stage``):

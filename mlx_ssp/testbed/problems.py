@@ -1,4 +1,4 @@
-"""The testbed's synthetic task family (issue 21): problems, their correct strategies, and traces.
+"""The testbed's synthetic task family: problems, their correct strategies, and traces.
 
 Three domains built so that the recipe's questions have room to show an effect:
 

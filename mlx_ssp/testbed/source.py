@@ -1,4 +1,4 @@
-"""The ``testbed:DOMAIN`` task source and the ``testbed`` verifier (issue 21).
+"""The ``testbed:DOMAIN`` task source and the ``testbed`` verifier.
 
 Source params: ``levels: [min, max]`` (terms / numbers per problem; default the domain's range in
 :data:`~mlx_ssp.testbed.problems.LEVELS`) and ``max_term`` (default 9). Each split draws uniformly

@@ -1,4 +1,4 @@
-"""``bfcl_multi_turn`` verifier: a finished episode is scored by re-executing its calls (issue 17).
+"""``bfcl_multi_turn`` verifier: a finished episode is scored by re-executing its calls.
 
 The "completion" is the episode's conversation in OpenAI chat format (a list of messages, or its
 JSON text): ``user`` messages delimit the turns in the task's order (the first one is turn 0;

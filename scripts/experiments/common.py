@@ -14,7 +14,7 @@ Every model is evaluated on the same held-out tasks with the same sampling seed 
 numbers), so model differences are paired per task; :func:`paired` gives the mean per-task
 difference and its standard error (sd of the per-task differences / sqrt(number of tasks)).
 
-``--profile testbed`` starts from :data:`TESTBED` instead of :data:`DEFAULTS`: the issue-21
+``--profile testbed`` starts from :data:`TESTBED` instead of :data:`DEFAULTS`: the
 testbed model ``testbed:multi`` (three synthetic domains, pretrained here in minutes) with the
 learning round's measured SFT and RL settings, so that an experiment runs in minutes a seed and
 ``scripts/experiments/seeds.py`` can repeat it over 5 training seeds. The ``domains`` key narrows
@@ -111,7 +111,7 @@ def _tb_domain(name: str) -> dict[str, Any]:
     return {"source": f"testbed:{name}", "params": {"levels": [2, 3]}, "sizes": {"train": 256, "probe": 32, "eval": 128}}
 
 
-#: the testbed profile (issue 21): the `multi` testbed model (three domains) with the learning round's
+#: the testbed profile: the `multi` testbed model (three domains) with the learning round's
 #: measured settings (SFT: lr 1e-4, 160 iterations of 8; RL: 60 steps of 8 x G=8 at 3e-4, LoRA scale 2)
 TESTBED: dict[str, Any] = {
     "model": "testbed:multi:0",
@@ -653,7 +653,7 @@ def entry_point(run_fn, doc: str):
     @click.command(help=doc)
     @options
     @click.option("--profile", type=click.Choice(sorted(PROFILES)), default="demo", show_default=True,
-                  help="The defaults: the demo model, or the issue-21 testbed model (testbed:multi, three domains).")
+                  help="The defaults: the demo model, or the testbed model (testbed:multi, three domains).")
     def cli(tiny, work_dir, overrides, no_progress, profile):
         with turned_off() if no_progress else contextlib.nullcontext():  # also the bars no flag reaches (SFT)
             run_fn(make_ctx(tiny, work_dir, overrides, no_progress, defaults=PROFILES[profile],

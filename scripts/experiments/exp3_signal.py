@@ -18,7 +18,7 @@ how the weights vary between prompts and steps is left. To measure rather than a
 ``grpo_lr_scale`` adds a third arm, ``grpo_lr``: GRPO at that multiple of the learning rate (a
 number, or ``mgpo``: the MGPO arm's mean weight over its steps, measured after it has run).
 ``extra_lambdas`` adds an MGPO arm per lambda (``mgpo-l<lambda>``, e.g. ``[0.5, 2, 4]``: the
-lambda grid of issue 21's experiment 4 with one GRPO arm for all), each compared with GRPO. Every
+lambda grid of the testbed's experiment 4 with one GRPO arm for all), each compared with GRPO. Every
 ``rl_eval_every`` steps (and at the last step) the in-memory policy is evaluated on the held-out
 split of every domain (pass@1, pass@K, same sampling seeds for every model); step 0 is the merged
 model's own evaluation. Reported: held-out pass@1 per evaluated step, the gain over step 0 with a

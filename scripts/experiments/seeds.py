@@ -1,4 +1,4 @@
-"""Run one SSP experiment over several training seeds and average it (issue 21: at least 5 seeds,
+"""Run one SSP experiment over several training seeds and average it (at least 5 seeds,
 mean and standard error across seeds, paired differences on the same held-out tasks).
 
     python scripts/experiments/seeds.py EXP[,EXP...] [--profile testbed] [--seeds 0-4] [--jobs 2] [--out DIR] [--set KEY=VALUE ...]

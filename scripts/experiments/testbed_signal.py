@@ -1,4 +1,4 @@
-"""Issue 21, experiment 4 on the testbed: MGPO vs GRPO learning curves, lambda x dynamic sampling x seeds.
+"""Experiment 4 on the testbed: MGPO vs GRPO learning curves, lambda x dynamic sampling x seeds.
 
 VibeThinker-1.5B (arXiv:2511.06221) section 3.4 weights each prompt's GRPO advantages by
 w(q) = exp(-lambda * D_ME(p || 0.5)); lambda = 0 is plain GRPO. DAPO's dynamic sampling drops groups
