@@ -199,7 +199,7 @@ FEATURES: dict[str, Callable[[str], frozenset]] = {"steps": math_steps, "ast": c
 
 #: verifier kind -> strategy distance (``distance: auto``); other verifiers use word n-grams
 AUTO: dict[str, str] = {"math": "steps", "reasoning_gym": "steps", "testbed": "steps", "code": "ast",
-                        "toolcall": "calls", "bfcl_multi_turn": "ngram"}  # episodes: their call sequence
+                        "toolcall": "calls", "bfcl_multi_turn": "ngram", "episode": "ngram"}  # episodes: their call sequence
 
 
 def distance_fn(kind: str) -> Callable[[int], Callable[[list[str]], np.ndarray]]:

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("bfcl_eval")
 
-from mlx_ssp.agents.backends import CallLimits, Environment  # noqa: E402
+from mlx_ssp.agents.backends import CallLimits, Environment, bfcl_world  # noqa: E402
 from mlx_ssp.agents.bfcl import BACKENDS, function_docs  # noqa: E402
 from mlx_ssp.agents.calls import (  # noqa: E402
     Call,
@@ -54,7 +54,7 @@ def entry(eid: str) -> tuple[dict, list[list[str]]]:
 
 
 def spec_of(e: dict, gt: list[list[str]], long_context: bool = False) -> EpisodeSpec:
-    return EpisodeSpec(e["initial_config"], e["involved_classes"], gt, long_context)
+    return EpisodeSpec(bfcl_world(e["initial_config"], e["involved_classes"], long_context), gt)
 
 
 def gt_turns(gt: list[list[str]]) -> list[list[list[Call]]]:
@@ -88,7 +88,7 @@ def test_replay_is_deterministic_and_does_not_touch_the_global_rng():
     state = random.getstate()
     runs = []
     for _ in range(2):
-        env = Environment(e["initial_config"], e["involved_classes"])
+        env = Environment(bfcl_world(e["initial_config"], e["involved_classes"]))
         runs.append([env.execute([parse_ground_truth(s) for s in turn], env.method_names()) for turn in gt])
     assert runs[0] == runs[1]
     assert "3426812" in json.dumps(runs[0][1])
@@ -113,7 +113,7 @@ def test_from_task_metadata_round_trip_and_errors():
     e, gt = entry("multi_turn_base_0")
     md = {"initial_config": e["initial_config"], "involved_classes": e["involved_classes"], "ground_truth": gt, "long_context": False}
     s = EpisodeSpec.from_task_metadata(md)
-    assert s.ground_truth == gt and s.involved_classes == e["involved_classes"]
+    assert s.ground_truth == gt and s.world == bfcl_world(e["initial_config"], e["involved_classes"])
     for bad in ({**md, "involved_classes": ["WebSearchAPI"]}, {**md, "ground_truth": "x"}, {"initial_config": {}}):
         with pytest.raises(UserError):
             EpisodeSpec.from_task_metadata(bad)
@@ -192,13 +192,13 @@ def test_irrelevance_turn_passes_without_state_change_and_fails_with_one():
 def test_two_environments_of_one_task_share_nothing():
     e, _ = entry("multi_turn_base_0")
     cfg = copy.deepcopy(e["initial_config"])
-    a = Environment(e["initial_config"], e["involved_classes"])
-    b = Environment(e["initial_config"], e["involved_classes"])
+    a = Environment(bfcl_world(e["initial_config"], e["involved_classes"]))
+    b = Environment(bfcl_world(e["initial_config"], e["involved_classes"]))
     before = b.state()
     r = a.execute([Call("mkdir", {"dir_name": "new_dir"}), Call("post_tweet", {"content": "hi"})], a.method_names())
     assert not any(x.startswith("Error") for x in r), r
     assert a.state_difference(b).startswith("GorillaFileSystem.root")
-    assert b.state_difference(before) == "" and b.state_difference(Environment(cfg, e["involved_classes"])) == ""
+    assert b.state_difference(before) == "" and b.state_difference(Environment(bfcl_world(cfg, e["involved_classes"]))) == ""
     assert e["initial_config"] == cfg
     snap = a.state()
     a.execute([Call("touch", {"file_name": "later.txt"})], a.method_names())
@@ -209,7 +209,7 @@ def test_message_backend_does_not_write_into_the_config():
     """MessageAPI's _load_scenario keeps the config's inbox list: the environment deep-copies in."""
     e = next(x for x, _ in entries() if "MessageAPI" in x["involved_classes"] and "MessageAPI" in x["initial_config"])
     cfg = copy.deepcopy(e["initial_config"])
-    env = Environment(e["initial_config"], e["involved_classes"])
+    env = Environment(bfcl_world(e["initial_config"], e["involved_classes"]))
     r = env.execute([Call("send_message", {"receiver_id": "USR002", "message": "hello"})], env.method_names())
     assert '"sent_status": true' in r[0], r
     assert env.state()["MessageAPI"]["inbox"] != cfg["MessageAPI"]["inbox"]
@@ -224,7 +224,7 @@ def test_hostile_names_and_arguments_run_nothing(tmp_path, monkeypatch):
     x = tmp_path / "X"
     cmd = f"__import__('os').system('touch {x}')"
     e, _ = entry("multi_turn_base_0")  # GorillaFileSystem + TwitterAPI
-    env = Environment(e["initial_config"], e["involved_classes"])
+    env = Environment(bfcl_world(e["initial_config"], e["involved_classes"]))
     fs_only = {n for n in env.method_names() if n not in {"post_tweet", "authenticate_twitter", "comment"}}
     hostile = [
         Call("__import__", {"name": "os"}), Call("eval", {"source": cmd}), Call("exec", {"source": cmd}),
@@ -250,7 +250,7 @@ def test_hostile_names_and_arguments_run_nothing(tmp_path, monkeypatch):
 
 def test_argument_size_limit_runs_nothing():
     e, _ = entry("multi_turn_base_0")
-    env = Environment(e["initial_config"], e["involved_classes"], limits=CallLimits(max_argument_chars=100))
+    env = Environment(bfcl_world(e["initial_config"], e["involved_classes"]), limits=CallLimits(max_argument_chars=100))
     before = env.state()
     r = env.execute([Call("touch", {"file_name": "y" * 200})], env.method_names())
     assert r[0].startswith("Error during execution: ") and "longer than 100" in r[0]
@@ -259,7 +259,7 @@ def test_argument_size_limit_runs_nothing():
 
 def test_bad_arguments_are_error_texts_and_bind_names_positionals():
     e, _ = entry("multi_turn_base_0")
-    env = Environment(e["initial_config"], e["involved_classes"])
+    env = Environment(bfcl_world(e["initial_config"], e["involved_classes"]))
     r = env.execute([Call("ls", {"nope": 1}), Call("cd", {}), Call("cd", {"folder": 1, "x": 2})], env.method_names())
     assert all(x.startswith("Error during execution: ") for x in r), r
     c = env.bind(parse_ground_truth("sort('final_report.pdf')"))
@@ -275,8 +275,8 @@ def test_bad_arguments_are_error_texts_and_bind_names_positionals():
 def test_a_call_that_holds_the_interpreter_lock_is_stopped_at_its_time_limit():
     # 10**(10**8) is one big-integer computation that never releases the GIL (minutes of CPU): a
     # thread's join timeout could not fire; the worker process is killed instead
-    env = Environment({}, ["MathAPI"], limits=CallLimits(timeout_s=1.0))
-    other = Environment({}, ["MathAPI"], limits=CallLimits(timeout_s=1.0))
+    env = Environment(bfcl_world({}, ["MathAPI"]), limits=CallLimits(timeout_s=1.0))
+    other = Environment(bfcl_world({}, ["MathAPI"]), limits=CallLimits(timeout_s=1.0))
     pid = env._worker.pid
     cpu0 = time.process_time()
     r = env.execute([Call("power", {"base": 10, "exponent": 10**8}), Call("add", {"a": 1, "b": 2})], env.method_names())
@@ -292,14 +292,14 @@ def test_process_wide_state_a_call_changes_stays_in_its_episode():
     import mpmath
 
     dps = mpmath.mp.dps
-    with Environment({}, ["MathAPI"]) as env:
+    with Environment(bfcl_world({}, ["MathAPI"])) as env:
         r = env.execute([Call("logarithm", {"value": 2, "base": 10, "precision": 400})], env.method_names())
         assert len(r[0]) > 400  # the high-precision result came back...
     assert mpmath.mp.dps == dps  # ...and this process's mpmath precision is untouched
 
 
 def test_a_checker_run_with_a_call_over_its_limit_fails_that_turn_and_later_ones_with_the_reason():
-    spec = EpisodeSpec({}, ["MathAPI"], [["add(a=1, b=2)"], ["add(a=2, b=3)"]])
+    spec = EpisodeSpec(bfcl_world({}, ["MathAPI"]), [["add(a=1, b=2)"], ["add(a=2, b=3)"]])
     turns = [[[Call("power", {"base": 10, "exponent": 10**8})]], [[Call("add", {"a": 2, "b": 3})]]]
     v = score_episode(spec, turns, limits=CallLimits(timeout_s=1.0))
     assert [t.passed for t in v.turns] == [False, False]
@@ -308,7 +308,7 @@ def test_a_checker_run_with_a_call_over_its_limit_fails_that_turn_and_later_ones
 
 def test_environment_workers_are_stopped_on_close():
     e, _ = entry("multi_turn_base_0")
-    env = Environment(e["initial_config"], e["involved_classes"])
+    env = Environment(bfcl_world(e["initial_config"], e["involved_classes"]))
     pid = env._worker.pid
     assert _pid_running(pid)
     env.close()
@@ -329,7 +329,7 @@ def _pid_running(pid: int) -> bool:
 
 def test_huge_result_is_capped_with_a_marker():
     e, _ = entry("multi_turn_base_0")
-    env = Environment(e["initial_config"], e["involved_classes"], limits=CallLimits(max_result_chars=100))
+    env = Environment(bfcl_world(e["initial_config"], e["involved_classes"]), limits=CallLimits(max_result_chars=100))
     env.execute([Call("touch", {"file_name": "big.txt"}), Call("echo", {"content": "z" * 5000, "file_name": "big.txt"})],
                 env.method_names())
     shown = env.execute([Call("cat", {"file_name": "big.txt"})], env.method_names())[0]
@@ -423,9 +423,9 @@ def test_backends_registry_and_docs():
     assert len({b.short for b in BACKENDS.values()}) == 8
     for name in BACKENDS:
         docs = function_docs(name)
-        env = Environment({}, [name])
+        env = Environment(bfcl_world({}, [name]))
         assert {d["name"] for d in docs} <= env.method_names(), name
         docs[0]["name"] = "changed"
         assert function_docs(name)[0]["name"] != "changed"  # a fresh copy each call
     with pytest.raises(UserError):
-        Environment({}, ["WebSearchAPI"])
+        Environment(bfcl_world({}, ["WebSearchAPI"]))

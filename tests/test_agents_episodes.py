@@ -115,9 +115,9 @@ def test_verify_replays_episode_lines(tasks):
     msgs = []
     for turn, calls in zip(ep["user_turns"], ep["ground_truth"]):
         msgs += turn
-        from mlx_ssp.agents.backends import Environment
+        from mlx_ssp.agents.backends import Environment, world_of
 
-        env = Environment(ep["initial_config"], ep["involved_classes"])
+        env = Environment(world_of(ep))
         bound = [env.bind(parse_ground_truth(c)) for c in calls]
         msgs.append({"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in bound]})
@@ -195,10 +195,10 @@ def test_deltas_follow_the_models_own_template():
 
 
 def _gt_messages(task, prose=""):
-    from mlx_ssp.agents.backends import Environment
+    from mlx_ssp.agents.backends import Environment, world_of
 
     ep = task.metadata["episode"]
-    env = Environment(ep["initial_config"], ep["involved_classes"])
+    env = Environment(world_of(ep))
     msgs = []
     for turn, calls in zip(ep["user_turns"], ep["ground_truth"]):
         msgs += turn

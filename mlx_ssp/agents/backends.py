@@ -38,11 +38,12 @@ into the dict it is given (``self.inbox = scenario.get("inbox")``): hence the de
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection
+from typing import Any, Callable, Collection
 
 from mlx_ssp.agents.bfcl import BACKENDS, backend, build_instances, format_result
 from mlx_ssp.agents.calls import Call
-from mlx_ssp.agents.worker import Worker, WorkerGone
+from mlx_ssp.agents.env import build_class, format_value
+from mlx_ssp.agents.worker import Built, Worker, WorkerGone
 from mlx_ssp.errors import UserError
 
 _ERROR = "Error during execution: "
@@ -76,30 +77,57 @@ class _CallFailed(Exception):
     pass
 
 
-class Environment:
-    """One episode's world: fresh instances of ``involved_classes``, each loaded from a deep copy of
-    ``initial_config[class]`` (``_load_scenario(cfg, long_context=...)``), never shared with another
-    Environment, living in a worker process of their own (:mod:`mlx_ssp.agents.worker`) that is
-    killed when a call is over its time limit. :meth:`close` (or ``with``) stops the worker."""
+@dataclass(frozen=True)
+class World:
+    """What an episode's environment is built from, as data for its worker: ``build(*args)`` returns
+    the instances and tools, ``fmt`` turns a tool's return value into the text the model sees."""
 
-    def __init__(
-        self,
-        initial_config: dict,
-        involved_classes: list[str],
-        *,
-        long_context: bool = False,
-        limits: CallLimits = CallLimits(),
-    ):
-        if not isinstance(initial_config, dict):
-            raise UserError("initial_config must be an object mapping backend class -> scenario")
-        for name in involved_classes:
-            backend(name)  # an unknown class is a UserError here, before any process starts
+    build: Callable[..., Built]
+    args: tuple
+    fmt: Callable[[Any], str]
+
+
+#: what every worker's zygote imports once (light modules only: every worker carries them)
+_PRELOAD = ("mlx_ssp.agents.bfcl", "mlx_ssp.agents.env", *(b.module for b in BACKENDS.values()))
+
+
+def bfcl_world(initial_config: dict, involved_classes: list[str], long_context: bool = False) -> World:
+    """BFCL's backends: fresh instances of ``involved_classes``, each loaded from a deep copy of
+    ``initial_config[class]`` (``_load_scenario(cfg, long_context=...)``)."""
+    if not isinstance(initial_config, dict):
+        raise UserError("initial_config must be an object mapping backend class -> scenario")
+    for name in involved_classes:
+        backend(name)  # an unknown class is a UserError here, before any process starts
+    return World(build_instances, (initial_config, list(involved_classes), bool(long_context)), format_result)
+
+
+def class_world(ref: str, config: dict) -> World:
+    """A user environment class (:mod:`mlx_ssp.agents.env`; ``ref`` already resolved), reset to ``config``."""
+    if not isinstance(config, dict):
+        raise UserError(f"environment {ref}: config must be an object")
+    return World(build_class, (ref, config), format_value)
+
+
+def world_of(episode: dict) -> World:
+    """The world of an episode task (``metadata["episode"]``): its ``environment`` class, else BFCL's
+    ``involved_classes``."""
+    if "environment" in episode:
+        return class_world(episode["environment"], episode.get("config", {}))
+    return bfcl_world(episode.get("initial_config", {}), episode["involved_classes"],
+                      bool(episode.get("long_context")))
+
+
+class Environment:
+    """One episode's world, never shared with another Environment, living in a worker process of its
+    own (:mod:`mlx_ssp.agents.worker`) that is killed when a call is over its time limit.
+    :meth:`close` (or ``with``) stops the worker."""
+
+    def __init__(self, world: World, *, limits: CallLimits = CallLimits()):
         self.limits = limits
         self.broken = ""  # why later calls are refused ("" = not broken)
-        self._worker = Worker(build_instances, (initial_config, list(involved_classes), long_context), format_result,
-                              max_memory_mb=limits.max_memory_mb,
-                              preload=["mlx_ssp.agents.bfcl", *(b.module for b in BACKENDS.values())])
-        self._signatures = self._worker.signatures  # public method name -> signature
+        self._worker = Worker(world.build, world.args, world.fmt, max_memory_mb=limits.max_memory_mb, preload=_PRELOAD)
+        self._signatures = self._worker.signatures  # tool name -> signature
+        self.has_reward = self._worker.has_reward
 
     def close(self) -> None:
         """Stop the worker process (the state is gone with it)."""
@@ -192,6 +220,21 @@ class Environment:
         if kind != "ok":
             raise EnvironmentBroken(f"the state could not be read: {state}")
         return state
+
+    def reward(self) -> float:
+        """The environment's own ``reward()`` (tasks without ground truth), checked to be in [0, 1]."""
+        if self.broken:
+            raise EnvironmentBroken(self.broken)
+        try:
+            kind, value = self._worker.request(("reward",), self.limits.timeout_s, "reward()")
+        except WorkerGone as e:
+            self.broken = str(e)
+            raise EnvironmentBroken(self.broken) from None
+        if kind != "ok":
+            raise EnvironmentBroken(value)
+        if not 0.0 <= value <= 1.0:  # NaN fails too
+            raise EnvironmentBroken(f"reward() returned {value}, not a number in [0, 1]")
+        return value
 
     def state_difference(self, other: "Environment | dict[str, dict]") -> str:
         """"" if every public attribute of every instance equals ``other``'s (an Environment or a

@@ -11,11 +11,13 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlx_ssp.agents.worker import Built
 from mlx_ssp.errors import UserError
 
 _PREFIX = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
@@ -87,9 +89,9 @@ def format_result(result: Any) -> str:
     return str(result)
 
 
-def build_instances(initial_config: dict, involved_classes: list[str], long_context: bool) -> dict[str, Any]:
-    """Fresh instances of ``involved_classes``, each loaded from a deep copy of its scenario (runs in
-    the environment's worker process)."""
+def build_instances(initial_config: dict, involved_classes: list[str], long_context: bool) -> Built:
+    """Fresh instances of ``involved_classes``, each loaded from a deep copy of its scenario, and their
+    public methods as the tools (runs in the environment's worker process)."""
     instances: dict[str, Any] = {}
     for name in involved_classes:
         b = backend(name)
@@ -100,4 +102,9 @@ def build_instances(initial_config: dict, involved_classes: list[str], long_cont
                 raise UserError(f"initial_config[{name!r}] must be an object")
             inst._load_scenario(copy.deepcopy(cfg), long_context=long_context)
         instances[name] = inst
-    return instances
+    tools: dict[str, Any] = {}
+    for inst in instances.values():  # later classes win a name clash, as in BFCL's mapping
+        for m, fn in inspect.getmembers(inst, predicate=inspect.ismethod):
+            if not m.startswith("_"):
+                tools[m] = fn
+    return Built(instances, tools)

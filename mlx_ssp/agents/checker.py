@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
-from mlx_ssp.agents.backends import CallLimits, Environment, EnvironmentBroken, backend
+from mlx_ssp.agents.backends import CallLimits, Environment, EnvironmentBroken, World, world_of
 from mlx_ssp.agents.calls import Call, CallSyntaxError, parse_ground_truth
 from mlx_ssp.errors import UserError
 
@@ -60,13 +60,18 @@ class TurnVerdict:
 @dataclass(frozen=True)
 class EpisodeVerdict:
     turns: tuple[TurnVerdict, ...]
+    env_reward: float | None = None  # the environment's reward() (tasks without ground truth)
 
     @property
     def reward(self) -> float:
-        return 1.0 if self.turns and all(t.passed for t in self.turns) else 0.0
+        if not (self.turns and all(t.passed for t in self.turns)):
+            return 0.0
+        return 1.0 if self.env_reward is None else self.env_reward
 
     @property
     def partial(self) -> float:
+        if self.env_reward is not None:
+            return self.reward
         return sum(t.passed for t in self.turns) / len(self.turns) if self.turns else 0.0
 
     @property
@@ -84,37 +89,48 @@ class EpisodeVerdict:
 
 @dataclass(frozen=True)
 class EpisodeSpec:
-    initial_config: dict
-    involved_classes: list[str]
-    ground_truth: list[list[str]]
-    long_context: bool = False
+    """What the checker needs of an episode task: its world, the ground-truth calls per turn (None:
+    the environment's ``reward()`` decides) and the number of user turns."""
+
+    world: World
+    ground_truth: list[list[str]] | None
+    n_turns: int = -1  # -1: as many as the ground truth has
+
+    def __post_init__(self) -> None:
+        if self.n_turns < 0:
+            if self.ground_truth is None:
+                raise UserError("an episode without ground truth needs its number of turns")
+            object.__setattr__(self, "n_turns", len(self.ground_truth))
 
     @classmethod
-    def from_task_metadata(cls, md: dict) -> "EpisodeSpec":
-        """From ``Task.metadata["episode"]`` (keys: initial_config, involved_classes, ground_truth,
-        long_context)."""
+    def from_task_metadata(cls, md: dict) -> EpisodeSpec:
+        """From ``Task.metadata["episode"]``: a user environment (``environment``, ``config``,
+        ``user_turns``, optional ``ground_truth``) or BFCL's (``initial_config``, ``involved_classes``,
+        ``ground_truth``, ``long_context``)."""
         if not isinstance(md, dict):
             raise UserError("task metadata 'episode' must be an object")
-        missing = [k for k in ("initial_config", "involved_classes", "ground_truth") if k not in md]
+        required = ("user_turns",) if "environment" in md else ("initial_config", "involved_classes", "ground_truth")
+        missing = [k for k in required if k not in md]
         if missing:
             raise UserError(f"task metadata 'episode' lacks {', '.join(missing)}")
-        ic, classes, gt = md["initial_config"], md["involved_classes"], md["ground_truth"]
-        if not isinstance(ic, dict):
-            raise UserError("episode initial_config must be an object")
-        if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
-            raise UserError("episode involved_classes must be a list of class names")
-        for c in classes:
-            backend(c)  # UserError on an unknown class
-        if not isinstance(gt, list) or not all(
+        if "environment" not in md:
+            classes = md["involved_classes"]
+            if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+                raise UserError("episode involved_classes must be a list of class names")
+        gt = md.get("ground_truth")
+        if gt is not None and (not isinstance(gt, list) or not all(
             isinstance(t, list) and all(isinstance(s, str) for s in t) for t in gt
-        ):
+        )):
             raise UserError("episode ground_truth must be a list (per turn) of lists of call strings")
-        return cls(ic, list(classes), [list(t) for t in gt], bool(md.get("long_context", False)))
+        n = len(md["user_turns"]) if "user_turns" in md else len(gt)
+        if gt is not None and len(gt) != n:
+            raise UserError(f"episode: {n} user turns but {len(gt)} ground-truth turns")
+        return cls(world_of(md), None if gt is None else [list(t) for t in gt], n)
 
 
-def _parse_gt(spec: EpisodeSpec) -> list[list[Call]]:
+def _parse_gt(ground_truth: list[list[str]]) -> list[list[Call]]:
     try:
-        return [[parse_ground_truth(s) for s in turn] for turn in spec.ground_truth]
+        return [[parse_ground_truth(s) for s in turn] for turn in ground_truth]
     except CallSyntaxError as e:
         raise UserError(f"ground truth call does not parse: {e}") from None
 
@@ -148,12 +164,13 @@ def score_episode(
     (``turns`` shorter than the ground truth: it ended at a step or context limit) fails as "not
     reached", whatever its ground truth (an empty one would otherwise pass as irrelevance); more
     turns than the ground truth has is an error."""
-    n = len(spec.ground_truth)
+    n = spec.n_turns
     if len(turns) > n:
         raise UserError(f"the episode has {len(turns)} turns, the task {n}")
-    gt = _parse_gt(spec)
-    with Environment(spec.initial_config, spec.involved_classes, long_context=spec.long_context, limits=limits) as model, \
-            Environment(spec.initial_config, spec.involved_classes, long_context=spec.long_context, limits=limits) as twin:
+    if spec.ground_truth is None:
+        return _score_by_reward(spec, turns, set(step_limit_hit), limits, allowed_per_turn)
+    gt = _parse_gt(spec.ground_truth)
+    with Environment(spec.world, limits=limits) as model, Environment(spec.world, limits=limits) as twin:
         verdicts = _judge_turns(gt, turns, model, twin, set(step_limit_hit), allowed_per_turn)
     return EpisodeVerdict(tuple(verdicts))
 
@@ -209,3 +226,31 @@ def _judge(model: Environment, twin: Environment, before: dict | None, expected:
     else:
         reason = ""
     return not diff, not missing, reason
+
+
+def _score_by_reward(spec: EpisodeSpec, turns: list[list[list[Call]]], limit_hit: set[int], limits: CallLimits,
+                     allowed_per_turn: Sequence[Collection[str]] | None) -> EpisodeVerdict:
+    """A task without ground truth: the model's calls run turn by turn, then the environment's
+    ``reward()`` is the episode's reward (0 when a turn was not reached, hit the step limit, or a
+    call was stopped)."""
+    verdicts = []
+    with Environment(spec.world, limits=limits) as env:
+        if not env.has_reward:
+            raise UserError("an episode task without ground truth needs an environment with a reward() method")
+        everything = env.method_names()
+        for t in range(spec.n_turns):
+            allowed = everything if allowed_per_turn is None else allowed_per_turn[t]
+            for step in turns[t] if t < len(turns) else []:
+                env.execute_full(list(step), allowed)
+            reason = "not reached" if t >= len(turns) else ""
+            if env.broken:
+                reason = f"the model's environment was stopped: {env.broken}"
+            if t in limit_hit:
+                reason = "step limit" + (f"; {reason}" if reason else "")
+            verdicts.append(TurnVerdict(t, not reason, not reason, True, False, reason))
+        try:
+            value = env.reward()
+        except EnvironmentBroken as e:
+            verdicts[-1] = TurnVerdict(spec.n_turns - 1, False, False, False, False, str(e))
+            value = 0.0
+    return EpisodeVerdict(tuple(verdicts), env_reward=value)

@@ -109,13 +109,12 @@ class Episode:
     end: Optional[str] = None  # "done" | "step_limit" | "context" | "call_timeout"
 
     def __post_init__(self) -> None:
-        from mlx_ssp.agents.backends import Environment, limits_of
+        from mlx_ssp.agents.backends import Environment, limits_of, world_of
 
         ep = self.task.metadata["episode"]
         self.user_turns: list[list[dict]] = ep["user_turns"]
         self.max_steps = int(ep.get("max_steps", self.max_steps))
-        self.env = Environment(ep.get("initial_config", {}), ep["involved_classes"],
-                               long_context=bool(ep.get("long_context")), limits=limits_of(ep))
+        self.env = Environment(world_of(ep), limits=limits_of(ep))
         from mlx_ssp.verify.multi_turn import allowed_per_turn
 
         # the same per-turn rule the verifier re-executes with

@@ -22,14 +22,16 @@ CANNOT = "None of the available functions can do that."
 
 def gold_messages(task: Task, system: Optional[str] = None) -> list[dict]:
     """The gold conversation of an episode task, in OpenAI chat format."""
-    from mlx_ssp.agents.backends import Environment, limits_of
+    from mlx_ssp.agents.backends import Environment, limits_of, world_of
+    from mlx_ssp.errors import UserError
     from mlx_ssp.agents.calls import parse_ground_truth
     from mlx_ssp.agents.episode import tool_call_text
     from mlx_ssp.verify.multi_turn import allowed_per_turn
 
     ep = task.metadata["episode"]
-    with Environment(ep.get("initial_config", {}), ep["involved_classes"], long_context=bool(ep.get("long_context")),
-                     limits=limits_of(ep)) as env:
+    if ep.get("ground_truth") is None:
+        raise UserError(f"task '{task.id}' has no ground truth: it has no gold episode")
+    with Environment(world_of(ep), limits=limits_of(ep)) as env:
         allowed = allowed_per_turn(ep) or [env.method_names()] * len(ep["user_turns"])
         msgs = [dict(m) for m in task.messages()]
         if system is not None and not any(m.get("role") == "system" for m in msgs):

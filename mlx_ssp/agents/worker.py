@@ -46,7 +46,7 @@ import sys
 import threading
 import weakref
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from mlx_ssp.errors import UserError
 
@@ -56,6 +56,15 @@ _READY_TIMEOUT_S = 60.0  # building an episode's instances (imports, scenario lo
 
 #: ``inspect.Parameter`` kinds, by name, for the signatures a worker reports.
 _KINDS = {k.name: k for k in type(inspect.Parameter.POSITIONAL_ONLY)}
+
+
+class Built(NamedTuple):
+    """What a worker's build function returns: the instances (whose public attributes are the state),
+    the tools by name (bound methods), and the environment's ``reward()`` if it has one."""
+
+    instances: dict[str, Any]
+    tools: dict[str, Callable]
+    reward: Callable[[], float] | None = None
 
 
 class WorkerGone(Exception):
@@ -106,41 +115,41 @@ def _serve(conn, max_memory_mb: int) -> None:
     try:
         build, build_args, fmt, cwd = conn.recv()
         os.chdir(cwd)  # the zygote's directory is the parent's at the zygote's start, not now
-        instances = build(*build_args)
+        built: Built = build(*build_args)
     except UserError as e:
         conn.send(("user_error", str(e)))
         return
     except BaseException as e:  # noqa: BLE001 - a backend that fails to load is reported, not raised here
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    methods: dict[str, Callable] = {}
-    for inst in instances.values():
-        # later classes win a name clash, as in BFCL's mapping
-        for name, fn in inspect.getmembers(inst, predicate=inspect.ismethod):
-            if not name.startswith("_"):
-                methods[name] = fn
-    conn.send(("ready", {name: _signature_data(fn) for name, fn in methods.items()}))
+    tools = {name: fn for name, fn in built.tools.items() if not name.startswith("_")}
+    conn.send(("ready", {name: _signature_data(fn) for name, fn in tools.items()}, built.reward is not None))
     while True:
         try:
             req = conn.recv()
         except (EOFError, OSError):
             return
-        conn.send(_answer(req, instances, methods, fmt, max_memory_mb))
+        conn.send(_answer(req, built._replace(tools=tools), fmt, max_memory_mb))
 
 
-def _answer(req: tuple, instances: dict, methods: dict, fmt: Callable[[Any], str], max_memory_mb: int) -> tuple:
+def _answer(req: tuple, built: Built, fmt: Callable[[Any], str], max_memory_mb: int) -> tuple:
     op = req[0]
     if op == "call":
         _, name, args, kwargs = req
         try:
-            return "ok", fmt(methods[name](*args, **kwargs))
+            return "ok", fmt(built.tools[name](*args, **kwargs))
         except MemoryError:
             return "err", f"out of memory (the environment's limit is {max_memory_mb} MB)"
         except BaseException as e:  # noqa: BLE001 - a backend bug is the call's error text, as in BFCL
             return "err", str(e)
     if op == "state":
-        state = {cls: {k: v for k, v in vars(inst).items() if not k.startswith("_")} for cls, inst in instances.items()}
-        return "ok", state
+        return "ok", {cls: {k: v for k, v in vars(inst).items() if not k.startswith("_")}
+                      for cls, inst in built.instances.items()}
+    if op == "reward":
+        try:
+            return "ok", float(built.reward())
+        except BaseException as e:  # noqa: BLE001 - the environment's own bug, reported as the reason
+            return "err", f"reward() failed: {type(e).__name__}: {e}"
     return "err", f"unknown request {op!r}"
 
 
@@ -264,15 +273,17 @@ class Worker:
         self.pid, self._conn = self._zygote.fork(max_memory_mb)
         self.max_memory_mb = max_memory_mb
         self._finalizer = weakref.finalize(self, _stop, self._zygote, self.pid, self._conn)
-        kind, payload = self.request((build, build_args, fmt, os.getcwd()), _READY_TIMEOUT_S, "setting up the environment")
+        kind, payload, *rest = self.request((build, build_args, fmt, os.getcwd()), _READY_TIMEOUT_S,
+                                            "setting up the environment")
         if kind == "user_error":
             self.close()
             raise UserError(payload)
         if kind != "ready":
             self.close()
             raise UserError(f"the environment could not be built: {payload}")
-        #: public method name -> its signature (parameter names and kinds only)
+        #: tool name -> its signature (parameter names and kinds only)
         self.signatures = {name: signature_from_data(p) for name, p in payload.items()}
+        self.has_reward = bool(rest and rest[0])
 
     def _receive(self, timeout_s: float, what: str) -> tuple:
         """The worker's reply, or :class:`WorkerGone` (the worker killed) after ``timeout_s``."""

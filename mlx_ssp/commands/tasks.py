@@ -42,8 +42,11 @@ def _kv(items: tuple[str, ...]) -> dict:
 @click.option("--verifier", default=None, help="Verifier name (default: the source's own).")
 @click.option("--answer-extraction", type=click.Choice(["strict", "lenient"]), default=None, help="Final-answer extraction for math / reasoning_gym.")
 @click.option("--domain", default=None, help="Domain name (default: derived from SOURCE).")
+@click.option("--gold", is_flag=True, help="Episode sources with ground truth: write each task's gold conversation "
+              '({"task": ..., "messages": [...]}: the ground-truth calls and their real results), which mlx_ssp verify scores 1.')
 @set_option
-def export(source, output, size, seed, split, params, instruction, system, verifier, answer_extraction, domain, overrides) -> None:
+def export(source, output, size, seed, split, params, instruction, system, verifier, answer_extraction, domain, gold,
+           overrides) -> None:
     """Write a task file from SOURCE: a YAML file (a run file with a `tasks:` section, or the section
     itself) or a shorthand: gsm8k:PATH, reasoning_gym:DATASET, humaneval[:PATH], bfcl:CATEGORY,
     jsonl:PATH, hf:DATASET."""
@@ -62,11 +65,25 @@ def export(source, output, size, seed, split, params, instruction, system, verif
         if sp == "all":
             raise UserError("--split all needs a YAML source with sizes for each split")
         tasks = export_source(source, size=size, seed=seed, split=sp, params=_kv(params), domain=domain, **kw)
-    write_tasks(output, tasks)
+    if gold:
+        _write_gold(output, tasks)
+    else:
+        write_tasks(output, tasks)
     counts = Counter((t.domain, t.metadata.get("split", "?")) for t in tasks)
     for (d, s), n in sorted(counts.items()):
         click.echo(f"{d:24s} {s:6s} {n:6d}")
     click.echo(f"wrote {len(tasks)} tasks to {output}")
+
+
+def _write_gold(output: str, tasks: list) -> None:
+    """One gold conversation per episode task (:func:`mlx_ssp.agents.gold.gold_messages`)."""
+    from mlx_ssp.agents.episode import is_episode
+    from mlx_ssp.agents.gold import gold_messages
+    from mlx_ssp.io import write_jsonl_atomic
+
+    if not all(is_episode(t) for t in tasks):
+        raise UserError("--gold needs an episode source (episodes:PATH or bfcl_multi_turn:CATEGORY)")
+    write_jsonl_atomic(output, ({"task": t.model_dump(mode="json"), "messages": gold_messages(t)} for t in tasks))
 
 
 @cli.command("list")

@@ -15,6 +15,8 @@ its defaults (verifier, answer-format instruction, export size):
 - ``bfcl_multi_turn:CATEGORY``: BFCL v4's multi-turn entries (``base``, ``miss_func``, ``miss_param``,
   ``long_context``) as episodes on its executable backends, one domain per backend
   (:mod:`mlx_ssp.tasks.multi_turn`) -> ``bfcl_multi_turn``.
+- ``episodes:PATH``: multi-turn episodes on any environment class, one per line
+  (:mod:`mlx_ssp.tasks.episodes`) -> ``episode``.
 - ``jsonl:PATH``: any JSONL with a field mapping in ``params`` (``prompt_field``, ``answer_field``,
   ``id_field``, ``answer_after``, ``metadata_fields``), or rows that are already task records.
 - ``hf:DATASET``: ``datasets.load_dataset(DATASET, name, split=..., data_files=...)`` with the same
@@ -108,6 +110,10 @@ SOURCES: dict[str, Source] = {
         Source("bfcl_multi_turn", "bfcl_multi_turn", "", file_items, load_multi_turn,
                help="CATEGORY (base, miss_func, miss_param, long_context)", domain_name=lambda arg: f"bfcl_mt_{arg}",
                catalogue=multi_turn_catalogue, system=MULTI_TURN_SYSTEM),
+        Source("episodes", "episode", "", file_items, lambda arg, params: _load_episodes(arg, params),
+               help="PATH (a JSONL of episodes on any environment class)", domain_name=file_stem,
+               catalogue=lambda: "episodes: a JSONL file, one episode per line (docs/agents.md)",
+               system=MULTI_TURN_SYSTEM),
         Source("instruct", "instruct", "", instruct_items, default_size=50, arg_required=False,
                help="[TEMPLATE,...] (default: all)", catalogue=lambda: "instruct templates: " + ", ".join(INSTRUCT_TEMPLATES)),
         Source("testbed", "testbed", "", lambda *a: _testbed_items(*a), default_size=100,
@@ -119,6 +125,12 @@ SOURCES: dict[str, Source] = {
                domain_name=hf_name),
     )
 }
+
+
+def _load_episodes(arg: str, params: dict):
+    from mlx_ssp.tasks.episodes import load_episodes  # imports the verifier registry: only when used
+
+    return load_episodes(arg, params)
 
 
 def _testbed_items(*args):

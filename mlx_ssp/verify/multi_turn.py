@@ -33,11 +33,12 @@ REWARDS = ("accuracy", "partial")
 def _check(task: "Task") -> None:
     ep = task.metadata.get("episode")
     if not isinstance(ep, dict):
-        raise ValueError("missing metadata.episode (a bfcl_multi_turn task record)")
-    for key in ("user_turns", "involved_classes", "ground_truth"):
+        raise ValueError("missing metadata.episode (an episode task record)")
+    needed = ("user_turns", "environment") if "environment" in ep else ("user_turns", "involved_classes", "ground_truth")
+    for key in needed:
         if key not in ep:
             raise ValueError(f"metadata.episode needs '{key}'")
-    if len(ep["user_turns"]) != len(ep["ground_truth"]):
+    if ep.get("ground_truth") is not None and len(ep["user_turns"]) != len(ep["ground_truth"]):
         raise ValueError("metadata.episode: user_turns and ground_truth differ in length")
     if ep.get("reward", "accuracy") not in REWARDS:
         raise ValueError(f"metadata.episode.reward must be one of {', '.join(REWARDS)}")
@@ -97,12 +98,13 @@ def allowed_per_turn(ep: dict) -> list[set[str]] | None:
         return None
     allowed, out = set(ep["offered"]), []
     held = {int(t): names for t, names in (ep.get("held_out") or {}).items()}
-    for t in range(len(ep["ground_truth"])):
+    for t in range(len(ep["user_turns"])):
         allowed = allowed | set(held.get(t, []))
         out.append(allowed)
     return out
 
 
+@register("episode", check=_check)
 @register("bfcl_multi_turn", check=_check)
 def verify_episode(completion: Any, task: "Task") -> VerifyResult:
     from mlx_ssp.agents.backends import limits_of
@@ -112,7 +114,7 @@ def verify_episode(completion: Any, task: "Task") -> VerifyResult:
     ep = task.metadata["episode"]
     try:
         msgs = _messages(completion)
-        turns, over = episode_turns(msgs, len(ep["ground_truth"]), int(ep.get("max_steps", MAX_STEPS)))
+        turns, over = episode_turns(msgs, len(ep["user_turns"]), int(ep.get("max_steps", MAX_STEPS)))
     except EpisodeFormatError as e:
         return VerifyResult(0.0, "malformed_episode", str(e))
     verdict = score_episode(EpisodeSpec.from_task_metadata(ep), turns, step_limit_hit=over,
