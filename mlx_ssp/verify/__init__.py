@@ -213,11 +213,13 @@ def exact_match(completion: str, task: "Task") -> VerifyResult:
 
 
 def verify_many(
-    items: "list[tuple[str, Task]]", workers: int = 1, progress: Callable[[int], None] | None = None
+    items: "list[tuple[str, Task]]", workers: int = 1, progress: Callable[[int], None] | None = None,
+    on_result: Callable[[int, VerifyResult], None] | None = None,
 ) -> list[VerifyResult]:
     """Score many ``(completion, task)`` pairs, in order. Verifiers registered with ``parallel=True``
     (the code sandbox) run on ``workers`` threads; the rest run here in the calling thread.
-    ``progress(n)`` is called as results arrive."""
+    ``progress(n)`` is called as results arrive, and ``on_result(index, result)`` with each one, in
+    the calling thread (``mlx_ssp verify`` saves each there, so that a kill loses none)."""
     results: list[VerifyResult | None] = [None] * len(items)
     par = [i for i, (_, t) in enumerate(items) if t.verifier in PARALLEL] if workers > 1 else []
     pool = None
@@ -232,13 +234,18 @@ def verify_many(
         for i, (completion, task) in enumerate(items):
             if i not in in_pool:
                 results[i] = verify(completion, task)
+                if on_result:
+                    on_result(i, results[i])
                 if progress:
                     progress(1)
         if futures:
             from concurrent.futures import as_completed
 
             for fut in as_completed(futures):
-                results[futures[fut]] = fut.result()
+                i = futures[fut]
+                results[i] = fut.result()
+                if on_result:
+                    on_result(i, results[i])
                 if progress:
                     progress(1)
     finally:
@@ -256,6 +263,7 @@ _MODULES = {
     "code": ("mlx_ssp.verify.code", None),
     "toolcall": ("mlx_ssp.verify.toolcall", None),
     "bfcl_multi_turn": ("mlx_ssp.verify.multi_turn", None),
+    "episode": ("mlx_ssp.verify.multi_turn", None),
     "instruct": ("mlx_ssp.verify.instruct", None),
     "testbed": ("mlx_ssp.testbed.source", None),
 }
