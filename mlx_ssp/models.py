@@ -128,3 +128,13 @@ def load_tokenizer(spec: str):
     from mlx_lm.utils import load_tokenizer as _load
 
     return _load(resolve_model(spec))
+
+
+def model_context_length(model) -> Optional[int]:
+    """``max_position_embeddings`` of an mlx-lm model (None when it does not say)."""
+    args = getattr(model, "args", None)
+    for name in ("max_position_embeddings", "max_seq_len", "n_positions"):
+        v = getattr(args, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None

@@ -55,7 +55,7 @@ def episode_tasks(n: int):
 def instrumented(group_size: int, reuse_cache: bool):
     """Scripted policy, timers around tool execution and verification, and the cache switch."""
     from mlx_ssp.agents import engine
-    from mlx_ssp.agents.backends import Environment
+    from mlx_ssp.agents.environment import Environment
     from mlx_ssp.agents.calls import parse_ground_truth
     from mlx_ssp.agents.episode import Episode
     from mlx_ssp.rollout import scoring

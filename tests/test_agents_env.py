@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("bfcl_eval")
 
-from mlx_ssp.agents.backends import CallLimits, Environment, bfcl_world  # noqa: E402
-from mlx_ssp.agents.bfcl import BACKENDS, function_docs  # noqa: E402
+from mlx_ssp.agents.environment import CallLimits, Environment, bfcl_world  # noqa: E402
+from mlx_ssp.agents.bfcl.backends import BACKENDS, function_docs  # noqa: E402
 from mlx_ssp.agents.calls import (  # noqa: E402
     Call,
     CallSyntaxError,

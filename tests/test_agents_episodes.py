@@ -115,7 +115,7 @@ def test_verify_replays_episode_lines(tasks):
     msgs = []
     for turn, calls in zip(ep["user_turns"], ep["ground_truth"]):
         msgs += turn
-        from mlx_ssp.agents.backends import Environment, world_of
+        from mlx_ssp.agents.environment import Environment, world_of
 
         env = Environment(world_of(ep))
         bound = [env.bind(parse_ground_truth(c)) for c in calls]
@@ -195,7 +195,7 @@ def test_deltas_follow_the_models_own_template():
 
 
 def _gt_messages(task, prose=""):
-    from mlx_ssp.agents.backends import Environment, world_of
+    from mlx_ssp.agents.environment import Environment, world_of
 
     ep = task.metadata["episode"]
     env = Environment(world_of(ep))

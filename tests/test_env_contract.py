@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from mlx.utils import tree_flatten
 
-from mlx_ssp.agents.backends import Environment, class_world
+from mlx_ssp.agents.environment import Environment, class_world
 from mlx_ssp.agents.calls import Call, parse_ground_truth
 from mlx_ssp.agents.env import load_class, resolve_ref, tool_schemas
 from mlx_ssp.agents.episode import Episode
@@ -240,3 +240,41 @@ def test_rollout_sft_and_rl_on_a_user_environment(env_dir, tiny_qwen3, tmp_path,
     after = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     changed = {k for k in after if not np.array_equal(after[k], before[k])}
     assert changed and changed <= trainable
+
+
+LOCK = {"type": "function", "function": {
+    "name": "lockDoors", "description": "Locks or unlocks the doors.",
+    "parameters": {"type": "object", "required": ["unlock", "door"], "properties": {
+        "unlock": {"type": "boolean"}, "door": {"type": "string", "enum": ["driver", "passenger", "rear_left"]},
+        "speed": {"type": "number", "default": 1.5}, "tags": {"type": "array", "items": {"type": "string"}}}}}}
+
+
+def test_compact_signature_lines():
+    from mlx_ssp.agents.render import signature_line
+
+    line = "lockDoors(unlock:bool, door:driver|passenger|rear_left, speed:float=1.5, tags?:list[str])"
+    assert signature_line(LOCK) == line
+    assert signature_line(LOCK, describe=2) == line + " - Locks or..."
+    assert signature_line(LOCK, describe=9) == line + " - Locks or unlocks the doors."
+
+
+def test_compact_rendering_round_trips_on_a_user_environment_and_on_bfcl(env_dir):
+    """Compact tasks: the tools are signature lines in the system message (none for the template);
+    gold calls are written in python syntax, parse back to the ground truth's calls, and verify to 1."""
+    from mlx_ssp.agents.calls import calls_from_message, parse_assistant_text
+
+    tasks = export_source(f"episodes:{_episodes(env_dir)}", split="train", size=2, params={"render": "compact"})
+    t = next(t for t in tasks if t.id.endswith("s1"))
+    system = t.prompt[0]["content"]
+    assert t.metadata["tools"] == [] and t.metadata["episode"]["render"] == "compact"
+    assert "put(label:str, count:int, unit:g|kg=g)" in system and "look(label:str, note?:str)" in system
+    gold = gold_messages(t)
+    first = next(m for m in gold if m["role"] == "assistant")
+    assert first["content"] == "put(label='tea', count=2, unit='kg')"
+    assert verify(gold, t).reward == 1.0
+    for bt in export_source("bfcl_multi_turn:base", params={"render": "compact", "tools": "used"})[:25]:
+        msgs = gold_messages(bt)
+        for m in msgs:
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                assert parse_assistant_text(m["content"]) == calls_from_message({"role": "assistant", "tool_calls": m["tool_calls"]})
+        assert verify(msgs, bt).reward == 1.0, bt.id

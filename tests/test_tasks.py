@@ -246,6 +246,7 @@ def test_sources_are_registry_entries():
         "reasoning_gym:basic_arithmetic": "basic_arithmetic", "bfcl:simple": "bfcl_simple",
         "jsonl:/x/my data.v2.jsonl": "my_data", "jsonl:.hidden": "jsonl", "hf:org/name/": "name",
         "gsm8k:/x/train.jsonl": "gsm8k", "humaneval": "humaneval", "hf:json": "json",
+        "episodes:/x/shelf.jsonl": "shelf",
     }
     assert {s: default_domain_name(s) for s in names} == names
 

@@ -1,7 +1,7 @@
 """Issue 15 items 5-6: every verifier bounds its work, and the pathological answers score as they should.
 
 The bound is on the work, not the time (which depends on the machine's load): each case counts the
-steps the verifier's scans charge (:mod:`mlx_ssp.verify.work`) and checks them against a few passes
+steps the verifier's scans charge (:mod:`mlx_ssp.text.work`) and checks them against a few passes
 over the text. Each runs in a forked child under a CPU-time limit, so that code that spins where no
 counter sees (catastrophic backtracking inside a regex) fails the test instead of hanging the suite."""
 
@@ -22,7 +22,7 @@ import pytest
 from mlx_ssp.tasks import Task
 from mlx_ssp.verify import ITEM_TIME_LIMIT_S, VerifyResult, register, verify
 from mlx_ssp.verify.extract import MAX_SCAN_CHARS, extract
-from mlx_ssp.verify.work import counted
+from mlx_ssp.text.work import counted
 
 #: CPU seconds a case may use: each takes milliseconds; the slow forms these cases guard against
 #: took 5 s to hours. CPU time, unlike wall time, is not stretched by other processes.

@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_ssp.verify.toolcall import Malformed, parse_calls
+from mlx_ssp.text.toolcalls import Malformed, parse_calls
 
 #: A call attempt longer than this (after ``</think>``) is an error, not parsed.
 MAX_TEXT_CHARS = 64 * 1024
@@ -82,7 +82,7 @@ def _canon(value: Any) -> str:
 @dataclass(frozen=True)
 class Call:
     """One function call as data. ``positional`` holds BFCL ground truth's positional arguments
-    (``sort('final_report.pdf')``) until :meth:`~mlx_ssp.agents.backends.Environment.bind` names them."""
+    (``sort('final_report.pdf')``) until :meth:`~mlx_ssp.agents.environment.Environment.bind` names them."""
 
     name: str
     arguments: dict = field(default_factory=dict)

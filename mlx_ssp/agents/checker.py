@@ -1,6 +1,6 @@
 """BFCL's multi-turn checker semantics, by re-execution (our implementation).
 
-:func:`score_episode` runs the model's calls in a fresh :class:`~mlx_ssp.agents.backends.Environment`
+:func:`score_episode` runs the model's calls in a fresh :class:`~mlx_ssp.agents.environment.Environment`
 and the ground-truth calls in a fresh twin, turn by turn, and judges each turn:
 
 - ground truth not empty: the model made at least one call in the turn; STATE: every public attribute
@@ -30,10 +30,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Collection, Sequence
+import json
+from typing import Any, Collection, Sequence
 
-from mlx_ssp.agents.backends import CallLimits, Environment, EnvironmentBroken, World, world_of
-from mlx_ssp.agents.calls import Call, CallSyntaxError, parse_ground_truth
+from mlx_ssp.agents.calls import Call, CallSyntaxError, calls_from_message, parse_ground_truth
+from mlx_ssp.agents.environment import CallLimits, Environment, EnvironmentBroken, World, world_of
 from mlx_ssp.errors import UserError
 
 
@@ -254,3 +255,65 @@ def _score_by_reward(spec: EpisodeSpec, turns: list[list[list[Call]]], limit_hit
             verdicts[-1] = TurnVerdict(spec.n_turns - 1, False, False, False, False, str(e))
             value = 0.0
     return EpisodeVerdict(tuple(verdicts), env_reward=value)
+
+
+# ------------------------------------------------------------------ a recorded conversation's turns
+
+
+class EpisodeFormatError(ValueError):
+    pass
+
+
+def episode_messages(completion: Any) -> list[dict]:
+    """An episode's conversation: a list of message objects, or its JSON text."""
+    if isinstance(completion, str):
+        try:
+            completion = json.loads(completion)
+        except json.JSONDecodeError as e:
+            raise EpisodeFormatError(f"the episode is not a JSON list of messages ({e.msg})") from None
+    if not isinstance(completion, list) or not all(isinstance(m, dict) for m in completion):
+        raise EpisodeFormatError("the episode must be a list of message objects")
+    return completion
+
+
+def episode_turns(messages: list[dict], n_turns: int, max_steps: int) -> tuple[list[list[list]], list[int]]:
+    """The calls of each turn the episode reached, one list per assistant message, and the turns that
+    hit the step limit:
+    ``max_steps`` messages that tried to call (made calls, or failed to parse), the rule the episode
+    engine stops a turn by."""
+    turns: list[list[list]] = [[] for _ in range(n_turns)]
+    attempts = [0] * n_turns
+    turn = -1
+    for m in messages:
+        role = m.get("role")
+        if role == "user":
+            turn += 1
+            if turn >= n_turns:
+                raise EpisodeFormatError(f"the episode has more user turns than the task's {n_turns}")
+        elif role == "assistant":
+            if turn < 0:
+                raise EpisodeFormatError("an assistant message comes before the first user message")
+            try:
+                calls = calls_from_message(m)
+            except CallSyntaxError:
+                calls, attempts[turn] = [], attempts[turn] + 1  # the model was told the parse error; nothing ran
+            else:
+                attempts[turn] += bool(calls)
+            turns[turn].append(calls)
+        elif role not in ("system", "tool"):
+            raise EpisodeFormatError(f"unknown message role {role!r}")
+    over = [t for t in range(n_turns) if attempts[t] >= max_steps]
+    return turns[: turn + 1], over  # only the turns whose user message the episode reached
+
+
+def allowed_per_turn(ep: dict) -> list[set[str]] | None:
+    """The functions the model may call in each turn: those offered from the start, plus each held-back
+    one from the turn that brings it (None: every method of the involved classes)."""
+    if "offered" not in ep:
+        return None
+    allowed, out = set(ep["offered"]), []
+    held = {int(t): names for t, names in (ep.get("held_out") or {}).items()}
+    for t in range(len(ep["user_turns"])):
+        allowed = allowed | set(held.get(t, []))
+        out.append(allowed)
+    return out

@@ -23,15 +23,18 @@ from collections import Counter
 from typing import Iterator, Optional
 
 from mlx_ssp.agents.episode import Deltas, Episode
+from mlx_ssp.models import model_context_length
 from mlx_ssp.rollout.decoder import Decoder
 from mlx_ssp.rollout.records import TaskGroups
 from mlx_ssp.rollout.request import RolloutRequest
+from mlx_ssp.errors import UserError
+from mlx_ssp.rollout.scoring import timed_verify
+from mlx_ssp.sampling import sample_stream_seed
+from mlx_ssp.tasks import render_prompt
 
 
 def message_stream(seed: int, task_id: str, sample: int, message: int) -> int:
     """The noise stream of one assistant message of an episode (message 0: the sample's own stream)."""
-    from mlx_ssp.sampling import sample_stream_seed
-
     return sample_stream_seed(seed, task_id if message == 0 else f"{task_id}\x1em{message}", sample)
 
 
@@ -50,8 +53,6 @@ class EpisodeRun:
     def __init__(self, model, tokenizer, request: RolloutRequest, work: list[tuple[int, int]], stats: dict,
                  *, reuse_cache: bool, context: Optional[int]):
         if request.sampling.stop:
-            from mlx_ssp.errors import UserError
-
             raise UserError("stop strings are not supported for episode tasks (a message ends at the end-of-message token)")
         self.tokenizer, self.request, self.stats = tokenizer, request, stats
         self.work, self.next_work = work, 0
@@ -80,8 +81,6 @@ class EpisodeRun:
     def top_up(self) -> None:
         """Start episodes until ``batch_size`` are in flight; the samples of one task started together
         share the prefill of its first prompt (:meth:`Decoder.insert_shared`)."""
-        from mlx_ssp.tasks import render_prompt
-
         while self.next_work < len(self.work) and len(self.live) < self.request.batch_size:
             ti = self.work[self.next_work][0]
             room = self.request.batch_size - len(self.live)
@@ -147,8 +146,6 @@ class EpisodeRun:
             self._insert(lv.ti, ep, ep.prompt_ids + ep.ids, None)
 
     def _finish(self, ti: int, ep: Episode) -> None:
-        from mlx_ssp.rollout.scoring import timed_verify
-
         rec = ep.record(self.dec.lp_temp)
         if self.request.verify:
             res, dt = timed_verify(ep.messages, ep.task)
@@ -169,8 +166,6 @@ def run_episodes(model, tokenizer, request: RolloutRequest, *, samples: Optional
                  stats: Optional[dict] = None, reuse_cache: bool = True) -> Iterator[list[dict]]:
     """Yield the records of each episode task of ``request`` once all its samples are scored (the
     contract of :func:`mlx_ssp.rollout.engine.run_request`, which hands episode tasks here)."""
-    from mlx_ssp.rollout.engine import model_context_length
-
     stats = stats if stats is not None else {}
     for k, v in (("gen_tokens", 0), ("prompt_tokens", 0), ("gen_s", 0.0), ("verify_s", 0.0), ("n_samples", 0)):
         stats.setdefault(k, v)

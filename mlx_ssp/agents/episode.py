@@ -5,7 +5,7 @@ The loop of an episode, BFCL's multi-turn inference loop in our words: the first
 rendered with the model's chat template (:func:`mlx_ssp.tasks.render_prompt`: the template's own
 ``tools`` support when it has one, else the schemas and the call format in the system prompt). The
 model answers; its calls are parsed as data (:func:`mlx_ssp.agents.calls.parse_assistant_text`),
-run against this episode's own :class:`~mlx_ssp.agents.backends.Environment` (restricted to the
+run against this episode's own :class:`~mlx_ssp.agents.environment.Environment` (restricted to the
 functions offered so far), and the results are appended as ``tool`` messages; this repeats until
 the model answers without a call (the turn ends) or ``max_steps`` messages with calls were made in
 the turn (BFCL's force-quit: the episode ends there and that turn fails). Then the next user turn.
@@ -29,8 +29,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from mlx_ssp.tasks import Task
-from mlx_ssp.tasks.multi_turn import MAX_STEPS  # BFCL's per-turn step limit
+from mlx_ssp.agents.calls import CallSyntaxError, parse_assistant_text
+from mlx_ssp.agents.checker import allowed_per_turn
+from mlx_ssp.agents.environment import MAX_STEPS, Environment, limits_of, world_of
+from mlx_ssp.errors import UserError
+from mlx_ssp.tasks import Task, render_prompt
 
 _PLACEHOLDER = "\u2063mlx_ssp:placeholder\u2063"
 
@@ -109,14 +112,10 @@ class Episode:
     end: Optional[str] = None  # "done" | "step_limit" | "context" | "call_timeout"
 
     def __post_init__(self) -> None:
-        from mlx_ssp.agents.backends import Environment, limits_of, world_of
-
         ep = self.task.metadata["episode"]
         self.user_turns: list[list[dict]] = ep["user_turns"]
         self.max_steps = int(ep.get("max_steps", self.max_steps))
         self.env = Environment(world_of(ep), limits=limits_of(ep))
-        from mlx_ssp.verify.multi_turn import allowed_per_turn
-
         # the same per-turn rule the verifier re-executes with
         self.allowed_by_turn = allowed_per_turn(ep) or [self.env.method_names()] * len(self.user_turns)
         self.messages = [dict(m) for m in self.task.messages()]
@@ -129,8 +128,6 @@ class Episode:
                    ended_with: Optional[str]) -> Optional[list[int]]:
         """Take one generated assistant message; the ids to feed next (tool results or the next user turn,
         then the generation prompt), or None when the episode is over."""
-        from mlx_ssp.agents.calls import CallSyntaxError
-
         self.ids += tokens
         self.mask += [1] * len(tokens)
         self.logprobs += lps
@@ -164,8 +161,6 @@ class Episode:
 
     def parse_calls(self, text: str) -> list:
         """The calls of one generated message (:func:`mlx_ssp.agents.calls.parse_assistant_text`)."""
-        from mlx_ssp.agents.calls import parse_assistant_text
-
         return parse_assistant_text(text)
 
     def _next_turn(self, deltas: Deltas, ended_with: Optional[str]) -> Optional[list[int]]:
@@ -243,9 +238,6 @@ def replay(tokenizer, task: Task, messages: list[dict], system: Optional[str] = 
     open ``messages``); each assistant message is its text's tokens and the template's end-of-message
     token (mask 1); what follows it is the template's delta (mask 0). Used for episodes that were not
     sampled token by token here: gold episodes, imported traces, selected conversations."""
-    from mlx_ssp.errors import UserError
-    from mlx_ssp.tasks import render_prompt
-
     head = [dict(m) for m in task.messages()]
     if system is not None and not any(m.get("role") == "system" for m in head):
         head = [{"role": "system", "content": system}] + head

@@ -14,7 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from mlx_ssp.agents.calls import parse_ground_truth
+from mlx_ssp.agents.checker import allowed_per_turn
+from mlx_ssp.agents.environment import Environment, limits_of, world_of
+from mlx_ssp.agents.episode import replay, tool_call_text
+from mlx_ssp.errors import UserError
 from mlx_ssp.tasks import Task
+from mlx_ssp.verify import verify
 
 DONE = "Done."
 CANNOT = "None of the available functions can do that."
@@ -22,12 +28,6 @@ CANNOT = "None of the available functions can do that."
 
 def gold_messages(task: Task, system: Optional[str] = None) -> list[dict]:
     """The gold conversation of an episode task, in OpenAI chat format."""
-    from mlx_ssp.agents.backends import Environment, limits_of, world_of
-    from mlx_ssp.errors import UserError
-    from mlx_ssp.agents.calls import parse_ground_truth
-    from mlx_ssp.agents.episode import tool_call_text
-    from mlx_ssp.verify.multi_turn import allowed_per_turn
-
     ep = task.metadata["episode"]
     if ep.get("ground_truth") is None:
         raise UserError(f"task '{task.id}' has no ground truth: it has no gold episode")
@@ -43,7 +43,9 @@ def gold_messages(task: Task, system: Optional[str] = None) -> list[dict]:
                 msgs.append({"role": "assistant", "content": CANNOT})
                 continue
             calls = [env.bind(parse_ground_truth(c)) for c in calls_text]
-            msgs.append({"role": "assistant", "content": tool_call_text([(c.name, c.arguments) for c in calls]),
+            text = ("\n".join(c.as_python() for c in calls) if ep.get("render") == "compact"
+                    else tool_call_text([(c.name, c.arguments) for c in calls]))
+            msgs.append({"role": "assistant", "content": text,
                          "tool_calls": [c.as_openai() for c in calls]})
             msgs += [{"role": "tool", "name": c.name, "content": r}
                      for c, r in zip(calls, env.execute(calls, allowed[t]))]
@@ -53,9 +55,6 @@ def gold_messages(task: Task, system: Optional[str] = None) -> list[dict]:
 
 def gold_record(task: Task, tokenizer, system: Optional[str] = None) -> dict[str, Any]:
     """A scored episode record (the rollout layout, ``source: gold``) of the task's gold episode."""
-    from mlx_ssp.agents.episode import replay
-    from mlx_ssp.verify import verify
-
     msgs = gold_messages(task, system)
     prompt, ids, mask = replay(tokenizer, task, msgs, system)
     res = verify(msgs, task)

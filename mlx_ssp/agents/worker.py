@@ -11,7 +11,7 @@ releases the lock) and kills the worker when the call is over its time limit. Th
 keeps process-wide state inside the episode: ``mpmath.mp.dps``, module globals or a backend's
 leftover threads die with it instead of leaking into every later episode.
 
-One worker per :class:`~mlx_ssp.agents.backends.Environment` (an episode's world, or the checker's
+One worker per :class:`~mlx_ssp.agents.environment.Environment` (an episode's world, or the checker's
 ground-truth twin). Workers are forked from a zygote: a fresh interpreter started once per process
 (``python -c``, so neither MLX's threads nor the caller's ``__main__`` are in it) that imports the
 backends' modules once and forks a worker per request, handing it one end of a socket pair. The
@@ -32,6 +32,7 @@ already formatted as the text the model sees.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import importlib
 import inspect
@@ -211,6 +212,18 @@ class _Zygote:
         self.ctrl = ours
         self.pid = os.getpid()  # a forked child of the parent must start its own zygote
         self.lock = threading.Lock()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the zygote (it exits when its socket closes); at exit, after the workers' finalizers."""
+        if self.pid != os.getpid():
+            return
+        self.ctrl.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
     def _reply(self) -> int:
         reply = b""

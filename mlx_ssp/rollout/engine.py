@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from mlx_ssp.models import model_context_length
 from mlx_ssp.rollout.decoder import Decoder
 from mlx_ssp.rollout.records import LiveSequence, TaskGroups, build_record, completion_text
 from mlx_ssp.rollout.request import RolloutRequest
@@ -25,16 +26,6 @@ from mlx_ssp.rollout.scoring import Scorer
 from mlx_ssp.rollout.stops import StopMatcher
 
 log = logging.getLogger("mlx_ssp.rollout")
-
-
-def model_context_length(model) -> Optional[int]:
-    """``max_position_embeddings`` of an mlx-lm model (None when it does not say)."""
-    args = getattr(model, "args", None)
-    for name in ("max_position_embeddings", "max_seq_len", "n_positions"):
-        v = getattr(args, name, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
 
 
 @dataclass

@@ -14,9 +14,9 @@ its defaults (verifier, answer-format instruction, export size):
   -> ``toolcall``.
 - ``bfcl_multi_turn:CATEGORY``: BFCL v4's multi-turn entries (``base``, ``miss_func``, ``miss_param``,
   ``long_context``) as episodes on its executable backends, one domain per backend
-  (:mod:`mlx_ssp.tasks.multi_turn`) -> ``bfcl_multi_turn``.
+  (:mod:`mlx_ssp.agents.bfcl.source`) -> ``bfcl_multi_turn``.
 - ``episodes:PATH``: multi-turn episodes on any environment class, one per line
-  (:mod:`mlx_ssp.tasks.episodes`) -> ``episode``.
+  (:mod:`mlx_ssp.agents.source`) -> ``episode``.
 - ``jsonl:PATH``: any JSONL with a field mapping in ``params`` (``prompt_field``, ``answer_field``,
   ``id_field``, ``answer_after``, ``metadata_fields``), or rows that are already task records.
 - ``hf:DATASET``: ``datasets.load_dataset(DATASET, name, split=..., data_files=...)`` with the same
@@ -56,9 +56,9 @@ from mlx_ssp.tasks.file_sources import (  # noqa: F401  (bfcl_schema, gsm8k_answ
 from mlx_ssp.tasks.instruct import TEMPLATES as INSTRUCT_TEMPLATES
 from mlx_ssp.tasks.instruct import instruct_items
 from mlx_ssp.tasks.item import ORDER, Item  # noqa: F401  (re-exported)
-from mlx_ssp.tasks.multi_turn import SYSTEM_PROMPT as MULTI_TURN_SYSTEM
-from mlx_ssp.tasks.multi_turn import catalogue as multi_turn_catalogue
-from mlx_ssp.tasks.multi_turn import load_multi_turn
+from mlx_ssp.agents.bfcl.source import SYSTEM_PROMPT as MULTI_TURN_SYSTEM
+from mlx_ssp.agents.bfcl.source import catalogue as multi_turn_catalogue
+from mlx_ssp.agents.bfcl.source import load_multi_turn
 from mlx_ssp.tasks.procedural import problem_key, rg_catalogue, rg_items, split_seed  # noqa: F401
 
 ANSWER_INSTRUCTION = "Give your final answer on the last line in the form:\nAnswer: <your answer>"
@@ -112,7 +112,6 @@ SOURCES: dict[str, Source] = {
                catalogue=multi_turn_catalogue, system=MULTI_TURN_SYSTEM),
         Source("episodes", "episode", "", file_items, lambda arg, params: _load_episodes(arg, params),
                help="PATH (a JSONL of episodes on any environment class)", domain_name=file_stem,
-               catalogue=lambda: "episodes: a JSONL file, one episode per line (docs/agents.md)",
                system=MULTI_TURN_SYSTEM),
         Source("instruct", "instruct", "", instruct_items, default_size=50, arg_required=False,
                help="[TEMPLATE,...] (default: all)", catalogue=lambda: "instruct templates: " + ", ".join(INSTRUCT_TEMPLATES)),
@@ -128,7 +127,7 @@ SOURCES: dict[str, Source] = {
 
 
 def _load_episodes(arg: str, params: dict):
-    from mlx_ssp.tasks.episodes import load_episodes  # imports the verifier registry: only when used
+    from mlx_ssp.agents.source import load_episodes  # imports the verifier registry: only when used
 
     return load_episodes(arg, params)
 

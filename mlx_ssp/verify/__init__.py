@@ -3,7 +3,7 @@
 A verifier never raises on model output: malformed output is reward 0 with a reason. A bad
 task (unknown verifier, missing answer) is caught by :func:`check_task` before generation.
 Verifier modules register themselves with :func:`register`; importing this package imports
-them all (``math``, ``reasoning_gym``, ``code``, ``toolcall``, ``bfcl_multi_turn``, ``instruct``; a verifier whose optional third-party
+them all (``math``, ``reasoning_gym``, ``code``, ``toolcall``, ``bfcl_multi_turn``, ``episode``, ``instruct``; a verifier whose optional third-party
 package is missing is listed in ``UNAVAILABLE`` with the reason). :func:`verify_many` scores a batch,
 running verifiers marked ``parallel`` (the code sandbox) on worker threads. See docs/tasks.md.
 
@@ -262,8 +262,8 @@ _MODULES = {
     "reasoning_gym": ("mlx_ssp.verify.rgym", "reasoning-gym"),
     "code": ("mlx_ssp.verify.code", None),
     "toolcall": ("mlx_ssp.verify.toolcall", None),
-    "bfcl_multi_turn": ("mlx_ssp.verify.multi_turn", None),
-    "episode": ("mlx_ssp.verify.multi_turn", None),
+    "bfcl_multi_turn": ("mlx_ssp.agents.score", None),
+    "episode": ("mlx_ssp.agents.score", None),
     "instruct": ("mlx_ssp.verify.instruct", None),
     "testbed": ("mlx_ssp.testbed.source", None),
 }

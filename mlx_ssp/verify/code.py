@@ -34,7 +34,7 @@ from mlx_ssp.sandbox_policy import Limits, task_limits
 from mlx_ssp.verify import VerifyResult, register
 from mlx_ssp.verify.extract import strip_thinking
 from mlx_ssp.verify.sandbox import Harness, run_python
-from mlx_ssp.verify.work import charge, find
+from mlx_ssp.text.work import charge, find
 
 if TYPE_CHECKING:
     from mlx_ssp.tasks import Task

@@ -20,7 +20,7 @@ length. Each marker kind is found by one regex pass that keeps only its last mat
 can backtrack: quantifiers that could give characters back to a neighbour are possessive), only
 the winning marker's line is read, and ``\\boxed{`` braces are matched in one stack pass over the
 braces instead of one scan per ``\\boxed{``. Each scan charges the characters it covers to
-:mod:`mlx_ssp.verify.work`, where the tests bound it.
+:mod:`mlx_ssp.text.work`, where the tests bound it.
 """
 
 from __future__ import annotations
@@ -28,14 +28,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from mlx_ssp.verify.work import charge
+from mlx_ssp.text.region import MAX_SCAN_CHARS, answer_region, strip_thinking  # noqa: F401  (re-exported)
+from mlx_ssp.text.work import charge
 
 MODES = ("strict", "lenient")
 DEFAULT_MODE = "strict"
-#: Only this many trailing characters (after ``</think>``) are searched for the answer: far above any
-#: ordinary completion (~60k tokens), so it only ever cuts runaway text, and it bounds the work.
-MAX_SCAN_CHARS = 262_144
-
 _ANSWER_RE = re.compile(
     r"(?:\*\*|__)?\b(?:final[ \t]++)?answer[ \t]*+(?:\*\*|__)?[ \t]*+:[ \t]*+(?:\*\*|__)?", re.IGNORECASE
 )
@@ -52,19 +49,6 @@ _EMPHASIS = "*_`"
 class Extracted:
     text: str  # the answer text (may be empty when the marker was followed by nothing)
     method: str  # answer_marker | hashes | boxed | answer_is | last_equals | last_number | last_line
-
-
-def strip_thinking(text: str) -> str:
-    i = text.rfind("</think>")
-    charge(len(text) - max(i, 0))
-    return text[i + len("</think>"):] if i >= 0 else text
-
-
-def answer_region(text: str) -> str:
-    """The part of a completion searched for its answer: after the last ``</think>``, at most the
-    last :data:`MAX_SCAN_CHARS` characters."""
-    body = strip_thinking(text)
-    return body[-MAX_SCAN_CHARS:] if len(body) > MAX_SCAN_CHARS else body
 
 
 def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:

@@ -10,7 +10,7 @@ rest; the output is written in one atomic rename once every record is scored, an
 file is then removed. The caller holds the output's lock (``.OUT.jsonl.lock``, as a rollout's).
 
 A record is a completion (``completion``: text) or an episode (``messages``: the conversation in
-OpenAI chat format, scored by re-executing its calls; :mod:`mlx_ssp.verify.multi_turn`)."""
+OpenAI chat format, scored by re-executing its calls; :mod:`mlx_ssp.agents.score`)."""
 
 from __future__ import annotations
 

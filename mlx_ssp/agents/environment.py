@@ -1,5 +1,5 @@
 """One episode's world over BFCL's executable multi-turn backends (the registry of the 8 classes,
-BFCL's ``CLASS_FILE_PATH_MAPPING`` minus WebSearch and Memory, is :data:`mlx_ssp.agents.bfcl.BACKENDS`).
+BFCL's ``CLASS_FILE_PATH_MAPPING`` minus WebSearch and Memory, is :data:`mlx_ssp.agents.bfcl.backends.BACKENDS`).
 
 An :class:`Environment` holds fresh instances of an episode's ``involved_classes``, each loaded from a deep
 copy of its ``initial_config`` entry, and runs :class:`~mlx_ssp.agents.calls.Call` data against them:
@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
-from mlx_ssp.agents.bfcl import BACKENDS, backend, build_instances, format_result
+from mlx_ssp.agents.bfcl.backends import BACKENDS, backend, build_instances, format_result
 from mlx_ssp.agents.calls import Call
 from mlx_ssp.agents.env import build_class, format_value
 from mlx_ssp.agents.worker import Built, Worker, WorkerGone
@@ -48,10 +48,16 @@ from mlx_ssp.errors import UserError
 
 _ERROR = "Error during execution: "
 
+#: BFCL's per-turn step limit (``MAXIMUM_STEP_LIMIT``): messages in a turn that try to call
+MAX_STEPS = 20
+#: what a result shown to the model is cut at by default (the checker compares uncut results)
+RESULT_CHARS = 8192
+
+
 @dataclass(frozen=True)
 class CallLimits:
     timeout_s: float = 5.0
-    max_result_chars: int = 8192
+    max_result_chars: int = RESULT_CHARS
     max_argument_chars: int = 65536
     max_memory_mb: int = 2048  # the worker's address space (Linux); 0 = no cap
 
@@ -88,7 +94,7 @@ class World:
 
 
 #: what every worker's zygote imports once (light modules only: every worker carries them)
-_PRELOAD = ("mlx_ssp.agents.bfcl", "mlx_ssp.agents.env", *(b.module for b in BACKENDS.values()))
+_PRELOAD = ("mlx_ssp.agents.bfcl.backends", "mlx_ssp.agents.env", *(b.module for b in BACKENDS.values()))
 
 
 def bfcl_world(initial_config: dict, involved_classes: list[str], long_context: bool = False) -> World:

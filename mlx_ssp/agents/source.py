@@ -17,8 +17,9 @@ and the key.
 
 ``params``: ``reward`` (``accuracy``: 1 iff every turn passes, default; ``partial``: the fraction
 passed), ``max_steps`` (messages per turn that try to call; default 20, BFCL's), ``call_timeout_s``
-(each call's time limit, default 5) and ``max_result_chars`` (what a result shown to the model is cut
-at; the checker compares uncut results).
+(each call's time limit, default 5), ``max_result_chars`` (what a result shown to the model is cut
+at; the checker compares uncut results), ``render`` (``native`` or ``compact``) and ``describe``
+(compact: words of each tool's description shown; :mod:`mlx_ssp.agents.render`).
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mlx_ssp.agents import render
 from mlx_ssp.agents.calls import CallSyntaxError, parse_ground_truth
 from mlx_ssp.agents.env import load_class, resolve_ref, tool_schemas
+from mlx_ssp.agents.environment import MAX_STEPS, RESULT_CHARS
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import iter_jsonl_numbered
 from mlx_ssp.tasks.item import Item
-from mlx_ssp.tasks.multi_turn import MAX_STEPS, RESULT_CHARS
 
-PARAMS = {"reward": ("accuracy", "partial"), "max_steps": None, "call_timeout_s": None, "max_result_chars": None}
+PARAMS = ("reward", "max_steps", "call_timeout_s", *render.PARAMS)
+REWARDS = ("accuracy", "partial")
 ROW_KEYS = ("id", "environment", "config", "turns", "ground_truth", "domain", "system")
 
 
@@ -41,12 +44,12 @@ def _check_params(params: dict) -> None:
     bad = sorted(set(params) - set(PARAMS))
     if bad:
         raise UserError(f"source 'episodes': unknown params {', '.join(bad)}; valid: {', '.join(PARAMS)}")
-    if params.get("reward", "accuracy") not in PARAMS["reward"]:
-        raise UserError(f"source 'episodes': params.reward must be one of {', '.join(PARAMS['reward'])}")
-    for key, low in (("max_steps", 1), ("max_result_chars", 1)):
-        v = params.get(key, low)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise UserError(f"source 'episodes': params.{key} must be an integer >= {low} (got {v!r})")
+    if params.get("reward", "accuracy") not in REWARDS:
+        raise UserError(f"source 'episodes': params.reward must be one of {', '.join(REWARDS)}")
+    v = params.get("max_steps", 1)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise UserError(f"source 'episodes': params.max_steps must be an integer >= 1 (got {v!r})")
+    render.check_params("episodes", params)
     t = params.get("call_timeout_s", 1.0)
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
         raise UserError(f"source 'episodes': params.call_timeout_s must be a positive number (got {t!r})")
@@ -114,10 +117,13 @@ def episode_item(row: dict, where: str, base_dir: Path, params: dict, classes: d
         episode["ground_truth"] = gt
     if "call_timeout_s" in params:
         episode["call_timeout_s"] = float(params["call_timeout_s"])
-    prompt: Any = turns[0]
-    if "system" in row:
-        prompt = [{"role": "system", "content": row["system"]}, {"role": "user", "content": turns[0]}]
-    md = {"episode": episode, "tools": tools, "environment_class": cls.__name__}
+    messages = ([{"role": "system", "content": row["system"]}] if "system" in row else []) + user_turns[0]
+    rendered, template_tools = render.apply(messages, tools, params)
+    if rendered is not None:
+        episode["render"] = params["render"]
+        messages = rendered
+    prompt: Any = turns[0] if messages == user_turns[0] else messages
+    md = {"episode": episode, "tools": template_tools, "environment_class": cls.__name__}
     return Item(row["id"], prompt, gt, md, domain=row.get("domain", cls.__name__), identity=[turns, config, ref])
 
 

@@ -1,7 +1,7 @@
 """BFCL's executable multi-turn backends: the registry, their function docs, and the two pieces an
 environment's worker process runs (building an episode's instances, formatting a call's result).
 
-Kept apart from :mod:`mlx_ssp.agents.backends` with nothing but the standard library and BFCL's own
+Kept apart from :mod:`mlx_ssp.agents.environment` with nothing but the standard library and BFCL's own
 modules imported, because the worker zygote (:mod:`mlx_ssp.agents.worker`) imports it once and
 forks every worker from it: what it imports, every worker carries.
 """

@@ -29,7 +29,11 @@ the domain as named. ``params.tools: used`` offers only the functions the entry'
 (short prompts for small models and CPU runs: an easier task than BFCL's, say so when reporting);
 ``params.reward: partial`` makes the fraction of turns passed the reward (default ``accuracy``);
 ``params.max_steps`` caps the messages per turn that try to call (default 20, BFCL's limit: a weak
-model that keeps writing unparseable calls is told the error 20 times per turn). Splits are disjoint as for the other file sources (shuffled by seed and domain).
+model that keeps writing unparseable calls is told the error 20 times per turn);
+``params.render: compact`` shows the tools as one signature line each and asks for python-syntax
+calls (``params.describe``: words of description per tool; :mod:`mlx_ssp.agents.render`), and
+``params.max_result_chars`` changes where results shown to the model are cut. Splits are disjoint
+as for the other file sources (shuffled by seed and domain).
 """
 
 from __future__ import annotations
@@ -39,13 +43,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from mlx_ssp.agents import render
+from mlx_ssp.agents.bfcl.backends import BACKENDS, function_docs
+from mlx_ssp.agents.environment import MAX_STEPS, RESULT_CHARS
 from mlx_ssp.errors import UserError
+from mlx_ssp.tasks.file_sources import bfcl_schema
 from mlx_ssp.tasks.item import Item, read_rows
 
 CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
-RESULT_CHARS, LONG_RESULT_CHARS = 8192, 32768
-#: BFCL's per-turn step limit (``MAXIMUM_STEP_LIMIT``); ``params.max_steps`` lowers it for small runs
-MAX_STEPS = 20
+LONG_RESULT_CHARS = 32768  # long_context's point is long results
 #: BFCL's text for the turn that brings the held-back functions (prompting handlers).
 HELD_OUT_PROMPT = "I have updated some more functions you can choose from. What about now?"
 #: The default system prompt of multi-turn domains (BFCL's multi-turn behaviour, in our words).
@@ -80,7 +86,7 @@ def primary_backend(entry: dict) -> str:
     return next(c for c in on_path if counts.get(c) == best)
 
 
-PARAMS = ("backend", "tools", "reward", "max_steps")
+PARAMS = ("backend", "tools", "reward", "max_steps", *render.PARAMS)
 #: which functions a task offers: every documented one of its classes (BFCL), or only those its
 #: ground truth calls (a smaller task for small models and short CPU runs; not BFCL's benchmark)
 TOOL_SETS = ("all", "used")
@@ -97,11 +103,10 @@ def _check_params(params: dict) -> None:
     steps = params.get("max_steps", MAX_STEPS)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise UserError(f"source 'bfcl_multi_turn': params.max_steps must be an integer >= 1 (got {steps!r})")
+    render.check_params("bfcl_multi_turn", params)
 
 
 def _backend_filter(params: dict) -> str | None:
-    from mlx_ssp.agents.bfcl import BACKENDS
-
     name = params.get("backend")
     if name is None:
         return None
@@ -113,22 +118,31 @@ def _backend_filter(params: dict) -> str | None:
 
 
 def _tool(doc: dict) -> dict:
-    from mlx_ssp.tasks.file_sources import bfcl_schema
-
     return {"type": "function", "function": {**doc, "parameters": bfcl_schema(doc.get("parameters", {}))}}
 
 
-def held_out_message(docs: list[dict]) -> dict:
-    """The user message of a turn that brings held-back functions (their schemas, then BFCL's sentence)."""
+def _own_description(doc: dict) -> dict:
+    """A doc without BFCL's per-class preamble ("This tool belongs to ... Tool description: "), which
+    compact rendering would otherwise spend its few words on."""
+    desc = doc.get("description") or ""
+    return {**doc, "description": desc.split("Tool description: ", 1)[-1]}
+
+
+def held_out_message(docs: list[dict], rendering: dict | None = None) -> dict:
+    """The user message of a turn that brings held-back functions (their schemas, or their compact
+    signature lines, then BFCL's sentence)."""
+    rendering = rendering or {}
+    if rendering.get("render") == "compact":
+        listing = render.compact_listing([_tool(_own_description(d)) for d in docs], int(rendering.get("describe", 0)))
+        return {"role": "user", "content": f"{listing}\n\n{HELD_OUT_PROMPT}"}
     listing = "\n".join(json.dumps(_tool(d), ensure_ascii=False) for d in docs)
     return {"role": "user", "content": f"New functions you can call (JSON schemas):\n{listing}\n\n{HELD_OUT_PROMPT}"}
 
 
 def entry_item(entry: dict, ground_truth: list[list[str]], category: str, *, with_domain: bool,
-               tools: str = "all", reward: str = "accuracy", max_steps: int = MAX_STEPS) -> Item:
+               tools: str = "all", reward: str = "accuracy", max_steps: int = MAX_STEPS,
+               rendering: dict | None = None) -> Item:
     """One BFCL multi-turn entry as an :class:`Item` (see the module docstring)."""
-    from mlx_ssp.agents.bfcl import BACKENDS, function_docs
-
     classes = list(entry["involved_classes"])
     unknown = [c for c in classes if c not in BACKENDS]
     if unknown:
@@ -147,7 +161,7 @@ def entry_item(entry: dict, ground_truth: list[list[str]], category: str, *, wit
         if t in held:
             if msgs:
                 raise UserError(f"BFCL entry {entry['id']}: turn {t} brings functions but has a user message")
-            msgs = [held_out_message([by_name[n] for n in held[t]])]
+            msgs = [held_out_message([by_name[n] for n in held[t]], rendering)]
         turns.append([dict(m) for m in msgs])
     if len(turns) != len(ground_truth):
         raise UserError(f"BFCL entry {entry['id']}: {len(turns)} turns but {len(ground_truth)} ground-truth turns")
@@ -162,7 +176,8 @@ def entry_item(entry: dict, ground_truth: list[list[str]], category: str, *, wit
             "offered": [d["name"] for d in offered],
             "held_out": {str(t): names for t, names in sorted(held.items())},
             # what a tool result shown to the model is cut at (long_context is about long results)
-            "max_result_chars": LONG_RESULT_CHARS if category == "long_context" else RESULT_CHARS,
+            "max_result_chars": (rendering or {}).get(
+                "max_result_chars", LONG_RESULT_CHARS if category == "long_context" else RESULT_CHARS),
             "reward": reward,
             "max_steps": max_steps,
         },
@@ -173,7 +188,13 @@ def entry_item(entry: dict, ground_truth: list[list[str]], category: str, *, wit
         "bfcl_category": f"multi_turn_{category}",
     }
     identity = [turns, md["episode"]["initial_config"]]
-    return Item(entry["id"], turns[0], ground_truth, md, domain=BACKENDS[backend].short if with_domain else None,
+    prompt: Any = turns[0]
+    rendered, _ = render.apply(turns[0], [_tool(_own_description(d)) for d in offered], rendering or {})
+    if rendered is not None:
+        md["episode"]["render"] = "compact"
+        md["tools"] = []  # the signature lines are in the system message
+        prompt = rendered
+    return Item(entry["id"], prompt, ground_truth, md, domain=BACKENDS[backend].short if with_domain else None,
                 identity=identity)
 
 
@@ -191,5 +212,6 @@ def load_multi_turn(arg: str, params: dict) -> list[Item]:
             continue
         items.append(entry_item(entry, answers[entry["id"]], arg, with_domain=only is None,
                                 tools=params.get("tools", "all"), reward=params.get("reward", "accuracy"),
-                                max_steps=params.get("max_steps", MAX_STEPS)))
+                                max_steps=params.get("max_steps", MAX_STEPS),
+                                rendering={k: params[k] for k in render.PARAMS if k in params}))
     return items

@@ -1,4 +1,5 @@
-"""``bfcl_multi_turn`` verifier: a finished episode is scored by re-executing its calls.
+"""The ``episode`` verifier (also registered as ``bfcl_multi_turn``, the name BFCL's tasks carry): a
+finished episode is scored by re-executing its calls.
 
 The "completion" is the episode's conversation in OpenAI chat format (a list of messages, or its
 JSON text): ``user`` messages delimit the turns in the task's order (the first one is turn 0;
@@ -19,9 +20,17 @@ the result's ``extra`` (``turns``, ``accuracy``, ``partial``).
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
+from mlx_ssp.agents.checker import (
+    EpisodeFormatError,
+    EpisodeSpec,
+    allowed_per_turn,
+    episode_messages,
+    episode_turns,
+    score_episode,
+)
+from mlx_ssp.agents.environment import MAX_STEPS, limits_of
 from mlx_ssp.verify import VerifyResult, register
 
 if TYPE_CHECKING:
@@ -30,7 +39,7 @@ if TYPE_CHECKING:
 REWARDS = ("accuracy", "partial")
 
 
-def _check(task: "Task") -> None:
+def _check(task: Task) -> None:
     ep = task.metadata.get("episode")
     if not isinstance(ep, dict):
         raise ValueError("missing metadata.episode (an episode task record)")
@@ -44,76 +53,12 @@ def _check(task: "Task") -> None:
         raise ValueError(f"metadata.episode.reward must be one of {', '.join(REWARDS)}")
 
 
-class EpisodeFormatError(ValueError):
-    pass
-
-
-def _messages(completion: Any) -> list[dict]:
-    if isinstance(completion, str):
-        try:
-            completion = json.loads(completion)
-        except json.JSONDecodeError as e:
-            raise EpisodeFormatError(f"the episode is not a JSON list of messages ({e.msg})") from None
-    if not isinstance(completion, list) or not all(isinstance(m, dict) for m in completion):
-        raise EpisodeFormatError("the episode must be a list of message objects")
-    return completion
-
-
-def episode_turns(messages: list[dict], n_turns: int, max_steps: int) -> tuple[list[list[list]], list[int]]:
-    """The calls of each turn the episode reached, one list per assistant message, and the turns that
-    hit the step limit:
-    ``max_steps`` messages that tried to call (made calls, or failed to parse), the rule the episode
-    engine stops a turn by."""
-    from mlx_ssp.agents.calls import CallSyntaxError, calls_from_message
-
-    turns: list[list[list]] = [[] for _ in range(n_turns)]
-    attempts = [0] * n_turns
-    turn = -1
-    for m in messages:
-        role = m.get("role")
-        if role == "user":
-            turn += 1
-            if turn >= n_turns:
-                raise EpisodeFormatError(f"the episode has more user turns than the task's {n_turns}")
-        elif role == "assistant":
-            if turn < 0:
-                raise EpisodeFormatError("an assistant message comes before the first user message")
-            try:
-                calls = calls_from_message(m)
-            except CallSyntaxError:
-                calls, attempts[turn] = [], attempts[turn] + 1  # the model was told the parse error; nothing ran
-            else:
-                attempts[turn] += bool(calls)
-            turns[turn].append(calls)
-        elif role not in ("system", "tool"):
-            raise EpisodeFormatError(f"unknown message role {role!r}")
-    over = [t for t in range(n_turns) if attempts[t] >= max_steps]
-    return turns[: turn + 1], over  # only the turns whose user message the episode reached
-
-
-def allowed_per_turn(ep: dict) -> list[set[str]] | None:
-    """The functions the model may call in each turn: those offered from the start, plus each held-back
-    one from the turn that brings it (None: every method of the involved classes)."""
-    if "offered" not in ep:
-        return None
-    allowed, out = set(ep["offered"]), []
-    held = {int(t): names for t, names in (ep.get("held_out") or {}).items()}
-    for t in range(len(ep["user_turns"])):
-        allowed = allowed | set(held.get(t, []))
-        out.append(allowed)
-    return out
-
-
 @register("episode", check=_check)
 @register("bfcl_multi_turn", check=_check)
-def verify_episode(completion: Any, task: "Task") -> VerifyResult:
-    from mlx_ssp.agents.backends import limits_of
-    from mlx_ssp.agents.checker import EpisodeSpec, score_episode
-    from mlx_ssp.agents.episode import MAX_STEPS
-
+def verify_episode(completion: Any, task: Task) -> VerifyResult:
     ep = task.metadata["episode"]
     try:
-        msgs = _messages(completion)
+        msgs = episode_messages(completion)
         turns, over = episode_turns(msgs, len(ep["user_turns"]), int(ep.get("max_steps", MAX_STEPS)))
     except EpisodeFormatError as e:
         return VerifyResult(0.0, "malformed_episode", str(e))
