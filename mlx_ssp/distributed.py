@@ -653,6 +653,16 @@ def appender(path) -> Any:
     return NullAppender()
 
 
+def output_lock(out, what: str | None = None) -> Any:
+    """:func:`mlx_ssp.io.output_lock` on rank 0 (which writes the outputs), nothing elsewhere: the
+    ranks of one launch are one job, a second job on the same output fails at once."""
+    import contextlib
+
+    from mlx_ssp.io import output_lock as lock
+
+    return lock(out, what) if is_main() else contextlib.nullcontext()
+
+
 # -- sharded generation (rollouts, eval, RL sampling) ------------------------------------------------
 
 

@@ -5,7 +5,8 @@ into place; the next atomic write of the same target removes the siblings whose 
 on this host) is dead, so a killed job leaves nothing behind for long. Outputs get the permissions
 a plain write would give them (0666/0777 less the umask; an overwritten file keeps its mode), not
 the private modes of ``mkstemp``/``mkdtemp``. :func:`exclusive_lock` keeps two runs from writing
-one output at once.
+one output at once; :func:`output_lock` is that lock for an output file or directory (the lock file
+``.NAME.lock`` beside it), which every stage command holds on what it writes.
 """
 
 from __future__ import annotations
@@ -411,3 +412,20 @@ def exclusive_lock(path: str | Path, what: str) -> Iterator[None]:
         with suppress(OSError):
             os.unlink(path)  # still ours: unlinked while held, so no one else can hold it
         os.close(fd)
+
+
+def lock_path(out: str | Path) -> Path:
+    """The lock file of an output file or directory: ``.NAME.lock`` beside it (an output replaced by
+    an atomic rename cannot carry its own lock). The path is made absolute first, so that ``out``,
+    ``./out`` and ``a/../out`` share one lock."""
+    p = Path(os.path.abspath(Path(out).expanduser()))
+    return p / ".lock" if not p.name else p.with_name(f".{p.name}.lock")
+
+
+@contextmanager
+def output_lock(out: str | Path, what: str | None = None) -> Iterator[None]:
+    """:func:`exclusive_lock` on the output ``out`` (a file or a directory) for the block: a second
+    process writing the same output fails at once, naming ``what`` (default ``out``) and the
+    holder's pid. The OS drops the lock when its holder dies, so a kill leaves no stale lock."""
+    with exclusive_lock(lock_path(out), what or str(out)):
+        yield

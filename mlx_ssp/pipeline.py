@@ -24,7 +24,15 @@ with the fingerprint of the stage before it, and marks itself complete at the en
 complete stages whose fingerprint matches, continues an incomplete one (the stages resume on their
 own: rollouts append, SFT continues from its last checkpoint, RL from its last checkpoint, eval per
 model), and when a stage's config changed it says so and reruns that stage and everything after it,
-moving the stale outputs to ``RUN_DIR/.stale/`` rather than reusing or deleting them.
+moving the stale outputs to ``RUN_DIR/.stale/`` rather than reusing or deleting them. ``--only``
+and ``--from`` force their stage(s): a complete one is rerun, an interrupted one with the same
+config resumes (:func:`plan_stage`).
+
+One writer: the driver holds :data:`RUN_LOCK` in the run directory for the whole run, and the output
+lock (:func:`mlx_ssp.io.output_lock`) of every stage directory, the one each stage command takes on
+its output; a second ``mlx_ssp run`` on the directory, or a stage command writing into one of its
+stage directories, fails at once naming the directory and the holder's pid (:func:`lock_run`). A
+directory that is neither empty nor a run (no :data:`RUN_MARKER`) is refused (:func:`check_run_dir`).
 
 Deviation from the papers: VibeThinker's Spectrum phase uses a large teacher's distillation data and
 its Signal phase runs for thousands of steps on a 1.5B model; here the default teacher is the model
@@ -39,19 +47,24 @@ import os
 import shutil
 import sys
 import time
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import yaml
 
 from mlx_ssp.config import load_section
 from mlx_ssp.errors import UserError
-from mlx_ssp.io import JsonlAppender, write_json_atomic, write_text_atomic
+from mlx_ssp.io import JsonlAppender, exclusive_lock, output_lock, write_json_atomic, write_text_atomic
 from mlx_ssp.stage_config import section_seed, with_seed
 
 STATE_FILE = "_stage.json"
+#: the run's own state file, written when a run starts (every version wrote it): a directory with it is a run
+RUN_MARKER = "config.resolved.yaml"
+#: the driver's lock file in the run directory, held for the whole run
+RUN_LOCK = ".run.lock"
 #: the SFT "domain" trained on every domain's data mixed when ``sft.blend`` is set
 BLEND = "blend"
 
@@ -591,8 +604,10 @@ def plan_stage(
 ) -> tuple[str, str]:
     """What to do with one stage (pure): ``(action, why)`` with action one of ``pass`` (not ours to
     run: --only another stage), ``skip`` (complete and current), ``run``, ``resume`` (interrupted,
-    same config) or ``rerun`` (outputs exist but are stale or forced: move them aside first).
-    Raises UserError when --from/--only needs an earlier stage that is not complete."""
+    same config, no earlier stage rerun: also when --from/--only force it, since its partial
+    outputs are this config's) or ``rerun`` (outputs exist but are stale, or complete and forced:
+    move them aside first). Raises UserError when --from/--only needs an earlier stage that is not
+    complete."""
     idx = STAGES.index(stage)
     current = state.get("fingerprint") == fp and bool(state.get("complete"))
     if only is not None and stage != only:
@@ -615,12 +630,12 @@ def plan_stage(
         return "skip", f"fingerprint {fp}"
     if stale:
         return "rerun", "its config (or an earlier stage's) changed"
-    if state and forced:
-        return "rerun", "forced by --from/--only"
     if state and invalidated:
         return "rerun", "an earlier stage reran"
-    if state:
+    if state and not state.get("complete"):
         return "resume", "interrupted"
+    if state and forced:
+        return "rerun", "forced by --from/--only"
     return "run", ""
 
 
@@ -661,13 +676,59 @@ def run_pipeline(
     for name, stage in (("--from", from_stage), ("--only", only)):
         if stage is not None and not STAGE_REGISTRY[stage].enabled(run):
             raise UserError(f"{name} {stage}: {run.source} has no {STAGE_REGISTRY[stage].section}: section, so no {stage} stage")
+    if run.run_dir.exists() and not run.run_dir.is_dir():
+        raise UserError(f"run_dir {run.run_dir} is a file, not a directory; set run_dir to a new or empty directory")
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    write_resolved_config(run)
-    results = run_stages(run, from_stage=from_stage, only=only, echo=echo)
-    table_path = run.stage_dir("eval") / "table.json"
-    if table_path.exists() and read_state(run, "eval").get("complete"):
-        echo("\n" + format_eval_table(json.loads(table_path.read_text())))
+    with lock_run(run):
+        check_run_dir(run.run_dir)
+        write_resolved_config(run)
+        results = run_stages(run, from_stage=from_stage, only=only, echo=echo)
+        table_path = run.stage_dir("eval") / "table.json"
+        if table_path.exists() and read_state(run, "eval").get("complete"):
+            echo("\n" + format_eval_table(json.loads(table_path.read_text())))
     return results
+
+
+def stage_outputs(run: Run) -> list[Path]:
+    """Every directory the run's stages write: ``RUN_DIR/<stage>`` (and ``sft.out_dir`` when set)."""
+    outs = [run.stage_dir(s) for s in active_stages(run)]
+    sft_out = Path(sft_config(run).out_dir)
+    return outs + ([sft_out] if sft_out != run.stage_dir("sft") else [])
+
+
+@contextmanager
+def lock_run(run: Run) -> Iterator[None]:
+    """Hold the run directory's lock (:data:`RUN_LOCK`) and the output lock of every stage directory
+    (:func:`stage_outputs`) for the block, or fail at once with one line naming the directory and the
+    holder's pid. Different files from the locks the stages take inside (``rollout/.rollouts.jsonl.lock``),
+    so the driver never waits on itself. Under mlx.launch rank 0 alone holds them (the other ranks
+    are the same run)."""
+    from mlx_ssp import distributed as dist
+
+    if not dist.is_main():
+        yield
+        return
+    with ExitStack() as locks:
+        locks.enter_context(exclusive_lock(run.run_dir / RUN_LOCK, f"run directory {run.run_dir}"))
+        for out in stage_outputs(run):
+            locks.enter_context(output_lock(out, f"{out} (a stage directory of run {run.run_dir})"))
+        yield
+
+
+#: entries a directory may hold and still count as empty for a new run
+_IGNORED = frozenset({RUN_LOCK, ".DS_Store"} | {f".{s}.lock" for s in STAGES})
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse a run directory that holds something and is not a run (no :data:`RUN_MARKER`): the run
+    would write its stage folders into it and later move them, or its own, to ``.stale/``."""
+    if (run_dir / RUN_MARKER).exists():
+        return
+    others = sorted(p.name for p in run_dir.iterdir() if p.name not in _IGNORED)
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise UserError(f"run_dir {run_dir} is not empty ({shown}) and is not an mlx_ssp run (no {RUN_MARKER}); "
+                        "set run_dir to a new or empty directory (--set run_dir=PATH)")
 
 
 def active_stages(run: Run) -> list[str]:

@@ -213,6 +213,18 @@ def test_non_output_directory_needs_overwrite_any(ws):
     assert cli_merge(cfg, empty, "--overwrite").exit_code == 0
 
 
+def test_merge_refuses_an_out_dir_another_process_writes(ws):
+    """OUT_DIR's lock (.NAME.lock beside it) is held for the merge: a second merge into it fails at once."""
+    from mlx_ssp.io import exclusive_lock
+
+    root, a, b, cfg = ws
+    out = root / "merged"
+    with exclusive_lock(root / ".merged.lock", "held"):
+        refused(cli_merge(cfg, out), f"{out} is being written by another run (pid {os.getpid()}")
+    assert not out.exists()
+    assert cli_merge(cfg, out).exit_code == 0  # released: free again
+
+
 def test_remerge_over_previous_output_is_byte_identical(ws):
     root, a, b, cfg = ws
     out = root / "merged"

@@ -8,7 +8,10 @@ several stages and checks that the resumed run ends with the same table.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -131,6 +134,95 @@ def test_from_and_only(tmp_path, fake_stages):
     fake_stages.clear()
     pipeline.run_pipeline(cfg, only="select", echo=lambda s: None)
     assert fake_stages == ["select"]
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "mlx_ssp.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_second_process_is_refused_while_the_driver_runs(tmp_path, fake_stages, monkeypatch):
+    """The driver holds the run directory's lock for the whole run and every stage directory's lock:
+    while it is in the sft stage, a second `mlx_ssp run` (before: "resuming an interrupted run", then
+    training beside it) and a standalone `mlx_ssp sft` into RUN_DIR/sft each fail at once with one
+    line naming the directory and the driver's pid; the rollout stage inside the driver takes its own
+    lock (rollout/.rollouts.jsonl.lock), a different file, so the driver never waits on itself."""
+    from mlx_ssp.io import exclusive_lock
+    from mlx_ssp.rollout.resume import lock_path
+
+    cfg = _write(tmp_path)
+    run_dir = tmp_path / "run"
+    seen = {}
+    rollout = pipeline.STAGE_REGISTRY["rollout"].run
+
+    def locked_rollout(run):  # what run_rollouts does inside the driver
+        with exclusive_lock(lock_path(run.stage_dir("rollout") / "rollouts.jsonl"), "rollouts"):
+            return rollout(run)
+
+    def sft(run):
+        seen["run"] = _cli("run", cfg, "--only", "sft")
+        seen["sft"] = _cli("sft", cfg)
+        return {}
+
+    monkeypatch.setitem(pipeline.STAGE_REGISTRY, "rollout", replace(pipeline.STAGE_REGISTRY["rollout"], run=locked_rollout))
+    monkeypatch.setitem(pipeline.STAGE_REGISTRY, "sft", replace(pipeline.STAGE_REGISTRY["sft"], run=sft))
+    out: list[str] = []
+    pipeline.run_pipeline(cfg, echo=out.append)
+    for cmd, what in (("run", f"run directory {run_dir}"), ("sft", f"{run_dir / 'sft'}")):
+        r = seen[cmd]
+        assert r.returncode == 2, (cmd, r.stdout, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert what in r.stderr and f"pid {os.getpid()}" in r.stderr, r.stderr
+        assert "resuming" not in r.stdout
+    assert not any("resuming" in line for line in out)
+    assert not (run_dir / pipeline.RUN_LOCK).exists() and not (run_dir / ".sft.lock").exists()  # released
+
+
+def test_run_lock_left_by_a_killed_driver_is_not_stale(tmp_path, fake_stages):
+    """A driver killed with SIGKILL leaves its lock file; the OS released the flock, so the next run goes on."""
+    cfg = _write(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from mlx_ssp import pipeline\n"
+        "run = pipeline.load_run(sys.argv[1]); run.run_dir.mkdir(parents=True)\n"
+        "with pipeline.lock_run(run):\n"
+        "    print('held', flush=True); time.sleep(60)\n"), str(cfg)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UserError, match=rf"run directory .*run is being written by another run \(pid {holder.pid}"):
+            pipeline.run_pipeline(cfg, echo=lambda s: None)
+        assert fake_stages == []
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (tmp_path / "run" / pipeline.RUN_LOCK).exists()  # left behind by the kill
+    pipeline.run_pipeline(cfg, echo=lambda s: None)
+    assert fake_stages[-1] == "eval"
+
+
+def test_run_dir_that_is_not_a_run_is_refused(tmp_path, fake_stages):
+    """A non-empty run_dir without the run's state file (config.resolved.yaml) is refused before anything
+    is written into it; an empty directory is a fresh run, and a run directory is resumed."""
+    cfg = _write(tmp_path)
+    run_dir = tmp_path / "run"
+    (run_dir / "sft").mkdir(parents=True)
+    (run_dir / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"run_dir .*run is not empty \(notes.txt, sft\) and is not an mlx_ssp run"):
+        pipeline.run_pipeline(cfg, echo=lambda s: None)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt", "sft"] and fake_stages == []
+    r = _cli("run", cfg)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not an mlx_ssp run" in r.stderr
+    shutil.rmtree(run_dir)
+    run_dir.write_text("a file")
+    with pytest.raises(UserError, match="is a file, not a directory"):
+        pipeline.run_pipeline(cfg, echo=lambda s: None)
+    run_dir.unlink()
+    run_dir.mkdir()
+    pipeline.run_pipeline(cfg, echo=lambda s: None)  # empty: a fresh run
+    assert (run_dir / pipeline.RUN_MARKER).is_file()
+    fake_stages.clear()
+    pipeline.run_pipeline(cfg, echo=lambda s: None)  # a run: resumed (all complete)
+    assert fake_stages == []
 
 
 def test_bad_config_fails_before_any_stage(tmp_path, fake_stages):
@@ -259,6 +351,15 @@ def test_plan_stage_decisions():
     assert plan("sft", done, "a", **{**kw, "from_stage": "sft"})[0] == "rerun"
     assert plan("select", done, "a", **{**kw, "from_stage": "sft"})[0] == "skip"
     assert plan("eval", {}, "a", **{**kw, "only": "sft"})[0] == "pass"
+    # --only/--from force a complete stage to rerun, but an interrupted one with the same config resumes
+    # (before: `--only rollout` after a Ctrl-C moved the finished samples to .stale/ and started again)
+    partial = {"fingerprint": "a", "complete": False}
+    assert plan("rollout", partial, "a", **{**kw, "only": "rollout"}) == ("resume", "interrupted")
+    assert plan("rollout", partial, "a", **{**kw, "from_stage": "rollout"}) == ("resume", "interrupted")
+    assert plan("rollout", done, "a", **{**kw, "only": "rollout"}) == ("rerun", "forced by --from/--only")
+    assert plan("rollout", {}, "a", **{**kw, "only": "rollout"})[0] == "run"
+    assert plan("rollout", partial, "b", **{**kw, "only": "rollout"})[0] == "rerun"  # another config: stale
+    assert plan("select", partial, "a", **{**kw, "from_stage": "rollout", "invalidated": True})[0] == "rerun"
     with pytest.raises(UserError, match="--only sft"):
         plan("select", {}, "a", **{**kw, "only": "sft"})
     with pytest.raises(UserError, match="--from sft"):

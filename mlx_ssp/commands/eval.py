@@ -29,7 +29,8 @@ def cli(model, tasks_path, k, n, greedy, system, output, config_path, overrides,
 
     flags = {"k": k, "n": n, "greedy": greedy, "tasks": tasks_path, "output": output, "system": system, **sampling_flags(kw)}
     mcfg, cfg = load_task_stage(config_path, overrides, "eval", flags, model, "EVAL.json")
-    result = run_eval(mcfg, cfg.tasks, cfg, cfg.output)
+    with dist.output_lock(cfg.output):  # one job writes EVAL.json at a time
+        result = run_eval(mcfg, cfg.tasks, cfg, cfg.output)
     if not dist.is_main():  # rank 0 reports for all ranks
         return
     click.echo(format_table(result, extra=("greedy_pass@1",) if cfg.greedy else ()))

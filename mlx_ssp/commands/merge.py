@@ -44,6 +44,7 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
     della(_linear), sce, ram, ramplus_tl, slerp, nuslerp, multislerp, karcher, model_stock, nearswap,
     arcee_fusion, passthrough; inputs may be MLX-quantized). --set key=value edits the config."""
     from mlx_ssp.errors import UserError
+    from mlx_ssp.io import output_lock
     from mlx_ssp.merge.config import load_merge_config
     from mlx_ssp.merge.engine import input_paths, plan_merge, write_merge
     from mlx_ssp.merge.outdir import check_clear_of_inputs
@@ -59,7 +60,8 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
         click.echo(json.dumps({"method": cfg.merge_method, "models": [s.ref for s in job.sources],
                                "tensors": len(job.plans), "compute_dtypes": dtypes}, indent=2))
         return
-    res = write_merge(job, Path(out_dir), overwrite=overwrite, out_shard_size=out_shard_size,
-                      copy_tokenizer=copy_tokenizer, seed=seed, config_text=text, progress=not quiet,
-                      workers=workers, overwrite_any=overwrite_any, protect=(Path(config),))
+    with output_lock(out_dir):  # one process writes OUT_DIR at a time
+        res = write_merge(job, Path(out_dir), overwrite=overwrite, out_shard_size=out_shard_size,
+                          copy_tokenizer=copy_tokenizer, seed=seed, config_text=text, progress=not quiet,
+                          workers=workers, overwrite_any=overwrite_any, protect=(Path(config),))
     click.echo(json.dumps(res))

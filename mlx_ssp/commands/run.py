@@ -16,9 +16,11 @@ from mlx_ssp.pipeline import STAGES
 @click.argument("config_path", metavar="CONFIG.yaml", type=click.Path(dir_okay=False))
 @set_option
 @click.option("--from", "from_stage", type=click.Choice(STAGES), default=None,
-              help="Rerun this stage and every stage after it (earlier stages must be complete).")
+              help="Rerun this stage and every stage after it (earlier stages must be complete; "
+                   "an interrupted stage resumes).")
 @click.option("--only", type=click.Choice(STAGES), default=None,
-              help="Run only this stage (earlier stages must be complete).")
+              help="Run only this stage: rerun it if complete, resume it if interrupted (earlier stages must "
+                   "be complete).")
 @no_progress_option
 def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str], only: Optional[str]) -> None:
     """Run the whole SSP loop from CONFIG.yaml: tasks -> rollout -> select -> sft -> merge -> rl -> eval,
@@ -26,7 +28,9 @@ def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str],
 
     Rerunning skips complete stages, resumes an interrupted one, and reruns a stage whose config
     changed together with every stage after it (saying so). The final table compares the base model,
-    each specialist, the merged model and the RL model on held-out tasks.
+    each specialist, the merged model and the RL model on held-out tasks. One process at a time
+    writes a run directory (a second one stops at once); a non-empty directory that is not a run
+    is refused.
     """
     from mlx_ssp.pipeline import run_pipeline
 

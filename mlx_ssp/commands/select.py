@@ -27,6 +27,7 @@ from mlx_ssp.select import DISTANCE_CHOICES, POLICIES
 def cli(rollouts, policy, per_prompt, distance, near_duplicate, output, overwrite, gold, tasks_path, model,
         held_out, config_path, overrides):
     """Pick diverse correct solutions from ROLLOUTS.jsonl as mlx-lm chat SFT data, per domain."""
+    from mlx_ssp.io import output_lock
     from mlx_ssp.select import format_report, run_select
     from mlx_ssp.stage_config import load_stage
 
@@ -52,8 +53,9 @@ def cli(rollouts, policy, per_prompt, distance, near_duplicate, output, overwrit
         cfg = cfg.model_copy(update={"decontaminate": DecontaminateConfig()})
     if cfg.pseudo_label is not None and not tasks_path:
         raise UserError("select.pseudo_label needs --tasks TASKS.jsonl (the tasks the rollouts came from)")
-    report = run_select(cfg.input, cfg, cfg.output, overwrite=overwrite, gold=golds, held_out=list(held_out),
-                        tasks_path=tasks_path if cfg.pseudo_label is not None else None)
+    with output_lock(cfg.output):  # one process writes OUT_DIR at a time
+        report = run_select(cfg.input, cfg, cfg.output, overwrite=overwrite, gold=golds, held_out=list(held_out),
+                            tasks_path=tasks_path if cfg.pseudo_label is not None else None)
     click.echo(format_report(report))
     if report["repeated_records_dropped"]:
         click.echo(f"warning: {report['repeated_records_dropped']} repeated (task, sample) record(s) in {cfg.input} were counted once", err=True)

@@ -29,16 +29,17 @@ def cli(config_path: str, overrides: tuple[str, ...], domains: tuple[str, ...], 
     """Train one LoRA specialist per domain (sft: section), keep the checkpoint with the best
     probe Pass@K, fuse it into OUT/specialists/<domain>/. Re-running resumes."""
     from mlx_ssp import distributed as dist
-    from mlx_ssp.sft.stage import run_sft
+    from mlx_ssp.sft.stage import run_sft, sft_out_dir
     from mlx_ssp.stage_config import note_old_default
 
     st = load_config(config_path, overrides, overwrite)
     if not st.cfg.out_dir:
         note_old_default(st, Path("run") / "sft", st.run_dir / "sft", "pass --set run_dir=run")
-    summary = run_sft(
-        st.cfg, st.model, run_dir=st.run_dir, run_data=st.data, seed=st.seed, source=st.source,
-        only=list(domains) or None,
-    )
+    with dist.output_lock(sft_out_dir(st.cfg, st.run_dir)):  # one job writes OUT at a time
+        summary = run_sft(
+            st.cfg, st.model, run_dir=st.run_dir, run_data=st.data, seed=st.seed, source=st.source,
+            only=list(domains) or None,
+        )
     if not dist.is_main():  # rank 0 reports for all ranks
         return
     for name, d in summary["domains"].items():

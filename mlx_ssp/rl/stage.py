@@ -47,16 +47,20 @@ def load_train_tasks(data: dict, cfg, source: str):
 
 
 def run(config_path, overrides=(), *, restart: bool = False) -> dict:
-    """Load everything named in the run file and train; returns the summary."""
+    """Load everything named in the run file and train, holding the output directory's lock
+    (:func:`mlx_ssp.distributed.output_lock`: a second job on it fails at once); returns the summary."""
+    from mlx_ssp import distributed as dist
+
     data, cfg, mcfg, seed, out = load_config(config_path, overrides)
     source = str(config_path or "--set")
     tasks = load_train_tasks(data, cfg, source)
     from mlx_ssp.rl.phases import run_phases, train_one
 
-    if cfg.phases:
-        import sys
+    with dist.output_lock(out):
+        if cfg.phases:
+            import sys
 
-        return run_phases(mcfg, tasks, cfg, out, seed=seed, resume=not restart,
-                          echo=lambda m: print(m, file=sys.stderr, flush=True))
-    summary, *_ = train_one(mcfg, tasks, cfg, out, seed=seed, resume=not restart)
-    return summary
+            return run_phases(mcfg, tasks, cfg, out, seed=seed, resume=not restart,
+                              echo=lambda m: print(m, file=sys.stderr, flush=True))
+        summary, *_ = train_one(mcfg, tasks, cfg, out, seed=seed, resume=not restart)
+        return summary

@@ -95,8 +95,7 @@ class Decoder:
 
     def close(self, stats: dict) -> None:
         self.gen.close()
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
         if self.was_training:
             self.model.train()
         stats["gen_s"] = self.gen_s_before + self.elapsed()

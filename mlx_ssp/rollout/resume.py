@@ -27,8 +27,11 @@ def sidecar(out: Path, name: str) -> Path:
 
 def lock_path(out: Path) -> Path:
     """The lock file of an output: ``.rollouts.jsonl.lock`` beside it (the output itself is
-    replaced by atomic rewrites, so it cannot carry the lock)."""
-    return out.with_name(f".{out.name}.lock")
+    replaced by atomic rewrites, so it cannot carry the lock); :func:`mlx_ssp.io.lock_path`, the
+    rule every stage command's output lock follows."""
+    from mlx_ssp.io import lock_path as output_lock_path
+
+    return output_lock_path(out)
 
 
 def _digest(obj: Any) -> str:

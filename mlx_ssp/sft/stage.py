@@ -395,6 +395,11 @@ def _result(cfg: SFTConfig, plan: DomainPlan, chosen: dict, ckpt: Path, spec_dir
     }
 
 
+def sft_out_dir(cfg: SFTConfig, run_dir: str | Path) -> Path:
+    """Where the SFT stage writes: ``sft.out_dir``, else ``<run_dir>/sft``."""
+    return Path(cfg.out_dir) if cfg.out_dir else Path(run_dir) / "sft"
+
+
 def run_sft(
     cfg: SFTConfig,
     model_cfg,
@@ -417,7 +422,7 @@ def run_sft(
     if cfg.batch_size % dist.size():
         raise UserError(f"sft.batch_size={cfg.batch_size} must be divisible by the number of ranks ({dist.size()})")
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir({}, None)  # the one rule
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else run_dir / "sft"
+    out_dir = sft_out_dir(cfg, run_dir)
     seed = section_seed(cfg, seed)
     if only:
         unknown = [d for d in only if d not in cfg.domains]
