@@ -1,0 +1,112 @@
+"""The import graph of mlx_ssp, read from the source (imports made inside functions included, those
+under ``if TYPE_CHECKING:`` not): multi-turn code lives in ``agents/`` and the packages around it
+(tasks, verify, text, rollout) import it without a cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import mlx_ssp
+
+ROOT = Path(mlx_ssp.__file__).parent
+#: packages that must take part in no import cycle
+ACYCLIC = ("mlx_ssp.agents", "mlx_ssp.tasks", "mlx_ssp.verify", "mlx_ssp.text", "mlx_ssp.rollout")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in ROOT.rglob("*.py"):
+        parts = p.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    return out
+
+
+def _resolve(name: str, mods: dict) -> str | None:
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                for n in ast.walk(node)}
+        pkg = m if path.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg
+                    for _ in range(node.level - 1):
+                        up = up.rpartition(".")[0]
+                    base = f"{up}.{base}" if base else up
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for t in targets:
+                if t.startswith("mlx_ssp"):
+                    r = _resolve(t, mods)
+                    if r and r != m:
+                        graph[m].add(r)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (iterative Tarjan)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(g) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_multi_turn_code_and_its_neighbours_take_part_in_no_import_cycle():
+    graph = import_graph()
+    assert "mlx_ssp.agents.bfcl.source" in graph and graph["mlx_ssp.agents.score"]  # the graph is real
+    bad = [c for c in cycles(graph) if any(m == p or m.startswith(p + ".") for m in c for p in ACYCLIC)]
+    assert bad == [], bad
