@@ -41,6 +41,8 @@ from typing import Callable
 
 import numpy as np
 
+from mlx_ssp.text.work import charge
+
 EMPTY_VS_SOME = 0.5
 
 # -- math: equations ---------------------------------------------------------------------------
@@ -56,12 +58,15 @@ _NUMS = re.compile(_NUM)
 
 def _equations(text: str) -> list[tuple[str, str]]:
     """``(lhs, rhs)`` of each ``lhs = number`` in ``text``, left to right, not overlapping: what
-    ``re.findall(r"([C]*\\d[C]*)=\\s*(NUM)")`` gives (C: :data:`_LHS_CHAR`), in linear time."""
+    ``re.findall(r"([C]*\\d[C]*)=\\s*(NUM)")`` gives (C: :data:`_LHS_CHAR`), in linear time: one
+    pass, and each character read by at most one scan back (charged to :mod:`mlx_ssp.text.work`)."""
     out, prev = [], 0
+    charge(len(text))
     for m in _RHS.finditer(text):
         p = s = m.start()
         while s > prev and _LHS_CHAR.match(text, s - 1):
             s -= 1
+        charge(2 * (p - s))  # the scan back and the look for a digit
         if _DIGIT.search(text, s, p):
             out.append((text[s:p], m.group(1)))
             prev = m.end()

@@ -170,3 +170,53 @@ def make_tiny_agent_model(out_dir: str | Path, n_tasks: int = 80) -> Path:
     for t in export_source("bfcl_multi_turn:base", params={"tools": "used"})[:n_tasks]:
         corpus += [json.dumps(x) for x in t.metadata["tools"]] + [m["content"] for m in gold_messages(t)]
     return make_tiny_model(out_dir, vocab_size=4096, corpus=corpus)
+
+
+def run_cpu_bounded(fn, *args, cpu_s: int = 2, backstop_s: float = 120.0):
+    """``fn(*args)`` in a forked child under a CPU-time limit (``RLIMIT_CPU``): its result, or an
+    AssertionError when the child used more than ``cpu_s`` CPU seconds, raised or died. For tests of
+    work that no counter sees (a regex backtracking inside C): CPU time, unlike wall time, is not
+    stretched by the other processes of a loaded machine. ``backstop_s`` of wall time is no bound on
+    speed, only on a child blocked on something. The result must pickle."""
+    import os
+    import pickle
+    import resource
+    import select
+    import signal
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: run, send the pickled result, exit without cleanup (never return)
+        try:
+            os.close(r)
+            try:
+                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+                resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))  # SIGXCPU, then SIGKILL
+                out = pickle.dumps(("ok", fn(*args)))
+            except BaseException as e:  # noqa: BLE001 - report anything to the parent
+                out = pickle.dumps(("err", repr(e)))
+            with os.fdopen(w, "wb") as f:
+                f.write(out)
+        finally:
+            os._exit(0)
+    os.close(w)
+    name = getattr(fn, "__name__", fn)
+    chunks = []
+    try:
+        if not select.select([r], [], [], backstop_s)[0]:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"{name} was still running after {backstop_s:g} s of wall time")
+        while chunk := os.read(r, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        _, status, _ = os.wait4(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig in (signal.SIGXCPU, signal.SIGKILL):
+            raise AssertionError(f"{name} used more than {cpu_s} s of CPU")
+        raise AssertionError(f"{name} died of signal {sig}")
+    kind, value = pickle.loads(b"".join(chunks))
+    if kind != "ok":
+        raise AssertionError(f"{name} raised {value}")
+    return value

@@ -7,66 +7,33 @@ counter sees (catastrophic backtracking inside a regex) fails the test instead o
 
 from __future__ import annotations
 
-import os
-import pickle
 import random
 import re
-import resource
-import select
-import signal
 import threading
 import time
 
 import pytest
 
 from mlx_ssp.tasks import Task
+from mlx_ssp.testing import run_cpu_bounded
+from mlx_ssp.text.work import counted
 from mlx_ssp.verify import ITEM_TIME_LIMIT_S, VerifyResult, register, verify
 from mlx_ssp.verify.extract import MAX_SCAN_CHARS, extract
-from mlx_ssp.text.work import counted
 
 #: CPU seconds a case may use: each takes milliseconds; the slow forms these cases guard against
-#: took 5 s to hours. CPU time, unlike wall time, is not stretched by other processes.
+#: took 5 s to hours.
 CPU_LIMIT_S = 2
-#: Only a backstop against a child blocked on something (it waits on nothing): no bound on speed.
-WALL_BACKSTOP_S = 120
+
+
+def _counted(fn, *args):
+    with counted() as work:
+        value = fn(*args)
+    return value, work.steps
 
 
 def bounded(fn, *args):
     """``fn(*args)`` in a forked child under a CPU-time limit: its result and the work it charged."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: run, send the pickled result, exit without cleanup
-        os.close(r)
-        try:
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            resource.setrlimit(resource.RLIMIT_CPU, (CPU_LIMIT_S, CPU_LIMIT_S + 1))  # then SIGXCPU
-            with counted() as work:
-                value = fn(*args)
-            out = pickle.dumps(("ok", (value, work.steps)))
-        except BaseException as e:  # noqa: BLE001 - report anything to the parent
-            out = pickle.dumps(("err", repr(e)))
-        os.write(w, out)
-        os._exit(0)
-    os.close(w)
-    name = getattr(fn, "__name__", fn)
-    try:
-        ready, _, _ = select.select([r], [], [], WALL_BACKSTOP_S)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-            pytest.fail(f"{name} was still running after {WALL_BACKSTOP_S} s")
-        chunks = []
-        while chunk := os.read(r, 1 << 16):
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-        _, status, _ = os.wait4(pid, 0)
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        cpu = sig in (signal.SIGXCPU, signal.SIGKILL)
-        pytest.fail(f"{name} used more than {CPU_LIMIT_S} s of CPU" if cpu else f"{name} died of signal {sig}")
-    kind, value = pickle.loads(b"".join(chunks))
-    assert kind == "ok", value
-    return value
+    return run_cpu_bounded(_counted, fn, *args, cpu_s=CPU_LIMIT_S)
 
 
 def linear(text: str, cut: bool = True) -> int:
