@@ -244,17 +244,22 @@ def _nll(model, ids) -> float:
 
 
 @pytest.mark.demo
-def test_cached_layout_and_status(demo_path, demo_cache):
+def test_cached_layout_and_status(demo_path, demo_cache, monkeypatch):
     assert demo_path == demo_cache / "demo-smollm2-135m-instruct-float32"
     names = {p.name for p in demo_path.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", demo.MARKER} <= names
     marker = json.loads((demo_path / demo.MARKER).read_text())
     assert marker["converter_version"] == demo.CONVERTER_VERSION and marker["dtype"] == "float32"
     assert demo.demo_status() == f"cached at {demo_path}"
-    # second use is a cache hit: fast and the same directory
-    t = time.perf_counter()
+    # second use is a cache hit: the same directory, nothing converted or rewritten
+    stamps = {p.name: p.stat().st_mtime_ns for p in demo_path.iterdir()}
+
+    def no_conversion(*a, **k):
+        raise AssertionError("a cache hit converted the GGUF again")
+
+    monkeypatch.setattr(demo, "convert_gguf", no_conversion)
     assert demo.ensure_demo_model() == demo_path
-    assert time.perf_counter() - t < 1.0
+    assert {p.name: p.stat().st_mtime_ns for p in demo_path.iterdir()} == stamps
 
 
 @pytest.mark.demo
