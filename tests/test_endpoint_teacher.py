@@ -202,7 +202,7 @@ def test_unreachable_and_unknown_model_are_clear_errors(tmp_path, stub_factory):
     with pytest.raises(UserError, match="is the server running"):
         run_rollouts(teacher(f"http://127.0.0.1:{free_port()}", max_retries=1), tf, RolloutConfig(k=1),
                      tmp_path / "r.jsonl", progress=False)
-    assert time.time() - t0 < 5
+    assert time.time() - t0 < 20  # refused at once, no wait on the probe's 30 s timeout; margin for a busy machine
     stub = stub_factory()
     with pytest.raises(UserError, match=r"does not know the model 'nope'.*the server lists: stub"):
         run_rollouts(teacher(stub.url, model="nope"), tf, RolloutConfig(k=1), tmp_path / "r2.jsonl", progress=False)
