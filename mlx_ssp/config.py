@@ -22,13 +22,15 @@ from mlx_ssp.errors import UserError
 
 
 class StrictModel(BaseModel):
-    """Base for every config model: unknown keys are errors, assignment is validated.
+    """Base for every config model: unknown keys are errors, assignment is validated, and no float
+    setting may be NaN or infinite (``.inf``/``.nan`` in YAML: refused at load, naming the key, before
+    it reaches a request, a record or a meta file as the non-JSON ``Infinity``/``NaN``).
 
     ``OMIT_AT_DEFAULT`` names keys added after runs were made with the model: a dump leaves them out
     while they hold their default, so the resolved config (and every fingerprint made from it) of a
     run that does not use them is what it was, and earlier runs resume instead of being redone."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
     OMIT_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset()
 
     @model_serializer(mode="wrap")

@@ -284,12 +284,46 @@ def test_teacher_section_validation():
                      ({"api_key_env": KEY}, "NAME of an environment variable"),
                      ({"endpoint": "ftp://x"}, "http"),
                      ({"endpoint": "http://u:pw@h:1"}, "credentials"),
+                     ({"endpoint": f"http://h:1/v1?api_key={KEY}"}, "credentials.*parameter 'api_key'"),
+                     ({"endpoint": f"http://h:1/v1?x=1&key={KEY}"}, "credentials.*parameter 'key'"),
+                     ({"endpoint": f"https://h/v1/chat/completions?access_token={KEY}"}, "credentials"),
+                     ({"endpoint": f"http://h:1?Token={KEY}"}, "credentials"),
+                     ({"endpoint": f"http://h:1/v1#client_secret={KEY}"}, "credentials"),
                      ({"extra_body": {"n": 3}}, "sets n"),
                      ({"concurrency": 0}, "concurrency")]:
         raw = {"endpoint": "http://127.0.0.1:1", "model": "m", **bad}
         with pytest.raises(UserError, match=msg) as e:
             teacher_section({"teacher": raw}, "run.yaml")
         assert KEY not in str(e.value)
+    # a query that is not a credential passes (Azure's api-version)
+    assert teacher_section({"teacher": {"endpoint": "https://h/v1?api-version=2024-06-01", "model": "m"}})
+
+
+def test_the_key_anywhere_in_the_endpoint_url_is_refused(tmp_path, stub_factory, monkeypatch):
+    """Whatever the parameter is called: the URL lands in .meta.json and every record."""
+    monkeypatch.setenv("TEACHER_KEY", KEY)
+    stub = stub_factory(key=KEY)
+    for url in (f"{stub.url}/v1?q={KEY}", f"{stub.url}/{KEY}/v1", f"{stub.url}/v1?q={KEY.replace('-', '%2D')}"):
+        with pytest.raises(UserError, match="must not hold credentials.*the value of TEACHER_KEY") as e:
+            teacher_section({"teacher": {"endpoint": url, "model": "stub", "api_key_env": "TEACHER_KEY"}}, "run.yaml")
+        assert KEY not in str(e.value)
+    # the variable set only after the config was read: refused when the run reads the key, before any file
+    monkeypatch.delenv("TEACHER_KEY")
+    cfg = teacher(f"{stub.url}/v1?q={KEY}", api_key_env="TEACHER_KEY")
+    monkeypatch.setenv("TEACHER_KEY", KEY)
+    with pytest.raises(UserError, match="must not hold credentials") as e:
+        run_rollouts(cfg, tasks_file(tmp_path / "t.jsonl", n=1), RolloutConfig(k=1), tmp_path / "r.jsonl",
+                     progress=False)
+    assert KEY not in str(e.value) and not list(tmp_path.glob("r.jsonl*")) and stub.bodies == []
+
+
+def test_the_model_list_the_server_sends_is_masked(tmp_path, stub_factory, monkeypatch):
+    monkeypatch.setenv("TEACHER_KEY", KEY)
+    stub = stub_factory(models=("stub", f"echo-{KEY}", "z" * 5000))
+    with pytest.raises(UserError, match=r"the server lists: stub, echo-\*\*\*, z+\.\.\.") as e:
+        run_rollouts(teacher(stub.url, model="nope", api_key_env="TEACHER_KEY"), tasks_file(tmp_path / "t.jsonl", n=1),
+                     RolloutConfig(k=1), tmp_path / "r.jsonl", progress=False)
+    assert KEY not in str(e.value) and len(str(e.value)) < 1000
 
 
 def test_cli_endpoint_flags(tmp_path, stub_factory):
@@ -307,6 +341,42 @@ def test_cli_endpoint_flags(tmp_path, stub_factory):
     assert res.exit_code == 2 and "--model NAME" in res.output
     res = CliRunner().invoke(main, ["rollout", "--concurrency", "3", "--tasks", str(tf), "-o", str(tmp_path / "x")])
     assert res.exit_code == 2 and "go with --endpoint" in res.output
+
+
+def test_cli_set_teacher_keys_go_with_the_endpoint_flag(tmp_path, stub_factory):
+    """``--set teacher.KEY=...`` with ``--endpoint`` and no teacher.endpoint: honoured, and an unknown
+    key refused naming the valid ones (they were dropped silently)."""
+    from click.testing import CliRunner
+
+    from mlx_ssp.cli import main
+
+    tf = tasks_file(tmp_path / "t.jsonl", n=1)
+
+    def rollout(url, *sets, model=("--model", "stub")):
+        args = ["rollout", "--no-progress", "--endpoint", url, *model, "--tasks", str(tf), "--k", "1",
+                "-o", str(tmp_path / "r.jsonl"), "--overwrite"]
+        return CliRunner().invoke(main, args + [x for kv in sets for x in ("--set", kv)])
+
+    stub = stub_factory(fail=[500])
+    res = rollout(stub.url, "teacher.max_retries=0")
+    assert res.exit_code == 2 and "gave up after 1 attempt(s): HTTP 500" in res.output, res.output
+    stub = stub_factory(fail=[500, 500])
+    res = rollout(stub.url, "teacher.max_retries=2", "teacher.backoff_s=0.001", "teacher.model=stub", model=())
+    assert res.exit_code == 0, res.output
+    assert len(stub.bodies) == 3
+    res = rollout(stub.url, "teacher.max_retries=0", "teacher.bogus=1")
+    assert res.exit_code == 2 and "unknown key 'teacher.bogus'; valid keys:" in res.output
+    assert "max_retries" in res.output and "timeout_s" in res.output
+    res = rollout(stub.url, "teacher.timeout_s=.inf")
+    assert res.exit_code == 2 and "teacher.timeout_s: Input should be a finite number" in res.output
+    # a config file's endpoint section, --set over it, the flags over both
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("teacher: {endpoint: http://127.0.0.1:1, model: other, max_retries: 7}\n")
+    stub = stub_factory(fail=[500])
+    res = CliRunner().invoke(main, ["rollout", "--no-progress", "--config", str(cfg), "--endpoint", stub.url,
+                                    "--model", "stub", "--tasks", str(tf), "--k", "1", "-o", str(tmp_path / "r2.jsonl"),
+                                    "--set", "teacher.max_retries=0"])
+    assert res.exit_code == 2 and "gave up after 1 attempt(s)" in res.output, res.output
 
 
 @pytest.mark.slow

@@ -74,17 +74,26 @@ def cli(model, endpoint, api_key_env, concurrency, tokenizer, tasks_path, k, sys
 def endpoint_teacher(config_path, overrides, flags: dict):
     """The endpoint teacher of this command when ``--endpoint`` is given (None otherwise; like a local
     ``teacher:``, the section alone does not switch the command off the ``model:`` it rolls out): the
-    flags set over the config's ``teacher: {endpoint: ...}`` section when it has one (its retries,
-    sampling, extra_body...)."""
-    from mlx_ssp.config import load_file, validate
+    config's ``teacher: {endpoint: ...}`` section when it has one (its retries, sampling,
+    extra_body...), then every ``--set teacher.KEY=...`` (with or without ``teacher.endpoint``: with
+    ``--endpoint`` they are this teacher's settings, and an unknown key is refused naming the valid
+    ones), then the flags. A local ``teacher:`` of the file (no ``endpoint``) plays no part."""
+    from mlx_ssp.config import apply_overrides, load_file, parse_override, validate
     from mlx_ssp.rollout.endpoint import EndpointTeacherConfig
 
-    data = load_file(config_path, overrides) if config_path or overrides else {}
-    raw = data.get("teacher")
-    raw = dict(raw) if isinstance(raw, dict) and "endpoint" in raw else {}
+    load_file(config_path, overrides)  # the file and every --set checked, with or without --endpoint
     if flags.get("endpoint") is None:
         return None
-    if not raw and flags.get("model") is None:
+    raw = load_file(config_path).get("teacher") if config_path else None
+    raw = dict(raw) if isinstance(raw, dict) and "endpoint" in raw else {}
+    mine = [o for o in overrides or () if parse_override(o)[0][0] == "teacher"]
+    raw = apply_overrides({"teacher": raw}, mine)["teacher"]
+    if not isinstance(raw, dict):
+        from mlx_ssp.errors import UserError
+
+        raise UserError("--endpoint: the teacher section set with --set teacher=... must be a mapping of endpoint "
+                        "settings (or use --set teacher.KEY=VALUE)")
+    if raw.get("model") is None and flags.get("model") is None:
         from mlx_ssp.errors import UserError
 
         raise UserError("--endpoint needs --model NAME: the model name the server knows")

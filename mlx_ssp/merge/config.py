@@ -36,7 +36,7 @@ Scalar = Union[bool, int, float, str]
 
 
 class Conditional(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # finite floats, as in every StrictModel
     value: Union[Scalar, list[Scalar]]
     filter: Optional[str] = None
 

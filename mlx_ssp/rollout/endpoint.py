@@ -40,6 +40,7 @@ Records have the keys of local ones (:mod:`mlx_ssp.rollout`) plus ``teacher`` (`
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import queue
@@ -48,14 +49,14 @@ import threading
 import time
 from collections import Counter, deque
 from typing import Any, Iterator, Optional
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from mlx_ssp.config import StrictModel, load_section, validate
 from mlx_ssp.errors import UserError
 from mlx_ssp.rollout.config import RolloutConfig, SamplingConfig
-from mlx_ssp.rollout.endpoint_client import ChatClient
+from mlx_ssp.rollout.endpoint_client import DEFAULT_MAX_RESPONSE_BYTES, ChatClient
 from mlx_ssp.rollout.request import RolloutRequest
 
 log = logging.getLogger("mlx_ssp.rollout")
@@ -64,6 +65,16 @@ log = logging.getLogger("mlx_ssp.rollout")
 RESERVED_BODY = frozenset({"model", "messages", "n", "stream", "seed", "temperature", "top_p", "top_k", "min_p",
                            "max_tokens", "stop"})
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: query parameter names that hold credentials (api_key, apikey, key, access_token, token, secret,
+#: password, auth, signature, ...); api-version and the like pass
+_CREDENTIAL_PARAM = re.compile(r"key|token|secret|pass|pwd|auth|cred|sig", re.IGNORECASE)
+_NO_KEY_IN_URL = ("endpoint must not hold credentials; put the key in the environment variable named by "
+                  "api_key_env")
+
+
+def _url_holds(url: str, key: Optional[str]) -> bool:
+    """Whether ``url`` holds ``key`` (as is or percent-encoded), anywhere: path, query, fragment."""
+    return bool(key) and (key in url or key in unquote(url) or key in unquote(url.replace("+", " ")))
 
 
 class EndpointTeacherConfig(StrictModel):
@@ -76,9 +87,11 @@ class EndpointTeacherConfig(StrictModel):
     # run's stage fingerprint, so raising the concurrency of an interrupted run resumes it
     concurrency: int = Field(4, ge=1, le=512, exclude=True)  # requests in flight
     use_n: Optional[bool] = Field(None, exclude=True)  # None: ask with n, fall back to parallel requests if ignored
-    timeout_s: float = Field(600.0, gt=0, exclude=True)  # per request
+    timeout_s: float = Field(600.0, gt=0, exclude=True)  # one whole attempt: connect, send, the full reply
     max_retries: int = Field(5, ge=0, exclude=True)  # on 429 / 5xx / timeouts / refused connections
     backoff_s: float = Field(1.0, ge=0, exclude=True)  # first wait; doubles per retry (jittered, at most 60 s)
+    # the largest reply body read; a larger one is given up (one error line), never held whole
+    max_response_bytes: int = Field(DEFAULT_MAX_RESPONSE_BYTES, ge=1024, exclude=True)
     tokenizer: Optional[str] = None  # the student's tokenizer, for token ids (see the module docstring)
     sampling: Optional[SamplingConfig] = None  # None: the rollout section's
     extra_body: dict[str, Any] = Field(default_factory=dict)  # other request fields the server takes
@@ -99,8 +112,14 @@ class EndpointTeacherConfig(StrictModel):
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError("endpoint must be an http:// or https:// URL")
             if parts.username or parts.password:
-                raise ValueError("endpoint must not hold credentials; put the key in the environment variable "
-                                 "named by api_key_env")
+                raise ValueError(_NO_KEY_IN_URL)
+            for part in (parts.query, parts.fragment):
+                names = [k for k, _ in parse_qsl(part, keep_blank_values=True)]
+                bad = [k for k in names if _CREDENTIAL_PARAM.search(k)]
+                if bad:
+                    raise ValueError(f"{_NO_KEY_IN_URL} (the URL has the parameter '{bad[0][:40]}')")
+            if isinstance(env, str) and _url_holds(url, os.environ.get(env, "").strip()):
+                raise ValueError(f"{_NO_KEY_IN_URL} (the URL holds the value of {env})")
             data = {**data, "endpoint": url.strip()}
         return data
 
@@ -117,6 +136,11 @@ class EndpointTeacherConfig(StrictModel):
         bad = sorted(set(v) & RESERVED_BODY)
         if bad:
             raise ValueError(f"sets {', '.join(bad)}, which the rollout sets itself (use sampling: / rollout: instead)")
+        try:
+            json.dumps(v, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):
+            raise ValueError("must be plain JSON (strings, finite numbers, booleans, null, lists, mappings): "
+                             "it is sent as the request body") from None
         return v
 
     def label(self) -> str:
@@ -146,6 +170,8 @@ def read_api_key(cfg: EndpointTeacherConfig) -> Optional[str]:
     key = os.environ.get(cfg.api_key_env, "")
     if not key.strip():
         raise UserError(f"teacher.api_key_env names {cfg.api_key_env}, which is not set (or empty) in the environment")
+    if _url_holds(cfg.endpoint, key.strip()):  # it would be written to every record and the meta file
+        raise UserError(f"teacher.endpoint: {_NO_KEY_IN_URL} (the URL holds the value of {cfg.api_key_env})")
     return key.strip()
 
 
@@ -238,7 +264,7 @@ class EndpointRollout:
 
         self.cfg, self.request, self.stats = cfg, request, stats
         self.client = ChatClient(cfg.endpoint, cfg.model, read_api_key(cfg), cfg.timeout_s, cfg.max_retries,
-                                 cfg.backoff_s)
+                                 cfg.backoff_s, cfg.max_response_bytes)
         self.tokens = StudentTokens(tokenizer, request)
         self.todo: deque[tuple[int, list[int]]] = deque()
         for ti, task in enumerate(request.tasks):
@@ -329,7 +355,9 @@ class EndpointRollout:
 
     def _explain(self, e: UserError) -> UserError:
         if "HTTP 404" in str(e) and self.listed:
-            shown = ", ".join(self.listed[:10]) + (" ..." if len(self.listed) > 10 else "")
+            # the server's text: masked and cut like every other
+            shown = ", ".join(self.client.scrub(m, limit=80) for m in self.listed[:10])
+            shown += " ..." if len(self.listed) > 10 else ""
             return UserError(f"{e} (the server lists: {shown})")
         return e
 
