@@ -12,6 +12,9 @@ import pytest
 from mlx_ssp.verify.sandbox import IS_LINUX, Limits, capabilities, run_python
 
 L = Limits(wall_s=4, cpu_s=2, memory_mb=512, nproc=16, fsize_mb=4, output_kb=64)
+#: Wall-time slack for starting and stopping processes: seconds on an idle machine, more on a busy one
+#: (a Python start-up took 20 s at load 14). A bound is only as tight as what it must tell apart.
+SLACK_S = 60
 
 
 def _sandbox_pids() -> list[int]:
@@ -33,7 +36,9 @@ def _sandbox_pids() -> list[int]:
     return pids
 
 
-def _no_leftovers(timeout=5.0) -> bool:
+def _no_leftovers(timeout=20.0) -> bool:
+    """No process of this run's sandbox uids is left within ``timeout`` s (below the 60 s that the
+    tests' escaping programs sleep, so one that outlives its sandbox is seen)."""
     if not IS_LINUX or not capabilities()["uid_drop"]:
         return True
     end = time.monotonic() + timeout
@@ -66,18 +71,14 @@ def test_normal_program_stdin_and_exit_codes():
 
 
 def test_infinite_loop_is_stopped():
-    t0 = time.monotonic()
     r = run_python("while True:\n    pass", L)
-    assert r.status in ("timeout", "cpu_limit"), r
-    assert time.monotonic() - t0 < L.wall_s + 3
+    assert r.status in ("timeout", "cpu_limit"), r  # it would never end otherwise
     _carry_on()
 
 
 def test_fork_bomb_is_contained_and_cleaned_up():
-    t0 = time.monotonic()
     r = run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", L)
     assert r.status in ("timeout", "cpu_limit", "killed", "error"), r
-    assert time.monotonic() - t0 < L.wall_s + 5
     assert _no_leftovers()
     _carry_on()
 
@@ -177,11 +178,9 @@ def test_no_network():
 
 
 def test_output_flood_is_cut():
-    t0 = time.monotonic()
     r = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", L)
-    assert r.status == "output_limit", r
+    assert r.status == "output_limit", r  # not "timeout": stopped at the cap, before the wall limit
     assert len(r.stdout) <= L.output_kb * 1024
-    assert time.monotonic() - t0 < L.wall_s
     _carry_on()
 
 
@@ -462,7 +461,7 @@ def test_sigkilled_caller_takes_the_sandbox_with_it(harness):
     try:
         # the sandbox is up: bootstrap + program (+ init, + tests) under the caller
         want = (3 if _view_enforced() else 1) + (1 if harness else 0)
-        assert _wait(lambda: len(_descendants(caller.pid)) >= want, 20), "sandbox never started"
+        assert _wait(lambda: len(_descendants(caller.pid)) >= want, SLACK_S), "sandbox never started"
         time.sleep(0.3)
         kids = _descendants(caller.pid)
         dirs = set()
@@ -476,7 +475,8 @@ def test_sigkilled_caller_takes_the_sandbox_with_it(harness):
         assert dirs
         caller.send_signal(signal.SIGKILL)
         caller.wait()
-        assert _wait(lambda: not _alive(kids), 2.0), f"still running: {_alive(kids)}"
+        # the program sleeps 60 s: dead well before that, it went with its caller
+        assert _wait(lambda: not _alive(kids), 30), f"still running: {_alive(kids)}"
         assert all(os.path.isdir(d) for d in dirs)  # SIGKILL cleans nothing...
         nxt = subprocess.run([sys.executable, "-c", "from mlx_ssp.verify.sandbox import *\nprint(run_python('print(1)').stdout)"],
                              capture_output=True, text=True, timeout=60)
@@ -507,13 +507,12 @@ def test_the_sandbox_ends_at_its_alarm_when_the_caller_stalls():
 
     caller = _caller("run_python('import time\\ntime.sleep(60)', Limits(wall_s=1, cpu_s=30))")
     try:
-        assert _wait(lambda: bool(_descendants(caller.pid)), 20)
+        assert _wait(lambda: bool(_descendants(caller.pid)), SLACK_S)
         time.sleep(0.3)
         kids = _descendants(caller.pid)
         caller.send_signal(signal.SIGSTOP)
-        t0 = time.monotonic()
-        assert _wait(lambda: not _alive(kids), 8), _alive(kids)
-        assert time.monotonic() - t0 < 6
+        # the program sleeps 60 s and its caller is stopped: dead well before that, the alarm ended it
+        assert _wait(lambda: not _alive(kids), 30), _alive(kids)
     finally:
         caller.kill()
         caller.wait()
