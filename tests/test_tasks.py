@@ -240,8 +240,9 @@ def test_sources_are_registry_entries():
     from mlx_ssp.tasks.sources import SOURCES, default_domain_name
 
     assert all(callable(s.split_items) for s in SOURCES.values())
-    assert [k for k, s in SOURCES.items() if s.catalogue] == ["reasoning_gym", "bfcl", "bfcl_multi_turn", "instruct", "testbed"]
-    assert [k for k, s in SOURCES.items() if s.default_size] == ["reasoning_gym", "instruct", "testbed"]
+    assert [k for k, s in SOURCES.items() if s.catalogue] == ["reasoning_gym", "bfcl", "bfcl_multi_turn", "instruct", "testbed",
+                                                              "testbed_tools"]
+    assert [k for k, s in SOURCES.items() if s.default_size] == ["reasoning_gym", "instruct", "testbed", "testbed_tools"]
     names = {
         "reasoning_gym:basic_arithmetic": "basic_arithmetic", "bfcl:simple": "bfcl_simple",
         "jsonl:/x/my data.v2.jsonl": "my_data", "jsonl:.hidden": "jsonl", "hf:org/name/": "name",

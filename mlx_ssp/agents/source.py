@@ -11,9 +11,10 @@ One episode per line::
 ``config`` goes to ``reset(config)``; ``turns`` are the user messages; ``ground_truth`` (optional:
 without it the environment's ``reward()`` scores the episode) is BFCL's call syntax per turn;
 ``domain`` (default: the class name) becomes the task's sub-domain, as BFCL's backends do;
-``system`` (optional) is the episode's own system prompt. Every tool of the class is offered, its
-schema read from its signature and docstring. A bad line fails at load naming the file, the line
-and the key.
+``system`` (optional) is the episode's own system prompt; ``level`` (optional, an integer >= 0: a
+generator's difficulty) goes to the task's ``metadata.level`` for calibration. Every tool of the
+class is offered, its schema read from its signature and docstring. A bad line fails at load naming
+the file, the line and the key.
 
 ``params``: ``reward`` (``accuracy``: 1 iff every turn passes, default; ``partial``: the fraction
 passed), ``max_steps`` (messages per turn that try to call; default 20, BFCL's), ``call_timeout_s``
@@ -37,22 +38,23 @@ from mlx_ssp.tasks.item import Item
 
 PARAMS = ("reward", "max_steps", "call_timeout_s", *render.PARAMS)
 REWARDS = ("accuracy", "partial")
-ROW_KEYS = ("id", "environment", "config", "turns", "ground_truth", "domain", "system")
+ROW_KEYS = ("id", "environment", "config", "turns", "ground_truth", "domain", "system", "level")
 
 
-def _check_params(params: dict) -> None:
+def check_params(params: dict, kind: str = "episodes") -> None:
+    """The episode params (:data:`PARAMS`) of a source ``kind`` that builds its items with :func:`episode_item`."""
     bad = sorted(set(params) - set(PARAMS))
     if bad:
-        raise UserError(f"source 'episodes': unknown params {', '.join(bad)}; valid: {', '.join(PARAMS)}")
+        raise UserError(f"source '{kind}': unknown params {', '.join(bad)}; valid: {', '.join(PARAMS)}")
     if params.get("reward", "accuracy") not in REWARDS:
-        raise UserError(f"source 'episodes': params.reward must be one of {', '.join(REWARDS)}")
+        raise UserError(f"source '{kind}': params.reward must be one of {', '.join(REWARDS)}")
     v = params.get("max_steps", 1)
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise UserError(f"source 'episodes': params.max_steps must be an integer >= 1 (got {v!r})")
-    render.check_params("episodes", params)
+        raise UserError(f"source '{kind}': params.max_steps must be an integer >= 1 (got {v!r})")
+    render.check_params(kind, params)
     t = params.get("call_timeout_s", 1.0)
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-        raise UserError(f"source 'episodes': params.call_timeout_s must be a positive number (got {t!r})")
+        raise UserError(f"source '{kind}': params.call_timeout_s must be a positive number (got {t!r})")
 
 
 def _row_error(where: str, key: str, what: str) -> UserError:
@@ -92,6 +94,9 @@ def episode_item(row: dict, where: str, base_dir: Path, params: dict, classes: d
     for key in ("domain", "system"):
         if key in row and (not isinstance(row[key], str) or not row[key]):
             raise _row_error(where, key, "must be a non-empty string")
+    level = row.get("level")
+    if level is not None and (isinstance(level, bool) or not isinstance(level, int) or level < 0):
+        raise _row_error(where, "level", "must be an integer >= 0")
     try:
         ref = resolve_ref(row["environment"], base_dir)
         if ref not in classes:
@@ -124,12 +129,14 @@ def episode_item(row: dict, where: str, base_dir: Path, params: dict, classes: d
         messages = rendered
     prompt: Any = turns[0] if messages == user_turns[0] else messages
     md = {"episode": episode, "tools": template_tools, "environment_class": cls.__name__}
+    if level is not None:
+        md["level"] = level
     return Item(row["id"], prompt, gt, md, domain=row.get("domain", cls.__name__), identity=[turns, config, ref])
 
 
 def load_episodes(arg: str, params: dict) -> list[Item]:
     """Every line of the episodes file ``arg`` as an item."""
-    _check_params(params)
+    check_params(params)
     path = Path(arg).expanduser()
     classes: dict[str, type] = {}
     items = [episode_item(row, f"{path}:{n}", path.resolve().parent, params, classes)

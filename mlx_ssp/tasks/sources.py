@@ -17,6 +17,8 @@ its defaults (verifier, answer-format instruction, export size):
   (:mod:`mlx_ssp.agents.bfcl.source`) -> ``bfcl_multi_turn``.
 - ``episodes:PATH``: multi-turn episodes on any environment class, one per line
   (:mod:`mlx_ssp.agents.source`) -> ``episode``.
+- ``testbed_tools:BACKEND``: generated episodes on one of the tool testbed's toy backends
+  (:mod:`mlx_ssp.testbed.tools.source`) -> ``episode``.
 - ``jsonl:PATH``: any JSONL with a field mapping in ``params`` (``prompt_field``, ``answer_field``,
   ``id_field``, ``answer_after``, ``metadata_fields``), or rows that are already task records.
 - ``hf:DATASET``: ``datasets.load_dataset(DATASET, name, split=..., data_files=...)`` with the same
@@ -118,6 +120,9 @@ SOURCES: dict[str, Source] = {
         Source("testbed", "testbed", "", lambda *a: _testbed_items(*a), default_size=100,
                help="DOMAIN (sum, diff, countdown: the testbed's synthetic family)", domain_name=lambda arg: f"tb_{arg}",
                catalogue=lambda: "testbed domains: sum, diff, countdown"),
+        Source("testbed_tools", "episode", "", lambda *a: _testbed_tools_items(*a), default_size=100,
+               help="BACKEND (kv, ctr, files, bank)", domain_name=lambda arg: "tt",
+               catalogue=lambda: "testbed_tools backends: kv, ctr, files, bank", system=MULTI_TURN_SYSTEM),
         Source("jsonl", None, "", file_items, load_jsonl, help="PATH (with params: prompt_field, answer_field...)",
                domain_name=file_stem),
         Source("hf", None, "", file_items, load_hf, help="DATASET (hub id, local builder like json, or saved dir)",
@@ -136,6 +141,12 @@ def _testbed_items(*args):
     from mlx_ssp.testbed.source import testbed_items  # imports the verifier registry: only when used
 
     return testbed_items(*args)
+
+
+def _testbed_tools_items(*args):
+    from mlx_ssp.testbed.tools.source import tools_items  # at use: agents.source imports mlx_ssp.tasks (a cycle)
+
+    return tools_items(*args)
 
 
 def domain_items(domain: str, dcfg, seed: int, split: str) -> list[Item]:
