@@ -12,7 +12,6 @@ import random
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -139,7 +138,9 @@ def spawn_ranks(scenario: str, out: Path, tmp: Path, env: dict | None = None, ra
     return procs
 
 
-def finish(procs, timeout: float = 60):
+def finish(procs, timeout: float = 180):
+    """Each rank's (exit code, stdout, stderr). ``timeout`` only catches a rank that hangs (the
+    fallbacks the tests tell apart take 300 s or more); start-up alone is slow on a busy machine."""
     res = {}
     for r, p in procs.items():
         try:
@@ -180,35 +181,30 @@ def test_two_ranks_collectives(tmp_path):
 
 @pytest.mark.slow
 def test_killed_rank_stops_the_other_with_a_clear_error(tmp_path):
-    # without a launcher: the survivor itself must notice, say so, and exit non-zero
-    t0 = time.monotonic()
-    res = finish(spawn_ranks("die", tmp_path, tmp_path), timeout=60)
+    # without a launcher: the survivor itself must notice, say so, and exit non-zero (the message
+    # tells it from a wait on distributed.timeout_s)
+    res = finish(spawn_ranks("die", tmp_path, tmp_path))
     rc0, _, err0 = res[0]
     assert res[1][0] == -9
     assert rc0 == 2, err0
     assert "rank 0/2: gather after the crash failed" in err0 and "Another rank died" in err0
     assert "Traceback" not in err0
-    assert time.monotonic() - t0 < 30
     assert not (tmp_path / "rank0.json").exists()
 
 
 @pytest.mark.slow
 def test_killed_rank_under_mlx_launch_ends_the_run(tmp_path):
-    t0 = time.monotonic()
-    res = launch("die", tmp_path)
-    assert time.monotonic() - t0 < 60
+    res = launch("die", tmp_path, timeout=180)  # rank 0 would wait distributed.timeout_s (1800 s) alone
     assert "rank 1 exited with code -9" in res.stderr
     assert not (tmp_path / "rank0.json").exists()  # rank 0 did not carry on
 
 
 @pytest.mark.slow
 def test_frozen_rank_times_out_with_a_clear_error(tmp_path):
-    t0 = time.monotonic()
-    res = finish(spawn_ranks("freeze", tmp_path, tmp_path, env={"MLX_SSP_DIST_TIMEOUT": "3"}), timeout=90)
+    res = finish(spawn_ranks("freeze", tmp_path, tmp_path, env={"MLX_SSP_DIST_TIMEOUT": "3"}))
     rc0, _, err0 = res[0]
     assert rc0 == dist.EXIT_TIMEOUT, err0
     assert "rank 0/2: gather with a frozen peer waited 3s" in err0 and "distributed.timeout_s" in err0
-    assert time.monotonic() - t0 < 60
     # rank 1 (still sleeping) loses its peer at its next collective and stops too
     assert res[1][0] == 2 and "Another rank died" in res[1][2]
 
@@ -223,12 +219,10 @@ def test_error_on_rank0_is_reported_on_every_rank(tmp_path):
 
 @pytest.mark.slow
 def test_missing_peer_at_startup_times_out(tmp_path):
-    t0 = time.monotonic()
     res = finish(spawn_ranks("init_only", tmp_path, tmp_path, env={"MLX_SSP_DIST_INIT_TIMEOUT": "2"}, ranks=(0,)))
     rc, _, err = res[0]
     assert rc != 0
     assert "did not all connect within 2s (distributed.init_timeout_s)" in err
-    assert time.monotonic() - t0 < 30
 
 
 @pytest.mark.slow
@@ -273,7 +267,7 @@ def test_liveness_watch_around_foreign_collectives(tmp_path):
     res = finish(spawn_ranks("watch_alive", tmp_path / "a", tmp_path, env={"MLX_SSP_DIST_TIMEOUT": "2.5"}))
     assert [res[r][0] for r in (0, 1)] == [0, 0], res
     # no heartbeat while a peer is stuck: exit 75 with the message
-    res = finish(spawn_ranks("watch_freeze", tmp_path / "f", tmp_path, env={"MLX_SSP_DIST_TIMEOUT": "3"}), timeout=90)
+    res = finish(spawn_ranks("watch_freeze", tmp_path / "f", tmp_path, env={"MLX_SSP_DIST_TIMEOUT": "3"}))
     assert res[0][0] == dist.EXIT_TIMEOUT and "rank 0/2: training made no progress for 3s" in res[0][2]
     # a killed peer inside an unwrapped collective: one clear line, exit 2
     res = finish(spawn_ranks("watch_die", tmp_path / "d", tmp_path))
