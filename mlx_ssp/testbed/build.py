@@ -68,6 +68,13 @@ SIZES: dict[str, dict] = {
     "multi": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192,
                   corpus=8000, steps=1800, batch_size=32, learning_rate=3e-3, domains=DOMAINS,
                   levels={"sum": (2, 3), "diff": (2, 3), "countdown": (2, 3)}, guess=0.5),
+    # the tool-use testbed's model (the agents experiment): whole episodes on the four toy backends of
+    # mlx_ssp.testbed.tools (corpus: n episodes per backend, gold with skewed call orders and a share of
+    # unreliable traces), trained on the model's tokens only; a larger vocabulary, since every record
+    # repeats the compact header and the tool names
+    "tools": dict(kind="tools", hidden_size=96, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=288,
+                  corpus=1200, steps=700, batch_size=16, learning_rate=3e-3, unreliable=0.25, vocab_size=1024,
+                  max_seq=448),
 }
 MAX_SEQ = 96
 GUESS_SPREAD = 3
@@ -107,6 +114,15 @@ def corpus(n_per_domain: int, seed: int, domains: tuple[str, ...] = DOMAINS,
                         "domain": d, "level": p.level, "strategy": name})
     rng.shuffle(out)
     return out
+
+
+def _episode_item(tok, rec: dict, max_seq: int) -> tuple[list[int], list[int]]:
+    """A corpus episode as ``(token ids, mask)``, as the rollout engine would have produced it (the
+    task's rendered prompt, then each message's tokens), cut to ``max_seq``."""
+    from mlx_ssp.agents.episode import replay  # the agents stack: only for the tool-use size
+
+    prompt, ids, mask = replay(tok, rec["task"], rec["messages"])
+    return (prompt + ids)[:max_seq], ([0] * len(prompt) + mask)[:max_seq]
 
 
 def testbed_dir(size: str, seed: int) -> Path:
@@ -167,7 +183,9 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load, save_model
 
-    from mlx_ssp.sft.batches import make_iterate_batches
+    from mlx_ssp.sft.batches import make_iterate_batches, make_masked_iterate_batches
+    from mlx_ssp.sft.episodes import TokenDataset
+    from mlx_ssp.sft.loss import masked_loss
     from mlx_ssp.testing import make_tiny_model, train_tokenizer
 
     s = dict(SIZES[size])
@@ -175,14 +193,28 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
     steps = steps or s["steps"]
     t0 = time.perf_counter()
     tmp = out.with_name(out.name + f".tmp{int(time.time() * 1000)}")
-    recs = corpus(corpus_size or s["corpus"], seed, tuple(s.get("domains", DOMAINS)), s.get("levels"), s.get("guess", 0.0))
+    tools = s.get("kind") == "tools"
+    if tools:
+        # the task and agents stack, only for the tool-use size
+        from mlx_ssp.testbed.tools.corpus import corpus as tools_corpus
+
+        recs = tools_corpus(corpus_size or s["corpus"], seed, unreliable=s.get("unreliable", 0.0))
+    else:
+        recs = corpus(corpus_size or s["corpus"], seed, tuple(s.get("domains", DOMAINS)), s.get("levels"), s.get("guess", 0.0))
     texts = [m["content"] for r in recs[:4000] for m in r["messages"]]
-    tok_dir = train_tokenizer(tmp / "tok", vocab_size=320, corpus=texts)
+    tok_dir = train_tokenizer(tmp / "tok", vocab_size=s.get("vocab_size", 320), corpus=texts)
     make_tiny_model(tmp / "init", "llama", tokenizer_dir=tok_dir, hidden_size=s["hidden_size"],
                     num_layers=s["num_layers"], num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"],
                     intermediate_size=s["intermediate_size"], seed=seed)
     model, tok = load(str(tmp / "init"))
-    data = CacheDataset(create_dataset([{"messages": r["messages"]} for r in recs], tok, types.SimpleNamespace(mask_prompt=True)))
+    max_seq = s.get("max_seq", MAX_SEQ)
+    if tools:  # whole episodes: every assistant message is a target, tool results and user turns are not
+        data = TokenDataset([_episode_item(tok, r, max_seq) for r in recs])
+        batching = {"iterate_batches": make_masked_iterate_batches(seed), "loss": masked_loss}
+    else:
+        data = CacheDataset(create_dataset([{"messages": r["messages"]} for r in recs], tok,
+                                           types.SimpleNamespace(mask_prompt=True)))
+        batching = {"iterate_batches": make_iterate_batches(seed)}
     warm = max(1, steps // 20)  # 5% linear warmup, then cosine to 5% of the peak
     sched = optim.join_schedules([optim.linear_schedule(0.0, s["learning_rate"], warm),
                                   optim.cosine_decay(s["learning_rate"], max(1, steps - warm), s["learning_rate"] * 0.05)],
@@ -203,12 +235,12 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
 
     mx.random.seed(seed)
     args = TrainingArgs(batch_size=s["batch_size"], iters=steps, val_batches=0, steps_per_report=max(1, steps // 10),
-                        steps_per_eval=steps + 1, steps_per_save=steps + 1, max_seq_length=MAX_SEQ,
+                        steps_per_eval=steps + 1, steps_per_save=steps + 1, max_seq_length=max_seq,
                         adapter_file=str(tmp / "unused.safetensors"))
     quiet = contextlib.redirect_stdout(io.StringIO()) if not show else contextlib.nullcontext()
     with quiet, mlx_lm_train_ui("testbed", enabled=False):  # Log's lines below say how far it is
         train(model=model, optimizer=opt, train_dataset=data, val_dataset=None, args=args, training_callback=Log(),
-              iterate_batches=make_iterate_batches(seed))
+              **batching)
     (tmp / "unused.safetensors").unlink(missing_ok=True)
     final = tmp / "model"
     save_model(final, model)
@@ -217,9 +249,10 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
             shutil.copy(f, final / f.name)
     mix: dict[str, dict] = {}
     for r in recs:
-        m = mix.setdefault(r["domain"], {"levels": {}, "strategies": {}})
+        m = mix.setdefault(r["backend"] if tools else r["domain"], {"levels": {}, "strategies": {}})
         m["levels"][str(r["level"])] = m["levels"].get(str(r["level"]), 0) + 1
-        m["strategies"][r["strategy"]] = m["strategies"].get(r["strategy"], 0) + 1
+        kind = r["kind"] if tools else r["strategy"]
+        m["strategies"][kind] = m["strategies"].get(kind, 0) + 1
     info = {"size": size, "seed": seed, "version": VERSION, "steps": steps, **{k: v for k, v in s.items() if k not in ("steps", "levels")},
             **({"levels": {d: list(r) for d, r in s["levels"].items()}} if "levels" in s else {}),
             "corpus_records": len(recs), "mix": mix, "losses": losses, "seconds": round(time.perf_counter() - t0, 1),
