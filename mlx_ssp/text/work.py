@@ -1,7 +1,7 @@
-"""A count of the verifiers' work: the steps of the scans whose length a completion controls.
+"""A count of work: the steps of the scans whose length a model's text controls.
 
 A policy under RL writes whatever makes its verifier slow, so every verifier bounds its work (see
-each module). Those scans charge what they do here (a regex pass or ``str.find`` the characters it
+each module); select's strategy features scan every trace too. Those scans charge what they do here (a regex pass or ``str.find`` the characters it
 covers, a loop its iterations), so that a test can bound the work itself: a bound on the time
 depends on the machine's load. Nothing is counted unless a caller asks (one context-variable read
 per charge)::
