@@ -53,10 +53,11 @@ def _split(backend: str, split: str, size: int, seed: int = 7, **params):
     """A split's tasks from the source, and the episodes behind them by task id."""
     tasks = export_source(f"testbed_tools:{backend}", split=split, size=size, seed=seed, params=params or None)
     sizes = {"train": 0, "probe": 0, "eval": 0, split: size}
-    cfg = validate(TasksConfig, {"seed": seed, "domains": {"tt": {"source": f"testbed_tools:{backend}",
-                                                                   "params": params, "sizes": sizes}}})
-    dcfg = cfg.domains["tt"]
-    eps = {f"tt_{backend}-{e.id}": e for e in split_episodes(backend, params, dcfg.sizes, seed, "tt", split)}
+    domain = f"tt_{backend}"  # the source's default domain name
+    cfg = validate(TasksConfig, {"seed": seed, "domains": {domain: {"source": f"testbed_tools:{backend}",
+                                                                     "params": params, "sizes": sizes}}})
+    dcfg = cfg.domains[domain]
+    eps = {f"{domain}-{e.id}": e for e in split_episodes(backend, params, dcfg.sizes, seed, domain, split)}
     assert set(eps) == {t.id for t in tasks}
     return tasks, eps
 
@@ -160,8 +161,8 @@ def test_splits_are_disjoint_and_eval_is_held_out():
     splits = {s: build_split(cfg, s) for s in ("train", "probe", "eval")}
     ids = {s: {_identity(t) for t in ts} for s, ts in splits.items()}
     assert not (ids["train"] & ids["eval"]) and not (ids["train"] & ids["probe"]) and not (ids["probe"] & ids["eval"])
-    assert {t.domain for t in splits["train"]} == {"a_files", "b_files"}
-    assert {t.metadata["level"] for t in splits["train"] if t.domain == "b_files"} == {1, 2}
+    assert {t.domain for t in splits["train"]} == {"a", "b"}  # a domain is one backend: no sub-domain
+    assert {t.metadata["level"] for t in splits["train"] if t.domain == "b"} == {1, 2}
     held = sorted(E.HELD_OUT_NAMES)
     for t in splits["train"]:  # no held-out name anywhere in a train episode
         text = json.dumps([t.metadata["episode"]["config"], t.metadata["episode"]["user_turns"], t.answer])

@@ -65,8 +65,11 @@ def _strings(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
 
-def episode_item(row: dict, where: str, base_dir: Path, params: dict, classes: dict[str, type]) -> Item:
-    """One line of an episodes file as an :class:`Item` (``where``: ``FILE:LINE`` for errors)."""
+def episode_item(row: dict, where: str, base_dir: Path, params: dict, classes: dict[str, type], *,
+                 sub_domain: bool = True) -> Item:
+    """One line of an episodes file as an :class:`Item` (``where``: ``FILE:LINE`` for errors).
+    ``sub_domain``: the row's ``domain`` (or the class name) is appended to the task's domain; off
+    for a source whose every domain is already one environment."""
     unknown = sorted(set(row) - set(ROW_KEYS))
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(ROW_KEYS)}")
@@ -131,7 +134,8 @@ def episode_item(row: dict, where: str, base_dir: Path, params: dict, classes: d
     md = {"episode": episode, "tools": template_tools, "environment_class": cls.__name__}
     if level is not None:
         md["level"] = level
-    return Item(row["id"], prompt, gt, md, domain=row.get("domain", cls.__name__), identity=[turns, config, ref])
+    return Item(row["id"], prompt, gt, md, domain=row.get("domain", cls.__name__) if sub_domain else None,
+                identity=[turns, config, ref])
 
 
 def load_episodes(arg: str, params: dict) -> list[Item]:

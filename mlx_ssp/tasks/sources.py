@@ -121,7 +121,7 @@ SOURCES: dict[str, Source] = {
                help="DOMAIN (sum, diff, countdown: the testbed's synthetic family)", domain_name=lambda arg: f"tb_{arg}",
                catalogue=lambda: "testbed domains: sum, diff, countdown"),
         Source("testbed_tools", "episode", "", lambda *a: _testbed_tools_items(*a), default_size=100,
-               help="BACKEND (kv, ctr, files, bank)", domain_name=lambda arg: "tt",
+               help="BACKEND (kv, ctr, files, bank)", domain_name=lambda arg: f"tt_{arg}",
                catalogue=lambda: "testbed_tools backends: kv, ctr, files, bank", system=MULTI_TURN_SYSTEM),
         Source("jsonl", None, "", file_items, load_jsonl, help="PATH (with params: prompt_field, answer_field...)",
                domain_name=file_stem),

@@ -33,7 +33,7 @@ def calibrate_tools(model, tokenizer, *, n_per_backend: int = 24, k: int = 8, se
     by_backend: dict[str, dict] = defaultdict(lambda: {"acc": defaultdict(list), "turns": [], "ends": Counter()})
     for r in recs:
         t = meta[r["task_id"]]
-        b = by_backend[t.domain.rsplit("_", 1)[1]]  # tt_<backend>_<backend>
+        b = by_backend[t.domain.removeprefix("tt_")]
         b["acc"][r["task_id"]].append(r["reward"])
         b["turns"].append(r.get("partial", 0.0))
         b["ends"][r.get("finish_reason") or "?"] += 1

@@ -73,5 +73,6 @@ def tools_items(src: Source, arg: str, domain: str, dcfg, seed: int, split: str)
     params = dict(dcfg.params or {})
     _, episode_params = _options(arg, params)
     classes: dict[str, type] = {}
-    return [episode_item(ep.row(), f"testbed_tools:{arg} {ep.id}", Path.cwd(), episode_params, classes)
+    # a domain is one backend already: no <domain>_<backend> sub-domain
+    return [episode_item(ep.row(), f"testbed_tools:{arg} {ep.id}", Path.cwd(), episode_params, classes, sub_domain=False)
             for ep in split_episodes(arg, params, dcfg.sizes, seed, domain, split)]
