@@ -429,3 +429,53 @@ def test_backends_registry_and_docs():
         assert function_docs(name)[0]["name"] != "changed"  # a fresh copy each call
     with pytest.raises(UserError):
         Environment(bfcl_world({}, ["WebSearchAPI"]))
+
+
+# ---------------------------------------------------------------- the zygote's protocol
+
+
+def test_an_abandoned_control_request_does_not_shift_later_replies():
+    """A request whose reply was never read (an interrupt between send and reply): the next request
+    drops it by its id instead of taking it for its own (a reap's 0 taken as a pid would kill pid 0)."""
+    from mlx_ssp.agents import worker
+
+    with Environment(bfcl_world({}, ["MathAPI"])) as env:
+        z = env._worker._zygote
+        with z.lock:
+            z.ctrl.sendall(worker._REQUEST.pack(b"reap", 10**9, 0))  # nobody reads its reply
+            z.ctrl.sendall(worker._REQUEST.pack(b"junk", 10**9 + 1, 0))  # a malformed request
+        with Environment(bfcl_world({}, ["MathAPI"])) as other:
+            assert other._worker.pid > 0 and _pid_running(other._worker.pid)
+            assert other.execute([Call("add", {"a": 1, "b": 2})], {"add"}) == ['{"result": 3}']
+        assert z.usable()
+
+
+def test_a_finalizer_run_while_the_lock_is_held_does_not_deadlock():
+    env = Environment(bfcl_world({}, ["MathAPI"]))
+    z, pid = env._worker._zygote, env._worker.pid
+    with z.lock:  # as when a garbage collection runs a finalizer in the middle of a request
+        env._worker._finalizer()
+    z.reap()
+    assert not _pid_running(pid)
+
+
+def test_the_zygote_outlives_the_thread_that_started_it():
+    import threading
+
+    from mlx_ssp.agents import worker
+
+    if worker._ZYGOTE:
+        worker._ZYGOTE[0].close()
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("env", Environment(bfcl_world({}, ["MathAPI"]))))
+    t.start()
+    t.join()
+    time.sleep(0.5)  # a death signal tied to the thread would have fired by now
+    env = box["env"]
+    assert env.execute([Call("add", {"a": 2, "b": 2})], {"add"}) == ['{"result": 4}']
+    env.close()
+
+
+def test_a_non_finite_number_in_a_call_is_a_syntax_error():
+    with pytest.raises(CallSyntaxError, match="not a JSON number"):
+        parse_assistant_text('<tool_call>{"name": "add", "arguments": {"a": NaN, "b": 1}}</tool_call>')

@@ -278,3 +278,105 @@ def test_compact_rendering_round_trips_on_a_user_environment_and_on_bfcl(env_dir
             if m["role"] == "assistant" and m.get("tool_calls"):
                 assert parse_assistant_text(m["content"]) == calls_from_message({"role": "assistant", "tool_calls": m["tool_calls"]})
         assert verify(msgs, bt).reward == 1.0, bt.id
+
+
+# ---------------------------------------------------------------- robustness of the worker and the contract
+
+ODD = '''
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class Jar:
+    label: str
+    grams: int
+
+
+class Odd:
+    def reset(self, config):
+        self.jars = [Jar("salt", 5)]
+        if config.get("lock"):
+            self.lock = threading.Lock()
+        if config.get("die"):
+            os._exit(3)
+
+    def add(self, label: str, grams: int) -> str:
+        """Adds a jar:"""
+        self.jars.append(Jar(label, grams))
+        return "ok"
+
+    def big(self, n: int) -> str:
+        return "x" * n
+
+    @staticmethod
+    def twice(x: int) -> int:
+        return 2 * x
+
+    @classmethod
+    def kind(cls, loud: bool = False) -> str:
+        return cls.__name__.upper() if loud else cls.__name__
+
+    def must(self, a: Optional[int]) -> str:
+        return str(a)
+'''
+
+
+@pytest.fixture
+def odd(tmp_path) -> str:
+    (tmp_path / "odd.py").write_text(ODD)
+    return resolve_ref("odd.py:Odd", tmp_path)
+
+
+def test_schemas_of_static_class_and_optional_parameters(odd):
+    by = {t["function"]["name"]: t["function"] for t in tool_schemas(load_class(odd))}
+    assert by["twice"]["parameters"]["required"] == ["x"]  # a static method has no self to drop
+    assert by["kind"]["parameters"]["properties"] == {"loud": {"type": "boolean", "default": False}}
+    assert by["must"]["parameters"]["required"] == ["a"]  # Optional without a default must still be passed
+    assert by["add"]["description"] == "Adds a jar:"  # a line ending in a colon is not a section
+    with Environment(class_world(odd, {})) as env:
+        assert env.execute([Call("twice", {"x": 4}), Call("kind", {"loud": True})], env.method_names()) == ["8", "ODD"]
+
+
+def test_a_non_json_default_is_refused_at_load(tmp_path):
+    (tmp_path / "bad.py").write_text("class Bad:\n    def reset(self, c): pass\n    def f(self, s: set = frozenset()): pass\n")
+    with pytest.raises(UserError, match="not JSON"):
+        tool_schemas(load_class(resolve_ref("bad.py:Bad", tmp_path)))
+
+
+def test_state_holding_the_environments_own_classes_is_compared_and_an_unpicklable_one_is_a_reason(odd):
+    from mlx_ssp.agents.checker import EpisodeSpec, score_episode
+
+    spec = EpisodeSpec(class_world(odd, {}), [["add(label='tea', grams=2)"]])
+    assert score_episode(spec, [[[parse_ground_truth("add(label='tea', grams=2)")]]]).reward == 1.0
+    assert score_episode(spec, [[[parse_ground_truth("add(label='tea', grams=3)")]]]).reward == 0.0
+    locked = EpisodeSpec(class_world(odd, {"lock": True}), [["add(label='tea', grams=2)"]])
+    v = score_episode(locked, [[[parse_ground_truth("add(label='tea', grams=2)")]]])
+    assert v.reward == 0.0 and "could not be sent back" in v.turns[0].reason
+
+
+def test_a_worker_that_dies_while_building_is_a_one_line_error(odd):
+    with pytest.raises(UserError, match="could not be built"):
+        Environment(class_world(odd, {"die": True}))
+
+
+def test_a_huge_result_comes_back_cut_with_its_digest(odd):
+    from mlx_ssp.agents.environment import CallLimits
+
+    with Environment(class_world(odd, {}), limits=CallLimits(max_full_result_chars=1000)) as env:
+        a, b, c = env.execute_full([Call("big", {"n": 5_000_000}), Call("big", {"n": 5_000_000}),
+                                    Call("big", {"n": 5_000_001})], env.method_names())
+    assert len(a) < 1100 and "4999000 more characters, sha256" in a
+    assert a == b and a != c  # still compared exactly
+
+
+def test_call_limits_of_a_task_are_checked():
+    from mlx_ssp.agents.environment import limits_of
+
+    assert limits_of({"call_timeout_s": 2}).timeout_s == 2.0
+    for bad in ({"call_timeout_s": float("inf")}, {"call_timeout_s": 0}, {"call_timeout_s": float("nan")},
+                {"call_timeout_s": True}, {"max_result_chars": 0}):
+        with pytest.raises(UserError):
+            limits_of(bad)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,8 @@ def _check_value(value: Any, where: str) -> None:
         v, d = stack.pop()
         if d > MAX_VALUE_DEPTH:
             raise CallSyntaxError(f"{where}: value nested deeper than {MAX_VALUE_DEPTH} levels")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise CallSyntaxError(f"{where}: {v} is not a JSON number")
         if isinstance(v, _LITERAL_TYPES):
             continue
         if isinstance(v, (list, tuple)):

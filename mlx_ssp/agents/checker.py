@@ -186,7 +186,10 @@ def _judge_turns(gt: list[list[Call]], turns: list[list[list[Call]]], model: Env
         steps = turns[t] if t < len(turns) else []
         allowed = everything if allowed_per_turn is None else allowed_per_turn[t]
         irrelevance = not gt[t]
-        before = model.state() if irrelevance and not model.broken else None
+        try:
+            before = model.state() if irrelevance and not model.broken else None
+        except EnvironmentBroken:
+            before = None  # judged below: the broken environment fails the turn
         n_calls = 0
         for step in steps:
             so_far.extend(model.execute_full(list(step), allowed))
@@ -234,6 +237,8 @@ def _score_by_reward(spec: EpisodeSpec, turns: list[list[list[Call]]], limit_hit
     """A task without ground truth: the model's calls run turn by turn, then the environment's
     ``reward()`` is the episode's reward (0 when a turn was not reached, hit the step limit, or a
     call was stopped)."""
+    if spec.n_turns < 1:
+        raise UserError("an episode needs at least one turn")
     verdicts = []
     with Environment(spec.world, limits=limits) as env:
         if not env.has_reward:
@@ -252,7 +257,9 @@ def _score_by_reward(spec: EpisodeSpec, turns: list[list[list[Call]]], limit_hit
         try:
             value = env.reward()
         except EnvironmentBroken as e:
-            verdicts[-1] = TurnVerdict(spec.n_turns - 1, False, False, False, False, str(e))
+            last = verdicts[-1]
+            reason = f"{last.reason}; {e}" if last.reason else str(e)
+            verdicts[-1] = TurnVerdict(last.turn, False, False, False, False, reason)
             value = 0.0
     return EpisodeVerdict(tuple(verdicts), env_reward=value)
 

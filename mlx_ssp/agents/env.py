@@ -9,8 +9,9 @@ A class named ``path/to/file.py:Class`` (relative to the task file) or ``package
   ``float``, ``bool``, ``list[...]``, ``dict``, ``Literal[...]`` as an enum, ``Optional[...]``;
   a default makes a parameter optional) and its docstring (the first paragraph is the description;
   a Google-style ``Args:`` block gives the parameters' descriptions);
-- a tool's return value is the result shown to the model (a ``str`` as is, a ``dict`` as JSON, else
-  ``str()``, as BFCL formats results); an exception's message is returned as the tool's error text;
+- a tool's return value is the result shown to the model (a ``str`` as is, anything else as JSON,
+  ``str()`` when it is not JSON-serialisable); an exception's message is returned as the tool's
+  error text, as in BFCL;
 - the optional ``reward(self) -> float`` in [0, 1], read after the last turn, is the episode's reward
   for tasks without ground truth. With ground truth the checker judges each turn by BFCL's rules:
   the state (every public attribute) equals a twin's that replayed the ground-truth calls, and the
@@ -70,6 +71,9 @@ def load_class(ref: str) -> type:
     """The class an absolute ``file.py:Class`` or ``package.module:Class`` names."""
     where, name = ref.split(":")
     if where.endswith(".py"):
+        # the file's own directory importable, as when it runs as a script: it may import its neighbours
+        if str(Path(where).parent) not in sys.path:
+            sys.path.append(str(Path(where).parent))
         # one module per file path: two task files naming one environment share it
         mod_name = "mlx_ssp_env_" + hashlib.sha1(where.encode()).hexdigest()[:12]
         module = sys.modules.get(mod_name)
@@ -98,9 +102,23 @@ def load_class(ref: str) -> type:
 
 
 def tool_functions(cls: type) -> dict[str, Any]:
-    """The class's tools: public functions other than ``reset`` and ``reward``, by name."""
-    return {name: fn for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction)
-            if not name.startswith("_") and name not in RESERVED}
+    """The class's tools by name: its public methods (plain, static or class methods, inherited
+    ones included) other than ``reset`` and ``reward``, as the attribute an instance would call
+    (a plain method still unbound, so its signature starts with ``self``)."""
+    out = {}
+    for name in dir(cls):
+        if name.startswith("_") or name in RESERVED:
+            continue
+        raw = inspect.getattr_static(cls, name)
+        if isinstance(raw, (staticmethod, classmethod)) or inspect.isfunction(raw):
+            out[name] = getattr(cls, name)
+    return out
+
+
+def _call_parameters(cls: type, name: str, fn: Any) -> list[inspect.Parameter]:
+    """The parameters a call passes (without ``self``; a class method's ``cls`` is bound already)."""
+    params = list(inspect.signature(fn).parameters.values())
+    return params[1:] if inspect.isfunction(inspect.getattr_static(cls, name)) else params
 
 
 def build_class(ref: str, config: dict) -> Built:
@@ -161,7 +179,9 @@ def _param_schema(hint: Any) -> tuple[dict, bool]:
 
 
 _ARGS_HEADER = re.compile(r"^\s*(Args|Arguments|Parameters)\s*:\s*$")
-_SECTION = re.compile(r"^\s*[A-Z][A-Za-z ]*:\s*$")
+# Google-style section names: a description line that merely ends in a colon is not one
+_SECTION = re.compile(r"^\s*(Args|Arguments|Parameters|Returns?|Yields?|Raises|Examples?|Notes?|Attributes|"
+                      r"Warnings?|See Also|Todo|References)\s*:\s*$")
 _ARG_LINE = re.compile(r"^\s*\*{0,2}(\w+)\s*(\([^)]*\))?\s*:\s*(.*)$")
 
 
@@ -195,26 +215,37 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
     return " ".join(desc), params
 
 
-def tool_schema(name: str, fn: Any) -> dict:
-    """One tool's OpenAI-style schema from its signature and docstring."""
+def _hints(fn: Any) -> dict[str, Any]:
+    """The function's resolved type hints; when one does not resolve (a forward reference to nothing),
+    those that are not strings, so one bad hint loses only the string ones."""
     try:
-        hints = typing.get_type_hints(fn)
-    except Exception:  # noqa: BLE001 - a hint that does not resolve: the raw annotations then
-        hints = {}
+        return typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - NameError, TypeError... from the environment's own annotations
+        return {k: v for k, v in getattr(fn, "__annotations__", {}).items() if not isinstance(v, str)}
+
+
+def tool_schema(name: str, fn: Any, cls: type | None = None) -> dict:
+    """One tool's OpenAI-style schema from its signature and docstring (``cls``: the class it is
+    looked up on, which tells a plain method, whose ``self`` is dropped, from a static one)."""
     description, arg_docs = parse_docstring(fn.__doc__)
+    hints = _hints(fn)
     properties, required = {}, []
-    params = list(inspect.signature(fn).parameters.values())[1:]  # without self
+    params = _call_parameters(cls, name, fn) if cls is not None else list(inspect.signature(fn).parameters.values())[1:]
     for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
-        schema, nullable = _param_schema(hints.get(p.name, p.annotation))
+        schema, _ = _param_schema(hints.get(p.name, inspect.Parameter.empty))
         if p.name in arg_docs:
             schema = {**schema, "description": arg_docs[p.name]}
-        if p.default is not inspect.Parameter.empty:
-            if p.default is not None:
-                schema = {**schema, "default": p.default}
-        elif not nullable:
-            required.append(p.name)
+        if p.default is inspect.Parameter.empty:
+            required.append(p.name)  # Optional[...] without a default still must be passed
+        elif p.default is not None:
+            try:
+                json.dumps(p.default, allow_nan=False)
+            except (TypeError, ValueError):
+                raise UserError(f"tool {name}: the default of {p.name} ({p.default!r}) is not JSON; "
+                                "use None, a number, a string, a bool, a list or a dict") from None
+            schema = {**schema, "default": p.default}
         properties[p.name] = schema
     return {"type": "function", "function": {
         "name": name, "description": description,
@@ -224,4 +255,4 @@ def tool_schema(name: str, fn: Any) -> dict:
 
 def tool_schemas(cls: type) -> list[dict]:
     """Every tool's schema, in name order."""
-    return [tool_schema(name, fn) for name, fn in sorted(tool_functions(cls).items())]
+    return [tool_schema(name, fn, cls) for name, fn in sorted(tool_functions(cls).items())]

@@ -42,7 +42,7 @@ from typing import Any, Callable, Collection
 
 from mlx_ssp.agents.bfcl.backends import BACKENDS, backend, build_instances, format_result
 from mlx_ssp.agents.calls import Call
-from mlx_ssp.agents.env import build_class, format_value
+from mlx_ssp.agents.env import build_class, format_value, load_class
 from mlx_ssp.agents.worker import Built, Worker, WorkerGone
 from mlx_ssp.errors import UserError
 
@@ -60,17 +60,20 @@ class CallLimits:
     max_result_chars: int = RESULT_CHARS
     max_argument_chars: int = 65536
     max_memory_mb: int = 2048  # the worker's address space (Linux); 0 = no cap
+    #: a result longer than this comes back cut, with the rest's length and digest (still compared exactly)
+    max_full_result_chars: int = 1 << 20
 
 
 def limits_of(episode: dict) -> CallLimits:
     """An episode task's call limits: ``metadata.episode`` may raise the result cap
     (``max_result_chars``: long_context's point is long results) and set ``call_timeout_s``."""
     d = CallLimits()
-    try:
-        return CallLimits(timeout_s=float(episode.get("call_timeout_s", d.timeout_s)),
-                          max_result_chars=int(episode.get("max_result_chars", d.max_result_chars)))
-    except (TypeError, ValueError):
-        raise UserError("metadata.episode: call_timeout_s and max_result_chars must be numbers") from None
+    timeout, chars = episode.get("call_timeout_s", d.timeout_s), episode.get("max_result_chars", d.max_result_chars)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise UserError(f"metadata.episode.call_timeout_s must be a positive finite number (got {timeout!r})")
+    if isinstance(chars, bool) or not isinstance(chars, int) or chars < 1:
+        raise UserError(f"metadata.episode.max_result_chars must be an integer >= 1 (got {chars!r})")
+    return CallLimits(timeout_s=float(timeout), max_result_chars=chars)
 
 
 def cap_result(text: str, max_chars: int) -> str:
@@ -131,7 +134,12 @@ class Environment:
     def __init__(self, world: World, *, limits: CallLimits = CallLimits()):
         self.limits = limits
         self.broken = ""  # why later calls are refused ("" = not broken)
-        self._worker = Worker(world.build, world.args, world.fmt, max_memory_mb=limits.max_memory_mb, preload=_PRELOAD)
+        self.timed_out = False  # broken by a call over its time limit (else the worker died)
+        if world.build is build_class:
+            # the class's module is loaded here too, so the state's own objects unpickle in this process
+            load_class(world.args[0])
+        self._worker = Worker(world.build, world.args, world.fmt, max_memory_mb=limits.max_memory_mb,
+                              max_result_chars=limits.max_full_result_chars, preload=_PRELOAD)
         self._signatures = self._worker.signatures  # tool name -> signature
         self.has_reward = self._worker.has_reward
 
@@ -188,7 +196,7 @@ class Environment:
             kind, text = self._worker.request(("call", name, bound.args, bound.kwargs), self.limits.timeout_s,
                                               f"{name}")
         except WorkerGone as e:
-            self.broken = f"an earlier call ({e}) was stopped"
+            self.broken, self.timed_out = f"an earlier call ({e}) was stopped", e.timed_out
             return f"{_ERROR}{e}; the environment was stopped"
         return text if kind == "ok" else _ERROR + text
 

@@ -109,7 +109,7 @@ class Episode:
     turn: int = 0
     steps: int = 0  # messages in the current turn that tried to call (made calls, or failed to parse)
     n_messages: int = 0
-    end: Optional[str] = None  # "done" | "step_limit" | "context" | "call_timeout"
+    end: Optional[str] = None  # "done" | "step_limit" | "context" | "call_timeout" | "environment_error"
 
     def __post_init__(self) -> None:
         ep = self.task.metadata["episode"]
@@ -146,9 +146,9 @@ class Episode:
         elif calls:
             results = self.env.execute(calls, self.allowed_by_turn[self.turn])
             new = [{"role": "tool", "name": c.name, "content": r} for c, r in zip(calls, results)]
-            if self.env.broken:  # a call over its time limit: the world is gone, so is the episode
+            if self.env.broken:  # a call over its time limit, or the worker died: the world is gone
                 self.messages += new
-                self.stop("call_timeout")
+                self.stop("call_timeout" if self.env.timed_out else "environment_error")
                 return None
         else:
             return self._next_turn(deltas, ended_with)

@@ -66,7 +66,10 @@ def verify_episode(completion: Any, task: Task) -> VerifyResult:
                             allowed_per_turn=allowed_per_turn(ep), limits=limits_of(ep))
     reward = verdict.partial if ep.get("reward", "accuracy") == "partial" else verdict.reward
     passed = sum(1 for t in verdict.turns if t.passed)
-    reason = "correct" if verdict.reward >= 1.0 else "turn_failed"
+    if verdict.reward >= 1.0:
+        reason = "correct"
+    else:  # every turn passed but the environment's reward() is below 1: its own verdict
+        reason = "reward_below_1" if verdict.env_reward is not None and verdict.reason == "" else "turn_failed"
     detail = f"{passed}/{len(verdict.turns)} turns passed" + (f"; {verdict.reason}" if verdict.reason else "")
     extra = {"turns": [t.to_json() for t in verdict.turns], "accuracy": verdict.reward, "partial": verdict.partial}
     return VerifyResult(float(reward), reason, detail[:500], extra=extra)

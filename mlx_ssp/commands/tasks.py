@@ -80,10 +80,18 @@ def _write_gold(output: str, tasks: list) -> None:
     from mlx_ssp.agents.episode import is_episode
     from mlx_ssp.agents.gold import gold_messages
     from mlx_ssp.io import write_jsonl_atomic
+    from mlx_ssp.verify import verify
 
     if not all(is_episode(t) for t in tasks):
         raise UserError("--gold needs an episode source (episodes:PATH or bfcl_multi_turn:CATEGORY)")
-    write_jsonl_atomic(output, ({"task": t.model_dump(mode="json"), "messages": gold_messages(t)} for t in tasks))
+    lines = []
+    for t in tasks:
+        msgs = gold_messages(t)
+        res = verify(msgs, t)  # a gold episode that does not pass is a broken task or environment
+        if res.reward < 1.0:
+            raise UserError(f"task '{t.id}': its ground truth does not pass ({res.detail})")
+        lines.append({"task": t.model_dump(mode="json"), "messages": msgs})
+    write_jsonl_atomic(output, lines)
 
 
 @cli.command("list")

@@ -132,7 +132,7 @@ SOURCES: dict[str, Source] = {
 
 
 def _load_episodes(arg: str, params: dict):
-    from mlx_ssp.agents.source import load_episodes  # imports the verifier registry: only when used
+    from mlx_ssp.agents.source import load_episodes  # at the top it would close a cycle: agents.source -> tasks.item -> tasks
 
     return load_episodes(arg, params)
 

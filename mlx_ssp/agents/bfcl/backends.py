@@ -65,7 +65,7 @@ def _backend_class(class_name: str) -> type:
 
 @functools.lru_cache(maxsize=None)
 def _docs(class_name: str) -> tuple[dict, ...]:
-    import bfcl_eval
+    import bfcl_eval  # an optional package: only BFCL tasks need it
 
     path = Path(bfcl_eval.__file__).parent / "data" / "multi_turn_func_doc" / backend(class_name).doc_file
     with open(path, encoding="utf-8") as f:
