@@ -347,3 +347,24 @@ def test_exp4_agents_transfer_runs_every_model_on_every_backend(tmp_path):
     assert s["blend"]["breadth"][0] == pytest.approx(sum(s["blend"]["per_backend"][b][0] for b in res["backends"]) / 2)
     blend = [json.loads(x) for f in tmp_path.glob("select/*/blend/blend/train.jsonl") for x in f.read_text().splitlines()]
     assert {r["task_id"].split("-")[0] for r in blend} == {"file_system", "trading"}
+
+
+@pytest.mark.slow
+def test_exp4_on_the_tool_testbed_gives_every_row_and_column_and_reproduces_from_the_cache(tmp_path):
+    """The agents experiment on the tool-use testbed at plumbing size (a 2-step build of its model):
+    base, both specialists, blend, linear merge and TIES, each on both backends, the headline the
+    seed driver averages, and a second run from the cache writes the same table."""
+    mod = _load("exp4_agents_transfer")
+    res = _run("exp4_agents_transfer", tmp_path, "--profile", "tools")
+    assert res["backends"] == ["kv", "bank"]
+    (ev,) = res["per_seed"].values()
+    assert set(ev) == {"specialist:kv", "specialist:bank", "blend", "merged", "ties"}
+    assert all(set(m["per_backend"]) == {"kv", "bank"} for m in ev.values())
+    head = mod.headline(res)
+    for key in ("base breadth", "merged breadth", "ties breadth", "blend breadth", "merged - blend (breadth)",
+                "merged - specialist (own backend)", "specialist - base (other backends)", "ties - blend (breadth)"):
+        assert key in head
+    table = (tmp_path / "exp4" / "results.md").read_text()
+    assert all(f"| {row} |" in table for row in ("base", "specialist:kv", "blend", "merged", "ties"))
+    again = _run("exp4_agents_transfer", tmp_path, "--profile", "tools")
+    assert again["summary"] == res["summary"] and (tmp_path / "exp4" / "results.md").read_text() == table

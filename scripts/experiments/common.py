@@ -145,8 +145,41 @@ TESTBED: dict[str, Any] = {
     "large_k": None,
 }
 
+_TOOLS_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 48}
+
+
+def _tools_domain(backend: str) -> dict[str, Any]:
+    # eval and probe: episodes with a held-out name or paraphrase (the tool testbed's held-out space)
+    return {"source": f"testbed_tools:{backend}", "params": {"levels": [1, 4]},
+            "sizes": {"train": 96, "probe": 16, "eval": 48}}
+
+
+#: the tool-use testbed profile: the `tools` testbed model and its four toy backends, one domain per
+#: backend (the agents experiment: specialists per backend, blend, merge)
+TOOLS: dict[str, Any] = {
+    **TESTBED,
+    "model": "testbed:tools:0",
+    "tasks": {"seed": 11, "domains": {b: _tools_domain(b) for b in ("kv", "ctr", "files", "bank")}},
+    "rollout": {"k": 8, "sampling": _TOOLS_SAMPLING, "batch_size": 64},
+    "select": {"per_prompt": 4, "gold": True, "drop_truncated": False},
+    "sft": {
+        "lora": {"rank": 8, "num_layers": -1, "scale": 20.0},
+        "learning_rate": 1e-4,
+        "iters": 120,
+        "batch_size": 8,
+        "save_every": 40,
+        "report_every": 40,
+        "val_batches": 0,
+        "max_seq_length": 448,
+        "probe": {"k": 8, "max_tasks": 16, "batch_size": 64, "sampling": _TOOLS_SAMPLING, "progress": False},
+    },
+    "eval": {"k": 8, "n": 8, "sampling": _TOOLS_SAMPLING, "batch_size": 64},
+    "rl": {**TESTBED["rl"], "sampling": _TOOLS_SAMPLING, "gen_batch_size": 32},
+    "extra_merges": ["ties"],  # experiment 4: merge methods evaluated beside the merge section's
+}
+
 #: --profile NAME -> the defaults it starts from
-PROFILES: dict[str, dict[str, Any]] = {"demo": DEFAULTS, "testbed": TESTBED}
+PROFILES: dict[str, dict[str, Any]] = {"demo": DEFAULTS, "testbed": TESTBED, "tools": TOOLS}
 
 TINY_VERIFIER = "experiments_tiny_even"
 
@@ -375,13 +408,16 @@ class Ctx:
         write_json_atomic(f, res)
         return res
 
-    def merge(self, name: str, models: list[str]) -> str:
+    def merge(self, name: str, models: list[str], method: Optional[str] = None) -> str:
+        """The models merged with the merge section's settings (``method``: another method, named in
+        the cache directory by ``name``)."""
         from mlx_ssp.merge.engine import merge_models
 
+        cfg = self.merge_cfg if method is None else self.merge_cfg.model_copy(update={"method": method})
         out = self.path("merge", self.k_merge, name, "model")
         if not (out / "config.json").exists():
-            self.log(f"merge {name}: {self.merge_cfg.method} of {len(models)} models")
-            merge_models([Path(m) for m in models], Path(self.model_path), self.merge_cfg, out, overwrite=True,
+            self.log(f"merge {name}: {cfg.method} of {len(models)} models")
+            merge_models([Path(m) for m in models], Path(self.model_path), cfg, out, overwrite=True,
                          seed=self.seed, progress=False)
         return str(out)
 
@@ -653,7 +689,8 @@ def entry_point(run_fn, doc: str):
     @click.command(help=doc)
     @options
     @click.option("--profile", type=click.Choice(sorted(PROFILES)), default="demo", show_default=True,
-                  help="The defaults: the demo model, or the testbed model (testbed:multi, three domains).")
+                  help="The defaults: the demo model, the testbed model (testbed:multi, three domains), or the "
+                       "tool-use testbed model (testbed:tools, four backends).")
     def cli(tiny, work_dir, overrides, no_progress, profile):
         with turned_off() if no_progress else contextlib.nullcontext():  # also the bars no flag reaches (SFT)
             run_fn(make_ctx(tiny, work_dir, overrides, no_progress, defaults=PROFILES[profile],

@@ -20,10 +20,14 @@ base), as means over SFT seeds with the standard error across seeds (and, per se
 across tasks in results.json). Reward per episode: ``partial`` (the fraction of turns passed) by
 default, because at demo scale BFCL's all-turns accuracy is 0 almost everywhere.
 
-    python scripts/experiments/exp4_agents_transfer.py [--tiny] [--work-dir DIR] [--set KEY=VALUE]
+    python scripts/experiments/exp4_agents_transfer.py [--profile demo|tools] [--tiny] [--work-dir DIR] [--set KEY=VALUE]
 
-Demo scale uses ``tools: used`` (only the functions an episode's ground truth calls are offered:
-short prompts, an easier task than BFCL's). ``--tiny``: a random model, minimal sizes, seconds.
+``--profile demo`` (default): BFCL's base episodes on the demo model, ``tools: used`` (only the
+functions an episode's ground truth calls are offered: short prompts, an easier task than BFCL's).
+``--profile tools``: the tool-use testbed (``testbed:tools``, its four toy backends as domains; reward:
+every turn passed), where the models are also merged with TIES (``ties``) beside the merge section's
+method. Over seeds: ``python scripts/experiments/seeds.py exp4 --profile tools --seeds 0-4``.
+``--tiny``: a random model, minimal sizes, seconds.
 """
 
 from __future__ import annotations
@@ -72,6 +76,19 @@ def _tiny() -> dict:
     return d
 
 
+def _tiny_tools() -> dict:
+    """The tools profile at plumbing size: a short build of the tool testbed model, two backends."""
+    d = copy.deepcopy(common.TOOLS)
+    s = {"temperature": 1.0, "max_tokens": 8}
+    d["tasks"]["domains"] = {b: {**v, "sizes": {"train": 4, "probe": 2, "eval": 2}}
+                             for b, v in d["tasks"]["domains"].items() if b in ("kv", "bank")}
+    d["rollout"].update(k=2, sampling=s, batch_size=8)
+    d["sft"].update(iters=2, batch_size=1, save_every=1, report_every=1, lora={"rank": 2, "num_layers": 1},
+                    probe={"k": 2, "max_tasks": 1, "batch_size": 8, "sampling": s, "progress": False})
+    d["eval"].update(k=2, n=2, sampling=s, batch_size=8)
+    return d
+
+
 def run_seed(ctx: common.Ctx, seed: int) -> dict:
     """Every model of one SFT seed, each evaluated on every backend."""
     sel = ctx.selection("diverse")
@@ -88,6 +105,9 @@ def run_seed(ctx: common.Ctx, seed: int) -> dict:
     ev = {f"specialist:{d}": ctx.evaluate(f"s{seed}-spec-{d}", p) for d, p in specs.items()}
     ev["merged"] = ctx.evaluate(f"s{seed}-merged", merged)
     ev["blend"] = ctx.evaluate(f"s{seed}-blend", blend)
+    for method in ctx.raw.get("extra_merges", []) if len(specs) > 1 else []:
+        other = ctx.merge(f"s{seed}-{method}", list(specs.values()), method=method)
+        ev[method] = ctx.evaluate(f"s{seed}-{method}", other)
     return ev
 
 
@@ -142,22 +162,51 @@ def summarize(base: dict, seeds: dict[int, dict], k: int, backends: list[str]) -
     return out
 
 
+def headline(res: dict) -> dict[str, float]:
+    """One seed's numbers the seed driver averages (scripts/experiments/seeds.py): each model's
+    breadth and per-backend score, and the paired differences the experiment is about."""
+    (ev,) = res["per_seed"].values()
+    backends = res["backends"]
+    base = res["summary"]["base"]["per_backend"]
+    out = {"base breadth": breadth(base)}
+    for name, m in ev.items():
+        out[f"{name} breadth"] = breadth(m["per_backend"])
+        for b in backends:
+            out[f"{name} on {b}"] = m["per_backend"][b]
+    specs = {n.split(":", 1)[1]: m["per_backend"] for n, m in ev.items() if n.startswith("specialist:")}
+    if specs:
+        own = {b: p[b] for b, p in specs.items()}
+        out["specialists own backend"] = sum(own.values()) / len(own)
+        out["merged - specialist (own backend)"] = sum(ev["merged"]["per_backend"][b] - v for b, v in own.items()) / len(own)
+        others = [p[o] - base[o] for b, p in specs.items() for o in backends if o != b]
+        out["specialist - base (other backends)"] = sum(others) / len(others) if others else None
+    out["merged - blend (breadth)"] = breadth(ev["merged"]["per_backend"]) - breadth(ev["blend"]["per_backend"])
+    if "ties" in ev:
+        out["ties - blend (breadth)"] = breadth(ev["ties"]["per_backend"]) - breadth(ev["blend"]["per_backend"])
+    return out
+
+
 def run(ctx: common.Ctx) -> dict:
     k = ctx.eval_cfg.k
     backends = list(ctx.domains)
     base = ctx.evaluate("base", None)
     seeds = {s: run_seed(ctx, s) for s in ctx.sft_seeds}
     summ = summarize(base, seeds, k, backends)
+    tools = "extra_merges" in ctx.raw  # the tool-use testbed profile
+    what = "the tool-use testbed's episodes" if tools else "BFCL multi-turn episodes"
+    measure = "episodes with every turn passed" if tools else "mean fraction of turns passed"
     f = common.fmt
     head = ["model", *backends, "breadth"]
     rows = [["base", *(f(summ["base"]["per_backend"][b]) for b in backends), f(summ["base"]["breadth"][0])]]
-    for name in [n for n in summ if n.startswith("specialist:")] + ["blend", "merged"]:
+    for name in [n for n in summ if n.startswith("specialist:")] + ["blend", "merged", *ctx.raw.get("extra_merges", [])]:
+        if name not in summ:
+            continue
         r = summ[name]
         rows.append([name, *(f(*r["per_backend"][b]) for b in backends), f(*r["breadth"])])
     sp = summ["specialists"]
     text = "\n".join([
-        f"## Experiment 4: specialists per backend vs blend vs merge on BFCL multi-turn episodes "
-        f"(mean fraction of turns passed, n={ctx.eval_cfg.n or k} per task; {len(ctx.sft_seeds)} SFT seeds; "
+        f"## Experiment 4: specialists per backend vs blend vs merge on {what} "
+        f"({measure}, n={ctx.eval_cfg.n or k} per task; {len(ctx.sft_seeds)} SFT seeds; "
         "± = SE across seeds)",
         "",
         common.md_table(head, rows),
@@ -170,7 +219,8 @@ def run(ctx: common.Ctx) -> dict:
         s: {n: {"per_backend": per_backend(r, k, backends), "accuracy_per_backend": per_backend(r, k, backends, "pass@1"),
                 "vs_base_accuracy": common.paired(base, r, k)} for n, r in ev.items()} for s, ev in seeds.items()}}
     accs = [v for ev in results["per_seed"].values() for m in ev.values() for v in m["accuracy_per_backend"].values()]
-    text += f"\n\nBFCL accuracy (every turn passed): {sum(1 for a in accs if a > 0)} of {len(accs)} (model, backend, seed) cells above 0."
+    if not tools:
+        text += f"\n\nBFCL accuracy (every turn passed): {sum(1 for a in accs if a > 0)} of {len(accs)} (model, backend, seed) cells above 0."
     common.write_results(ctx, "exp4", results, text)
     return results
 
@@ -188,9 +238,29 @@ def _make_ctx(tiny, work_dir, overrides, no_progress):
                            name="experiments-agents")
 
 
-@common.click.command(help="Experiment 4: specialists per BFCL backend vs blend vs merge (breadth).")
+#: --profile NAME -> this experiment's defaults (BFCL on the demo model, or the tool-use testbed)
+PROFILES = {"demo": DEFAULTS, "tools": common.TOOLS}
+
+
+@common.click.command(help="Experiment 4: specialists per backend vs blend vs merge (breadth).")
 @common.options
-def cli(tiny, work_dir, overrides, no_progress):
+@common.click.option("--profile", type=common.click.Choice(sorted(common.PROFILES)), default="demo", show_default=True,
+                     help="demo: BFCL's base episodes on the demo model; tools: the tool-use testbed.")
+def cli(tiny, work_dir, overrides, no_progress, profile):
+    if profile not in PROFILES:
+        raise common.UserError(f"experiment 4 runs with --profile {' or '.join(PROFILES)} (not {profile})")
+    if profile == "tools":
+        if tiny and not any(o.startswith("model=") for o in overrides):
+            # a few steps of the tool testbed's own build: its tokenizer and chat template, seconds
+            from mlx_ssp.testbed.build import build
+
+            mdir = Path(work_dir or "runs/experiments-tools-tiny") / "tiny_tools_model"
+            if not (mdir / "config.json").exists():
+                build("tools", 0, mdir, steps=2, corpus_size=8, progress=False)
+            overrides = (*overrides, f"model={mdir}")
+        run(common.make_ctx(tiny, work_dir, overrides, no_progress, defaults=PROFILES[profile],
+                            tiny_defaults=_tiny_tools(), name="experiments-tools"))
+        return
     run(_make_ctx(tiny, work_dir, overrides, no_progress))
 
 

@@ -4,7 +4,8 @@ mean and standard error across seeds, paired differences on the same held-out ta
     python scripts/experiments/seeds.py EXP[,EXP...] [--profile testbed] [--seeds 0-4] [--jobs 2] [--out DIR] [--set KEY=VALUE ...]
 
 EXP is one of ``exp1`` (spectrum: diverse vs first-win, after SFT and after RL), ``exp2`` (merge vs
-blend vs specialists), ``exp3`` (MGPO vs GRPO) or ``exp5`` (the checkpoint rule, judged after RL).
+blend vs specialists), ``exp3`` (MGPO vs GRPO), ``exp4`` (the agents experiment: specialists per tool
+backend vs blend vs merge, breadth; ``--profile tools``) or ``exp5`` (the checkpoint rule, judged after RL).
 Each seed S runs the experiment's own script in its own work directory ``OUT/seed-S`` with
 ``--set seed=S --set sft_seeds=[S]``: S drives everything that is drawn in training (the rollouts
 that SFT data are selected from, the LoRA init and batch order, the RL sampling) and the eval
@@ -41,7 +42,7 @@ sys.path.insert(0, str(HERE))
 import common  # noqa: E402  (the experiments' shared module: profiles, statistics, tables)
 
 EXPERIMENTS = {"exp1": "exp1_spectrum", "exp2": "exp2_merge_vs_blend", "exp3": "exp3_signal",
-               "exp5": "exp5_checkpoint_rule"}
+               "exp4": "exp4_agents_transfer", "exp5": "exp5_checkpoint_rule"}
 
 
 def parse_seeds(text: str) -> list[int]:
