@@ -221,31 +221,27 @@ class Environment:
 
     # ------------------------------------------------------------ state
 
-    def state(self) -> dict[str, dict]:
-        """class -> {public attribute: a copy of its value} (what the state check compares); raises
-        :class:`EnvironmentBroken` once the environment was stopped."""
+    def _ask(self, req: tuple, what: str, failed: str) -> Any:
+        """A request other than a call; :class:`EnvironmentBroken` once the environment was stopped
+        (or is stopped by this request), or when the worker answers with an error."""
         if self.broken:
             raise EnvironmentBroken(self.broken)
         try:
-            kind, state = self._worker.request(("state",), self.limits.timeout_s, "reading the state")
+            kind, value = self._worker.request(req, self.limits.timeout_s, what)
         except WorkerGone as e:
-            self.broken = str(e)
+            self.broken, self.timed_out = str(e), e.timed_out
             raise EnvironmentBroken(self.broken) from None
         if kind != "ok":
-            raise EnvironmentBroken(f"the state could not be read: {state}")
-        return state
+            raise EnvironmentBroken(f"{failed}{value}")
+        return value
+
+    def state(self) -> dict[str, dict]:
+        """class -> {public attribute: a copy of its value} (what the state check compares)."""
+        return self._ask(("state",), "reading the state", "the state could not be read: ")
 
     def reward(self) -> float:
         """The environment's own ``reward()`` (tasks without ground truth), checked to be in [0, 1]."""
-        if self.broken:
-            raise EnvironmentBroken(self.broken)
-        try:
-            kind, value = self._worker.request(("reward",), self.limits.timeout_s, "reward()")
-        except WorkerGone as e:
-            self.broken = str(e)
-            raise EnvironmentBroken(self.broken) from None
-        if kind != "ok":
-            raise EnvironmentBroken(value)
+        value = self._ask(("reward",), "reward()", "")
         if not 0.0 <= value <= 1.0:  # NaN fails too
             raise EnvironmentBroken(f"reward() returned {value}, not a number in [0, 1]")
         return value
