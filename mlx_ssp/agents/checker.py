@@ -172,12 +172,15 @@ def score_episode(
         return _score_by_reward(spec, turns, set(step_limit_hit), limits, allowed_per_turn)
     gt = _parse_gt(spec.ground_truth)
     with Environment(spec.world, limits=limits) as model, Environment(spec.world, limits=limits) as twin:
-        verdicts = _judge_turns(gt, turns, model, twin, set(step_limit_hit), allowed_per_turn)
+        verdicts = judge_turns(gt, turns, model, twin, set(step_limit_hit), allowed_per_turn)
     return EpisodeVerdict(tuple(verdicts))
 
 
-def _judge_turns(gt: list[list[Call]], turns: list[list[list[Call]]], model: Environment, twin: Environment,
+def judge_turns(gt: list[list[Call]], turns: list[list[list[Call]]], model: Environment, twin: Environment,
                  limit_hit: set[int], allowed_per_turn: Sequence[Collection[str]] | None) -> list[TurnVerdict]:
+    """Every turn's verdict, ``model`` running the model's calls and ``twin`` the ground truth (any
+    objects with an Environment's execute_full/state/state_difference/method_names/broken: the tool
+    testbed judges its variants with in-process twins)."""
     n = len(gt)
     everything = twin.method_names()
     so_far: list[str] = []  # the model's result texts of all turns so far

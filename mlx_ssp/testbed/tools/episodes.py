@@ -53,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlx_ssp.agents.calls import Call
-from mlx_ssp.agents.checker import _judge_turns  # the checker's own turn judge: variants are kept by its verdict
+from mlx_ssp.agents.checker import judge_turns  # the checker's own turn judge: variants are kept by its verdict
 from mlx_ssp.agents.env import build_class, format_value, tool_functions
 from mlx_ssp.agents.environment import state_difference
 from mlx_ssp.errors import UserError
@@ -680,7 +680,7 @@ def passes(ep: Episode, calls: tuple[tuple[Call, ...], ...]) -> bool:
     """Whether the checker passes every turn of ``ep`` when the model makes ``calls`` (one message per
     turn, as a gold episode does), judged by its own turn judge on in-process twins."""
     turns = [[list(t), []] if t else [[]] for t in calls]
-    verdicts = _judge_turns([list(t) for t in ep.calls], turns, _Twin(ep), _Twin(ep), set(), None)
+    verdicts = judge_turns([list(t) for t in ep.calls], turns, _Twin(ep), _Twin(ep), set(), None)
     return all(v.passed for v in verdicts)
 
 
