@@ -352,19 +352,45 @@ def test_exp4_agents_transfer_runs_every_model_on_every_backend(tmp_path):
 @pytest.mark.slow
 def test_exp4_on_the_tool_testbed_gives_every_row_and_column_and_reproduces_from_the_cache(tmp_path):
     """The agents experiment on the tool-use testbed at plumbing size (a 2-step build of its model):
-    base, both specialists, blend, linear merge and TIES, each on both backends, the headline the
-    seed driver averages, and a second run from the cache writes the same table."""
+    base, both specialists, blend, linear merge, TIES, and MGPO and GRPO from the merge, each on both
+    backends, the headline the seed driver averages, and a second run from the cache writes the same
+    table."""
     mod = _load("exp4_agents_transfer")
     res = _run("exp4_agents_transfer", tmp_path, "--profile", "tools")
     assert res["backends"] == ["kv", "bank"]
     (ev,) = res["per_seed"].values()
-    assert set(ev) == {"specialist:kv", "specialist:bank", "blend", "merged", "ties"}
+    assert set(ev) == {"specialist:kv", "specialist:bank", "blend", "merged", "ties", "rl:mgpo", "rl:grpo"}
     assert all(set(m["per_backend"]) == {"kv", "bank"} for m in ev.values())
     head = mod.headline(res)
     for key in ("base breadth", "merged breadth", "ties breadth", "blend breadth", "merged - blend (breadth)",
-                "merged - specialist (own backend)", "specialist - base (other backends)", "ties - blend (breadth)"):
+                "merged - specialist (own backend)", "specialist - base (other backends)", "ties - blend (breadth)",
+                "rl:mgpo - merged (breadth)", "rl:grpo - merged (breadth)", "rl:mgpo - rl:grpo (breadth)"):
         assert key in head
+    assert 0 < head["rl:mgpo mean MGPO weight"] <= 1  # lambda 1: a weight in (0, 1] per group
     table = (tmp_path / "exp4" / "results.md").read_text()
-    assert all(f"| {row} |" in table for row in ("base", "specialist:kv", "blend", "merged", "ties"))
+    assert all(f"| {row} |" in table for row in ("base", "specialist:kv", "blend", "merged", "ties", "rl:mgpo", "rl:grpo"))
     again = _run("exp4_agents_transfer", tmp_path, "--profile", "tools")
     assert again["summary"] == res["summary"] and (tmp_path / "exp4" / "results.md").read_text() == table
+
+
+@pytest.mark.slow
+def test_exp1_from_the_generator_gives_arms_that_differ_and_a_pass_at_k_curve(tmp_path):
+    """``spectrum_source: generator``: both arms' SFT data are the testbed generator's verified traces
+    (no model samples), the diverse arm holds several distinct solutions per countdown prompt where
+    first-win repeats one, and ``spectrum_eval`` adds pass@k at each k after SFT for every model."""
+    tasks = {"seed": 3, "domains": {"countdown": {"source": "testbed:countdown", "params": {"levels": [3, 4]},
+                                                  "sizes": {"train": 6, "probe": 2, "eval": 3}}}}
+    res = _run("exp1_spectrum", tmp_path, "--set", f"tasks={json.dumps(tasks)}", "--set", "spectrum_source=generator",
+               "--set", "spectrum_eval={n: 4, ks: [1, 2, 4]}")
+    assert res["spectrum_source"] == "generator"
+    st = res["spectrum"]["countdown"]
+    assert st["distinct_per_prompt"]["first_matched"] == 1.0 and st["distinct_per_prompt"]["diverse"] > 1.5
+    assert st["prompts_differing"] > 0.5 and st["train_examples"]["first_matched"] == st["train_examples"]["diverse"]
+    assert not list(tmp_path.glob("rollout/*/rollouts.jsonl"))  # the model was never sampled for SFT data
+    (per,) = res["per_seed"].values()
+    curve = per["countdown"]["spectrum"]
+    assert set(curve) == {"base", "first_matched", "diverse"}
+    assert all(list(c) == ["pass@1 (n=4)", "pass@2 (n=4)", "pass@4 (n=4)"] for c in curve.values())
+    assert all(c["pass@1 (n=4)"] <= c["pass@2 (n=4)"] <= c["pass@4 (n=4)"] for c in curve.values())
+    with pytest.raises(Exception, match="spectrum_source"):
+        _run("exp1_spectrum", tmp_path / "bad", "--set", "spectrum_source=teacher")

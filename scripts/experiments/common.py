@@ -44,6 +44,7 @@ import mlx_ssp  # noqa: F401  (loads OpenBLAS before mlx.core)
 from mlx_ssp.config import apply_overrides
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import read_jsonl, write_json_atomic, write_jsonl_atomic
+from mlx_ssp.metrics import pass_at_k
 from mlx_ssp.progress import turned_off
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,6 +101,13 @@ DEFAULTS: dict[str, Any] = {
     # experiment 5: also probe every checkpoint with n samples per probe prompt and rank by pass@k at
     # each k of ks, e.g. {n: 256, ks: [16, 64, 256]}; null: not run
     "large_k": None,
+    # experiments 1 and 2: where the SFT data are selected from: "rollouts" (the base model's K
+    # samples) or "generator" (the testbed generator's own traces of every correct strategy,
+    # mlx_ssp.testbed.spectrum: a spectrum that exists by construction; testbed tasks only)
+    "spectrum_source": "rollouts",
+    # experiment 1: pass@k at these k (<= spectrum_eval.n) after SFT, from n samples on the first
+    # max_tasks held-out tasks per domain (the spectrum itself); null: not run
+    "spectrum_eval": None,
 }
 
 _TB_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 48}
@@ -143,6 +151,8 @@ TESTBED: dict[str, Any] = {
     "grpo_lr_scale": None,
     "extra_lambdas": [],
     "large_k": None,
+    "spectrum_source": "rollouts",
+    "spectrum_eval": None,
 }
 
 _TOOLS_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 48}
@@ -178,6 +188,9 @@ TOOLS: dict[str, Any] = {
     "rl": {**TESTBED["rl"], "sampling": _TOOLS_SAMPLING, "gen_batch_size": 32},
     "extra_merges": ["ties"],  # experiment 4: merge methods evaluated beside the merge section's
 }
+
+#: where experiments 1 and 2 select SFT data from (``spectrum_source``)
+SPECTRUM_SOURCES = ("rollouts", "generator")
 
 #: --profile NAME -> the defaults it starts from
 PROFILES: dict[str, dict[str, Any]] = {"demo": DEFAULTS, "testbed": TESTBED, "tools": TOOLS}
@@ -258,7 +271,12 @@ class Ctx:
         # cache keys: each step's directory is named by the config it depends on (chained)
         self.k_tasks = _fingerprint(cfg["tasks"])
         self.k_rollout = _fingerprint([self.k_tasks, cfg["model"], cfg["rollout"], self.seed])
-        self.k_select = _fingerprint([self.k_rollout, cfg["select"]])
+        src = cfg.get("spectrum_source", "rollouts")
+        if src not in SPECTRUM_SOURCES:
+            raise UserError(f"spectrum_source: {src!r} is not valid; valid: {', '.join(SPECTRUM_SOURCES)}")
+        # the generator's data do not depend on the model's rollouts; "rollouts" keeps its old key
+        self.k_select = _fingerprint([self.k_rollout, cfg["select"]] if src == "rollouts" else
+                                     [self.k_tasks, cfg["select"], src])
         self.k_sft = _fingerprint([self.k_select, cfg["sft"], cfg["model"]])
         self.k_merge = _fingerprint([self.k_sft, cfg["merge"]])
         self.k_eval = _fingerprint([self.k_tasks, cfg["eval"], self.seed])
@@ -331,7 +349,25 @@ class Ctx:
                 from mlx_ssp.select import gold_records
 
                 gold = gold_records(self.load_tasks("train"), self.base()[1])
-            run_select(self.rollouts(), cfg, out, overwrite=True, gold=gold)
+            run_select(self.spectrum_rollouts(), cfg, out, overwrite=True, gold=gold)
+        return out
+
+    def spectrum_rollouts(self) -> Path:
+        """What selection chooses from: the base model's rollouts, or (``spectrum_source:
+        generator``) the testbed generator's traces of every correct strategy per train prompt."""
+        if self.raw.get("spectrum_source", "rollouts") == "rollouts":
+            return self.rollouts()
+        from mlx_ssp.rollout.resume import sidecar
+        from mlx_ssp.testbed.spectrum import solution_records
+
+        out = self.path("rollout", _fingerprint([self.k_tasks, "generator"]), "generator.jsonl")
+        if not out.exists():
+            try:
+                recs = solution_records(self.load_tasks("train"))
+            except ValueError as e:
+                raise UserError(f"spectrum_source: generator: {e}") from None
+            write_json_atomic(sidecar(out, "meta"), {"model": "generator", "system": self.rollout_cfg.system})
+            write_jsonl_atomic(out, recs)
         return out
 
     def sft(self, name: str, domains: dict[str, dict], seed: int, iters: Optional[int] = None,
@@ -533,6 +569,31 @@ def mean_se(xs: list[float]) -> tuple[Optional[float], Optional[float]]:
     return m, math.sqrt(var / n)
 
 
+def samples_setting(raw, key: str, what: str = "samples per task") -> Optional[tuple[int, list[int]]]:
+    """A ``{n, ks}`` setting (n samples per task, pass@k at each k) as (n, sorted ks), None when
+    null; anything else fails before any work, naming ``key``."""
+    if raw is None:
+        return None
+    valid = f"null or {{n: {what}, ks: [k, ...] with 1 <= k <= n, the largest >= 2}}"
+    if not isinstance(raw, dict) or set(raw) != {"n", "ks"}:
+        raise UserError(f"{key}: {raw!r} is not valid; valid: {valid}")
+    n, ks = raw["n"], raw["ks"]
+
+    def is_int(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not is_int(n) or n < 1 or not isinstance(ks, list) or not ks or not all(is_int(k) and 1 <= k <= n for k in ks) \
+            or max(ks) < 2:  # a rule or a curve named pass@<largest k> needs more than pass@1
+        raise UserError(f"{key}: {raw!r} is not valid; valid: {valid}")
+    return n, sorted(set(ks))
+
+
+def pass_at_ks(res: dict, ks: list[int], domain: str) -> dict[int, float]:
+    """k -> mean over the domain's tasks of the unbiased pass@k from each task's n samples."""
+    rows = [t for t in res["tasks"] if t["domain"] == domain]
+    return {k: sum(pass_at_k(t["n"], t["c"], k) for t in rows) / len(rows) for k in ks}
+
+
 def scores(res: dict, k: int, domain: Optional[str] = None) -> dict:
     """pass@1 and pass@k (mean over tasks) with their standard errors across tasks."""
     rows = [r for r in task_table(res, k).values() if domain is None or r["domain"] == domain]
@@ -602,13 +663,13 @@ def spectrum_data(ctx: Ctx) -> dict[str, Path]:
                 continue
             for part in ("train", "valid"):
                 for rec in read_jsonl(div / row["dir"] / f"{part}.jsonl"):
-                    key = _prompt_key(rec)
+                    key = prompt_key(rec)
                     counts[key] = counts.get(key, 0) + 1
             for part in ("train", "valid"):
                 src = first / row["dir"] / f"{part}.jsonl"
                 out = []
                 for rec in read_jsonl(src):
-                    out += [rec] * counts[_prompt_key(rec)]
+                    out += [rec] * counts[prompt_key(rec)]
                 write_jsonl_atomic(matched / row["dir"] / f"{part}.jsonl", out)
         rep_first = json.loads((first / "spectrum.json").read_text())
         rep_first["matched_to"] = str(div)  # first-win records repeated to the diverse count per prompt
@@ -617,7 +678,7 @@ def spectrum_data(ctx: Ctx) -> dict[str, Path]:
     return {"diverse": div, "first_matched": matched}
 
 
-def _prompt_key(rec: dict) -> str:
+def prompt_key(rec: dict) -> str:
     return json.dumps(rec["messages"][:-1], sort_keys=True)
 
 

@@ -37,14 +37,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from mlx_ssp.io import read_jsonl  # noqa: E402
 
 ARMS = ("first_matched", "diverse")
 
 
 def spectrum_stats(ctx: common.Ctx) -> dict:
-    """Per domain and arm: SFT examples, prompts, distinct correct per prompt, mean pairwise distance."""
-    from mlx_ssp.io import read_jsonl
-
+    """Per domain and arm: SFT examples, prompts, distinct correct per prompt, mean pairwise distance,
+    and how far the arms' data differ: distinct solutions per prompt in each arm's SFT data, and the
+    share of prompts whose two sets differ (0 would make the comparison empty)."""
     data = common.spectrum_data(ctx)
     rep = json.loads((data["diverse"] / "spectrum.json").read_text())
     out = {}
@@ -61,8 +62,25 @@ def spectrum_stats(ctx: common.Ctx) -> dict:
             "mean_selected_per_prompt": row["mean_selected_per_prompt"],
             "mean_pairwise_distance_selected": row["mean_pairwise_distance"],
             "train_examples": n,
+            **arms_differ({arm: read_jsonl(data[arm] / row["dir"] / "train.jsonl") for arm in ARMS}),
         }
     return out
+
+
+def arms_differ(recs: dict[str, list[dict]]) -> dict:
+    """Distinct solutions per prompt in each arm's records, and the share of prompts where the arms'
+    sets of solutions differ (pure: records in mlx-lm chat format)."""
+    sets: dict[str, dict[str, set]] = {}
+    for arm, rows in recs.items():
+        per: dict[str, set] = {}
+        for r in rows:
+            per.setdefault(common.prompt_key(r), set()).add(r["messages"][-1]["content"])
+        sets[arm] = per
+    a, b = (sets[arm] for arm in ARMS)
+    prompts = sorted(set(a) | set(b))
+    return {"distinct_per_prompt": {arm: (sum(len(v) for v in sets[arm].values()) / len(sets[arm]) if sets[arm] else None)
+                                    for arm in ARMS},
+            "prompts_differing": (sum(a.get(p) != b.get(p) for p in prompts) / len(prompts)) if prompts else None}
 
 
 def curves(seed_dir: Path, seed: int) -> dict[str, list[Path]]:
@@ -94,11 +112,28 @@ def headline(res: dict) -> dict[str, float]:
             out[f"{d} diverse - first, SFT pass@1"] = r["diverse_minus_first"]["d_pass@1"]
             out[f"{d} diverse - first, SFT pass@k"] = r["diverse_minus_first"]["d_pass@k"]
             out[f"{d} diverse - first, RL pass@1"] = r["rl_diverse_minus_first"]["d_pass@1"]
+            for arm in ("base", *ARMS):
+                for label, v in r.get("spectrum", {}).get(arm, {}).items():
+                    out[f"{d} {arm} SFT {label}"] = v
+            for label, v in r.get("spectrum_diverse_minus_first", {}).items():
+                out[f"{d} diverse - first, SFT {label}"] = v
     return out
+
+
+def spectrum_curve(ctx: common.Ctx, name: str, model_dir, domain: str) -> dict[str, float]:
+    """pass@k at ``spectrum_eval.ks`` from ``spectrum_eval.n`` samples per held-out task of ``domain``
+    (None when ``spectrum_eval`` is null): how wide the model's distribution of answers is."""
+    setting = common.samples_setting(ctx.raw.get("spectrum_eval"), "spectrum_eval")
+    if setting is None:
+        return {}
+    n, ks = setting
+    res = ctx.evaluate(f"{name}-n{n}", model_dir, [domain], n=n)
+    return {f"pass@{k} (n={n})": v for k, v in common.pass_at_ks(res, ks, domain).items()}
 
 
 def run(ctx: common.Ctx) -> dict:
     k = ctx.eval_cfg.k
+    common.samples_setting(ctx.raw.get("spectrum_eval"), "spectrum_eval")  # fail before any work
     stats = spectrum_stats(ctx)
     rows = []
     per_seed: dict = {}
@@ -123,9 +158,13 @@ def run(ctx: common.Ctx) -> dict:
                 "diverse_minus_first": common.paired(evals["first_matched"][d], evals["diverse"][d], k, d),
                 "first_minus_base": common.paired(base, evals["first_matched"][d], k, d),
                 "diverse_minus_base": common.paired(base, evals["diverse"][d], k, d),
+                "spectrum": {"base": spectrum_curve(ctx, "base", None, d),
+                             **{arm: spectrum_curve(ctx, f"{arm}-s{seed}-{d}", specs[arm][d], d) for arm in ARMS}},
                 "chosen_step": {arm: json.loads((ctx.sft_dir(f"{arm}-s{seed}") / d / "result.json").read_text())
                                 ["chosen_step"] for arm in ARMS},
             }
+            sp = r["spectrum"]
+            r["spectrum_diverse_minus_first"] = {m: sp["diverse"][m] - sp["first_matched"][m] for m in sp["diverse"]}
             per_seed[seed][d] = r
             for m, xs in common.task_diffs(evals["first_matched"][d], evals["diverse"][d], k, d).items():
                 pooled_diffs[m] += xs
@@ -153,17 +192,26 @@ def run(ctx: common.Ctx) -> dict:
         "",
         common.md_table(
             ["domain", "prompts", "with a correct rollout", "correct/prompt", "distinct correct/prompt",
-             "selected/prompt (diverse)", "mean pairwise distance (diverse)", "SFT examples first-win / diverse"],
+             "selected/prompt (diverse)", "mean pairwise distance (diverse)", "SFT examples first-win / diverse",
+             "distinct solutions/prompt in SFT data first-win / diverse", "prompts whose arms differ"],
             [[d, str(s["n_prompts"]), str(s["prompts_with_correct"]),
               common.fmt(s.get("mean_correct_per_prompt")), common.fmt(s.get("mean_distinct_correct_per_prompt")),
               common.fmt(s.get("mean_selected_per_prompt")), common.fmt(s.get("mean_pairwise_distance_selected")),
               (f"{s['train_examples']['first_matched']} / {s['train_examples']['diverse']}"
-               if "train_examples" in s else "-")] for d, s in stats.items()]),
+               if "train_examples" in s else "-"),
+              (" / ".join(common.fmt(s["distinct_per_prompt"][a]) for a in ARMS) if "distinct_per_prompt" in s else "-"),
+              common.fmt(s.get("prompts_differing"))] for d, s in stats.items()]),
         "",
         f"pooled diverse - first over domains x seeds ({n_pooled} task x seed pairs): "
         f"pass@1 {common.fmt(*pooled['pass@1'], signed=True)}, pass@{k} {common.fmt(*pooled['pass@k'], signed=True)}",
     ])
-    results = {"k": k, "spectrum": stats, "per_seed": per_seed, "pooled_diverse_minus_first": pooled}
+    curve_rows = [[d, str(seed), arm, *(common.fmt(v) for v in r["spectrum"][arm].values())]
+                  for seed, per in per_seed.items() for d, r in per.items() for arm in ("base", *ARMS)
+                  if r["spectrum"].get(arm)]
+    if curve_rows:
+        labels = next(iter(next(iter(per_seed.values())).values()))["spectrum"]["diverse"]
+        text += "\n\n" + common.md_table(["domain", "seed", "model (after SFT)", *labels], curve_rows)
+    results = {"k": k, "spectrum_source": ctx.raw.get("spectrum_source", "rollouts"), "spectrum": stats, "per_seed": per_seed, "pooled_diverse_minus_first": pooled}
     common.write_results(ctx, "exp1", results, text)
     return results
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from mlx_ssp.io import read_jsonl, write_jsonl_atomic  # noqa: E402
 
 BACKENDS = ("file_system", "vehicle_control", "trading", "travel")
 _S = {"temperature": 0.7, "top_p": 1.0, "max_tokens": 96}
@@ -60,6 +61,16 @@ DEFAULTS = {
     },
     "sft_seeds": [0, 1, 2],
     "eval": {"k": 2, "n": 2, "sampling": _S, "batch_size": 16},
+    "rl_from_merged": False,
+}
+
+#: the tool-use testbed profile: MGPO-GRPO and GRPO (lambda 0) from the merged model, on every
+#: backend's train episodes, evaluated after the last step only
+TOOLS = {
+    **copy.deepcopy(common.TOOLS),
+    "rl": {**common.TOOLS["rl"], "steps": 30},
+    "rl_eval_every": 30,
+    "rl_from_merged": True,
 }
 
 
@@ -78,7 +89,7 @@ def _tiny() -> dict:
 
 def _tiny_tools() -> dict:
     """The tools profile at plumbing size: a short build of the tool testbed model, two backends."""
-    d = copy.deepcopy(common.TOOLS)
+    d = copy.deepcopy(TOOLS)
     s = {"temperature": 1.0, "max_tokens": 8}
     d["tasks"]["domains"] = {b: {**v, "sizes": {"train": 4, "probe": 2, "eval": 2}}
                              for b, v in d["tasks"]["domains"].items() if b in ("kv", "bank")}
@@ -86,6 +97,9 @@ def _tiny_tools() -> dict:
     d["sft"].update(iters=2, batch_size=1, save_every=1, report_every=1, lora={"rank": 2, "num_layers": 1},
                     probe={"k": 2, "max_tasks": 1, "batch_size": 8, "sampling": s, "progress": False})
     d["eval"].update(k=2, n=2, sampling=s, batch_size=8)
+    d["rl"].update(steps=1, batch_size=2, group_size=2, sampling=s, gen_batch_size=8, micro_batch_size=4,
+                   checkpoint_every=1, lora={"rank": 2, "num_layers": 1})
+    d["rl_eval_every"] = 1
     return d
 
 
@@ -108,12 +122,33 @@ def run_seed(ctx: common.Ctx, seed: int) -> dict:
     for method in ctx.raw.get("extra_merges", []) if len(specs) > 1 else []:
         other = ctx.merge(f"s{seed}-{method}", list(specs.values()), method=method)
         ev[method] = ctx.evaluate(f"s{seed}-{method}", other)
+    if ctx.raw.get("rl_from_merged"):
+        ev.update(rl_from_merged(ctx, seed, merged))
+    return ev
+
+
+#: the RL arms started from the merged model: name -> lambda (None: ``rl.mgpo_lambda``)
+RL_ARMS = {"rl:mgpo": None, "rl:grpo": 0.0}
+
+
+def rl_from_merged(ctx: common.Ctx, seed: int, merged: str) -> dict[str, dict]:
+    """RL from the merged model with the same budget per arm (``rl``: steps x prompts x G), MGPO at
+    ``rl.mgpo_lambda`` and GRPO (lambda 0), trained on every backend's train episodes mixed; each arm's
+    held-out eval after its last step, with the arm's mean MGPO weight over its steps."""
+    out = common.rl_from_dir(ctx, f"s{seed}", merged)
+    backends = list(ctx.domains)
+    ev = {}
+    for name, lam in RL_ARMS.items():
+        lam = ctx.rl_cfg.mgpo_lambda if lam is None else lam
+        arm = name.split(":", 1)[1]
+        res = dict(common.rl_arm(ctx, arm, lam, merged, out, backends)[ctx.rl_cfg.steps])
+        w = [m["mgpo_weight_mean"] for m in read_jsonl(out / arm / "metrics.jsonl") if "mgpo_weight_mean" in m]
+        res["mgpo_weight_mean"] = sum(w) / len(w) if w else None
+        ev[name] = res
     return ev
 
 
 def _blend_dir(ctx: common.Ctx, sel: Path, doms: list[str]) -> Path:
-    from mlx_ssp.io import read_jsonl, write_jsonl_atomic
-
     out = ctx.select_dir("blend") / "blend"
     for part in ("train", "valid"):
         f = out / f"{part}.jsonl"
@@ -183,6 +218,12 @@ def headline(res: dict) -> dict[str, float]:
     out["merged - blend (breadth)"] = breadth(ev["merged"]["per_backend"]) - breadth(ev["blend"]["per_backend"])
     if "ties" in ev:
         out["ties - blend (breadth)"] = breadth(ev["ties"]["per_backend"]) - breadth(ev["blend"]["per_backend"])
+    if "rl:mgpo" in ev:
+        b = {n: breadth(ev[n]["per_backend"]) for n in ("merged", *RL_ARMS)}
+        out["rl:mgpo - merged (breadth)"] = b["rl:mgpo"] - b["merged"]
+        out["rl:grpo - merged (breadth)"] = b["rl:grpo"] - b["merged"]
+        out["rl:mgpo - rl:grpo (breadth)"] = b["rl:mgpo"] - b["rl:grpo"]
+        out["rl:mgpo mean MGPO weight"] = ev["rl:mgpo"].get("mgpo_weight_mean")
     return out
 
 
@@ -198,7 +239,8 @@ def run(ctx: common.Ctx) -> dict:
     f = common.fmt
     head = ["model", *backends, "breadth"]
     rows = [["base", *(f(summ["base"]["per_backend"][b]) for b in backends), f(summ["base"]["breadth"][0])]]
-    for name in [n for n in summ if n.startswith("specialist:")] + ["blend", "merged", *ctx.raw.get("extra_merges", [])]:
+    for name in [n for n in summ if n.startswith("specialist:")] + ["blend", "merged", *ctx.raw.get("extra_merges", []),
+                                                                    *RL_ARMS]:
         if name not in summ:
             continue
         r = summ[name]
@@ -214,10 +256,16 @@ def run(ctx: common.Ctx) -> dict:
         f"specialists on their own backend: {f(*sp['own_backend'])}; specialists' breadth: {f(*sp['breadth'])}; "
         f"merged - specialist on the specialist's backend: {f(*summ['merged_minus_specialist_own'], signed=True)}",
     ])
+    if "rl:mgpo" in summ:
+        steps = ctx.rl_cfg
+        text += (f"\n\nRL from the merged model ({steps.steps} steps x {steps.batch_size} episodes x G={steps.group_size}, "
+                 f"all backends' train episodes): MGPO at lambda={steps.mgpo_lambda:g} and GRPO (lambda 0), same budget.")
     acc = {n: {"per_backend": per_backend(r, k, backends, "pass@1")} for n, r in (("base", base),)}
     results = {"k": k, "backends": backends, "metric": METRIC, "summary": summ, "accuracy_base": acc, "per_seed": {
         s: {n: {"per_backend": per_backend(r, k, backends), "accuracy_per_backend": per_backend(r, k, backends, "pass@1"),
-                "vs_base_accuracy": common.paired(base, r, k)} for n, r in ev.items()} for s, ev in seeds.items()}}
+                "vs_base_accuracy": common.paired(base, r, k),
+                **({"mgpo_weight_mean": r["mgpo_weight_mean"]} if "mgpo_weight_mean" in r else {})}
+            for n, r in ev.items()} for s, ev in seeds.items()}}
     accs = [v for ev in results["per_seed"].values() for m in ev.values() for v in m["accuracy_per_backend"].values()]
     if not tools:
         text += f"\n\nBFCL accuracy (every turn passed): {sum(1 for a in accs if a > 0)} of {len(accs)} (model, backend, seed) cells above 0."
@@ -239,7 +287,7 @@ def _make_ctx(tiny, work_dir, overrides, no_progress):
 
 
 #: --profile NAME -> this experiment's defaults (BFCL on the demo model, or the tool-use testbed)
-PROFILES = {"demo": DEFAULTS, "tools": common.TOOLS}
+PROFILES = {"demo": DEFAULTS, "tools": TOOLS}
 
 
 @common.click.command(help="Experiment 4: specialists per backend vs blend vs merge (breadth).")

@@ -65,20 +65,7 @@ def signals(ckpts: list[dict]) -> dict[str, list[Optional[float]]]:
 
 def large_k_setting(raw) -> Optional[tuple[int, list[int]]]:
     """The ``large_k`` setting as (n, ks), None when off; anything else fails before any work."""
-    if raw is None:
-        return None
-    valid = "null or {n: samples per probe prompt, ks: [k, ...] with 1 <= k <= n, the largest >= 2}"
-    if not isinstance(raw, dict) or set(raw) != {"n", "ks"}:
-        raise common.UserError(f"large_k: {raw!r} is not valid; valid: {valid}")
-    n, ks = raw["n"], raw["ks"]
-
-    def is_int(x) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
-
-    if not is_int(n) or n < 1 or not isinstance(ks, list) or not ks or not all(is_int(k) and 1 <= k <= n for k in ks) \
-            or max(ks) < 2:  # the rule is named pass@<largest k>: pass@1 would be the Pass@1 rule's name
-        raise common.UserError(f"large_k: {raw!r} is not valid; valid: {valid}")
-    return n, sorted(set(ks))
+    return common.samples_setting(raw, "large_k", "samples per probe prompt")
 
 
 def check_probe_matches(ctx: common.Ctx, domains: list[str]) -> None:
@@ -109,10 +96,7 @@ def large_k_rule(probed: list[dict], large: list[dict[str, float]], label: str) 
 
 def large_k_scores(res: dict, n: int, ks: list[int], domain: str) -> dict[str, float]:
     """label -> mean over the domain's probe tasks of the unbiased pass@k from each task's samples."""
-    from mlx_ssp.metrics import pass_at_k
-
-    rows = [t for t in res["tasks"] if t["domain"] == domain]
-    return {f"probe pass@{k} (n={n})": sum(pass_at_k(t["n"], t["c"], k) for t in rows) / len(rows) for k in ks}
+    return {f"probe pass@{k} (n={n})": v for k, v in common.pass_at_ks(res, ks, domain).items()}
 
 
 def spearman(xs: list[Optional[float]], ys: list[float]) -> Optional[float]:
