@@ -322,6 +322,30 @@ def test_seed_statistics_are_exact():
     assert seeds.parse_seeds("0-4") == [0, 1, 2, 3, 4] and seeds.parse_seeds("1,3") == [1, 3]
 
 
+def test_seed_tests_match_the_t_distribution_and_split_the_se_into_seeds_and_tasks():
+    """p-values of the one-sample t-test equal scipy's (values computed with scipy 1.17 once), signs
+    are counted, and the two-way SE is the seed-means SE and the task-means SE."""
+    common, seeds = _load("common"), _load("seeds")
+    for xs, t, p in (([-0.04, -0.03, -0.05, -0.045, -0.02], -6.870727512550919, 0.0023505449803477452),
+                     ([0.1, -0.05, 0.02], 0.5384615384615384, 0.6441700025572561),
+                     ([1, 2, 3, 4, 5, 6, 7, 8, -1], 3.975732839729454, 0.0040860145000355735)):
+        r = common.t_test(xs)
+        assert r["t"] == pytest.approx(t, rel=1e-12) and r["p"] == pytest.approx(p, rel=1e-9) and r["df"] == len(xs) - 1
+    assert common.t_test([0.1, 0.1]) is None and common.t_test([0.3]) is None
+    diffs = {0: {"a": 0.1, "b": 0.3, "c": 0.2}, 1: {"a": 0.0, "b": 0.2, "c": 0.1, "x": 9.0}}  # x: not in every seed
+    w = common.two_way_se(diffs)
+    assert w["tasks"] == 3 and w["seeds"] == 2 and w["mean"] == pytest.approx(0.15)
+    assert w["se_seeds"] == pytest.approx(common.mean_se([0.2, 0.1])[1])
+    assert w["se_tasks"] == pytest.approx(common.mean_se([0.05, 0.25, 0.15])[1])
+    assert w["se"] == pytest.approx((w["se_seeds"] ** 2 + w["se_tasks"] ** 2) ** 0.5)
+    agg = seeds.aggregate({0: {"m - n": 0.2, "level": 0.5}, 1: {"m - n": 0.1, "level": 0.4}}, {0: {"m - n": diffs[0]},
+                                                                                              1: {"m - n": diffs[1]}})
+    assert agg["m - n"]["test"]["positive"] == 2 and "test" not in agg["level"]
+    assert agg["m - n"]["two_way"] == w
+    md = seeds.summary_md("expX", agg, [0, 1], "cmd")
+    assert "t(1) = 3.00" in md and "SE tasks" in md
+
+
 def test_seed_driver_refuses_a_second_driver_on_the_same_out(tmp_path):
     """Two drivers on one OUT would read each other's OUT/seed-S/EXP/results.json into their summaries."""
     seeds = _load("seeds")

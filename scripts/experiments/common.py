@@ -557,6 +557,65 @@ def task_table(res: dict, k: int) -> dict[str, dict]:
     return out
 
 
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b) by its continued fraction (Lentz's method),
+    evaluated on the side where it converges fast."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
+    f, c, d = 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1.0 + num * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + num / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-14:
+            break
+    return front * (f - 1.0)
+
+
+def t_test(xs: list[float]) -> Optional[dict]:
+    """One-sample two-sided t-test of mean 0 over ``xs`` (e.g. one paired difference per seed):
+    {"t", "df", "p", "positive", "negative"}; None below two values or with no spread."""
+    m, se = mean_se(xs)
+    if se is None or se == 0.0:
+        return None
+    t, df = m / se, len(xs) - 1
+    p = _betainc(df / 2.0, 0.5, df / (df + t * t))
+    return {"t": t, "df": df, "p": p, "positive": sum(x > 0 for x in xs), "negative": sum(x < 0 for x in xs)}
+
+
+def two_way_se(diffs: dict[Any, dict[str, float]]) -> Optional[dict]:
+    """The SE of a paired difference measured on the same tasks under several seeds
+    (``diffs``: seed -> task -> difference), in its two components: across seeds (the sd of the
+    seed means / sqrt(seeds): a new training run) and across tasks (the sd of the task means /
+    sqrt(tasks): a new draw of tasks), and both together (their root sum of squares, conservative:
+    the seed x task interaction is counted in each). Only tasks every seed has are used."""
+    seeds = [s for s in diffs if diffs[s]]
+    if len(seeds) < 2:
+        return None
+    tasks = sorted(set.intersection(*(set(diffs[s]) for s in seeds)))
+    if len(tasks) < 2:
+        return None
+    _, se_seeds = mean_se([sum(diffs[s][t] for t in tasks) / len(tasks) for s in seeds])
+    mean, se_tasks = mean_se([sum(diffs[s][t] for s in seeds) / len(seeds) for t in tasks])
+    return {"mean": mean, "se_seeds": se_seeds, "se_tasks": se_tasks, "se": math.hypot(se_seeds, se_tasks),
+            "seeds": len(seeds), "tasks": len(tasks)}
+
+
 def mean_se(xs: list[float]) -> tuple[Optional[float], Optional[float]]:
     """Mean and standard error of the mean (sample sd / sqrt(n)); SE None below two values."""
     n = len(xs)
@@ -607,6 +666,12 @@ def task_diffs(a: dict, b: dict, k: int, domain: Optional[str] = None) -> dict[s
     ta, tb = task_table(a, k), task_table(b, k)
     ids = sorted(i for i in ta if i in tb and (domain is None or ta[i]["domain"] == domain))
     return {m: [tb[i][m] - ta[i][m] for i in ids] for m in ("pass@1", "pass@k")}
+
+
+def task_diff_map(a: dict, b: dict, k: int, domain: Optional[str] = None, metric: str = "pass@1") -> dict[str, float]:
+    """task id -> b - a of ``metric`` (``pass@1`` or ``pass@k``) for every task both results share."""
+    ta, tb = task_table(a, k), task_table(b, k)
+    return {i: tb[i][metric] - ta[i][metric] for i in sorted(ta) if i in tb and (domain is None or ta[i]["domain"] == domain)}
 
 
 def paired(a: dict, b: dict, k: int, domain: Optional[str] = None) -> dict:

@@ -120,6 +120,12 @@ def headline(res: dict) -> dict[str, float]:
     return out
 
 
+def task_diffs(res: dict) -> dict[str, dict[str, float]]:
+    """headline metric -> {task id: difference} of one seed's run (seeds.py: the SE over seeds x tasks)."""
+    ((_, per),) = res["per_seed"].items()
+    return {f"{d} diverse - first, {m}": diffs for d, r in per.items() for m, diffs in r.get("task_diffs", {}).items()}
+
+
 def spectrum_curve(ctx: common.Ctx, name: str, model_dir, domain: str) -> dict[str, float]:
     """pass@k at ``spectrum_eval.ks`` from ``spectrum_eval.n`` samples per held-out task of ``domain``
     (None when ``spectrum_eval`` is null): how wide the model's distribution of answers is."""
@@ -163,6 +169,9 @@ def run(ctx: common.Ctx) -> dict:
                 "chosen_step": {arm: json.loads((ctx.sft_dir(f"{arm}-s{seed}") / d / "result.json").read_text())
                                 ["chosen_step"] for arm in ARMS},
             }
+            r["task_diffs"] = {  # diverse - first per held-out task: the seeds x tasks SE (seeds.py)
+                "SFT pass@1": common.task_diff_map(evals["first_matched"][d], evals["diverse"][d], k, d),
+                "RL pass@1": common.task_diff_map(after_rl["first_matched"][d], after_rl["diverse"][d], k, d)}
             sp = r["spectrum"]
             r["spectrum_diverse_minus_first"] = {m: sp["diverse"][m] - sp["first_matched"][m] for m in sp["diverse"]}
             per_seed[seed][d] = r

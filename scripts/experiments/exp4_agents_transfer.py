@@ -227,6 +227,23 @@ def headline(res: dict) -> dict[str, float]:
     return out
 
 
+#: the paired differences given per task as well (seeds.py: their SE over seeds x tasks)
+TASK_DIFFS = {"merged - blend (breadth)": ("blend", "merged"), "ties - blend (breadth)": ("blend", "ties"),
+              "rl:mgpo - merged (breadth)": ("merged", "rl:mgpo"), "rl:grpo - merged (breadth)": ("merged", "rl:grpo"),
+              "rl:mgpo - rl:grpo (breadth)": ("rl:grpo", "rl:mgpo")}
+
+
+def task_diffs(res: dict) -> dict[str, dict[str, float]]:
+    """headline metric -> {task id: b - a} of one seed's run, for the differences of whole models
+    (every backend has as many eval tasks, so the mean over tasks is the breadth difference)."""
+    (ev,) = res["per_seed"].values()
+    out = {}
+    for key, (a, b) in TASK_DIFFS.items():
+        if a in ev and b in ev and "tasks" in ev[a]:
+            out[key] = {t: ev[b]["tasks"][t] - v for t, v in ev[a]["tasks"].items() if t in ev[b]["tasks"]}
+    return out
+
+
 def run(ctx: common.Ctx) -> dict:
     k = ctx.eval_cfg.k
     backends = list(ctx.domains)
@@ -264,6 +281,7 @@ def run(ctx: common.Ctx) -> dict:
     results = {"k": k, "backends": backends, "metric": METRIC, "summary": summ, "accuracy_base": acc, "per_seed": {
         s: {n: {"per_backend": per_backend(r, k, backends), "accuracy_per_backend": per_backend(r, k, backends, "pass@1"),
                 "vs_base_accuracy": common.paired(base, r, k),
+                "tasks": {t["task_id"]: t[METRIC] for t in r["tasks"]},
                 **({"mgpo_weight_mean": r["mgpo_weight_mean"]} if "mgpo_weight_mean" in r else {})}
             for n, r in ev.items()} for s, ev in seeds.items()}}
     accs = [v for ev in results["per_seed"].values() for m in ev.values() for v in m["accuracy_per_backend"].values()]

@@ -52,14 +52,28 @@ def parse_seeds(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def aggregate(per_seed: dict[int, dict[str, float | None]]) -> dict[str, dict]:
-    """metric -> {mean, se, n, values by seed} over the seeds that have it (None values skipped)."""
+def is_difference(key: str) -> bool:
+    """Whether a headline metric is a paired difference (tested against 0) rather than a level."""
+    return " - " in key or "regret" in key
+
+
+def aggregate(per_seed: dict[int, dict[str, float | None]],
+              per_task: dict[int, dict[str, dict[str, float]]] | None = None) -> dict[str, dict]:
+    """metric -> {mean, se, n, values by seed} over the seeds that have it (None values skipped);
+    a paired difference also gets ``test`` (a one-sample t-test of the seed values against 0, with
+    the count of positive and negative seeds) and, where ``per_task`` (seed -> metric -> task ->
+    difference) has it, ``two_way`` (its SE over seeds and over tasks: common.two_way_se)."""
     keys = dict.fromkeys(k for h in per_seed.values() for k in h)  # first-seen order
     out = {}
     for key in keys:
         vals = {s: h[key] for s, h in per_seed.items() if h.get(key) is not None}
         m, se = common.mean_se(list(vals.values()))
         out[key] = {"mean": m, "se": se, "n": len(vals), "values": vals}
+        if is_difference(key):
+            out[key]["test"] = common.t_test(list(vals.values()))
+            tasks = {s: t[key] for s, t in (per_task or {}).items() if key in t}
+            if tasks:
+                out[key]["two_way"] = common.two_way_se(tasks)
     return out
 
 
@@ -76,14 +90,29 @@ def lock_out(out: Path):
     return f
 
 
+def _test_cell(t: dict | None) -> str:
+    if not t:
+        return "-"
+    return f"{t['positive']}+ {t['negative']}- ; t({t['df']}) = {t['t']:.2f}, p = {t['p']:.3g}"
+
+
 def summary_md(exp: str, agg: dict[str, dict], seeds: list[int], command: str) -> str:
-    rows = []
+    rows, two = [], []
     for key, a in agg.items():
-        signed = " - " in key or "regret" in key or "spearman" in key
-        rows.append([key, str(a["n"]), common.fmt(a["mean"], a["se"], signed=signed),
+        signed = is_difference(key) or "spearman" in key
+        rows.append([key, str(a["n"]), common.fmt(a["mean"], a["se"], signed=signed), _test_cell(a.get("test")),
                      " ".join("-" if a["values"].get(s) is None else f"{a['values'][s]:.3f}" for s in seeds)])
-    return "\n".join([f"## {exp} over seeds {seeds[0]}-{seeds[-1]} (mean ± SE across seeds)", "", f"`{command}`", "",
-                      common.md_table(["metric", "seeds", "mean ± SE", "per seed"], rows)])
+        w = a.get("two_way")
+        if w:
+            two.append([key, f"{w['seeds']} x {w['tasks']}", common.fmt(w["mean"], signed=True), f"{w['se_seeds']:.4f}",
+                        f"{w['se_tasks']:.4f}", f"{w['se']:.4f}"])
+    text = [f"## {exp} over seeds {seeds[0]}-{seeds[-1]} (mean ± SE across seeds)", "", f"`{command}`", "",
+            common.md_table(["metric", "seeds", "mean ± SE", "signs; t-test of the seed values vs 0", "per seed"], rows)]
+    if two:
+        text += ["", "Paired differences over seeds x held-out tasks: the SE across seeds (another training run) and "
+                     "across tasks (another draw of tasks), and both (root sum of squares)", "",
+                 common.md_table(["metric", "seeds x tasks", "mean", "SE seeds", "SE tasks", "SE both"], two)]
+    return "\n".join(text)
 
 
 def main() -> None:
@@ -161,8 +190,10 @@ def main() -> None:
     for exp in exps:
         mod = importlib.import_module(EXPERIMENTS[exp])
         result = EXPERIMENTS[exp].split("_")[0]
-        per_seed = {s: mod.headline(json.loads((out / f"seed-{s}" / result / "results.json").read_text())) for s in seeds}
-        agg = aggregate(per_seed)
+        res = {s: json.loads((out / f"seed-{s}" / result / "results.json").read_text()) for s in seeds}
+        per_seed = {s: mod.headline(r) for s, r in res.items()}
+        per_task = {s: mod.task_diffs(r) for s, r in res.items()} if hasattr(mod, "task_diffs") else None
+        agg = aggregate(per_seed, per_task)
         text = summary_md(exp, agg, seeds, command)
         write_json_atomic(out / f"summary-{exp}{suffix}.json", {"exp": exp, "profile": args.profile, "seeds": seeds,
                                                         "command": command, "overrides": args.overrides,
