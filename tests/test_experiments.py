@@ -135,6 +135,42 @@ def test_a_domain_with_fewer_records_than_the_batch_trains_on_all_of_them(tmp_pa
     assert stamp == {d: (ctx.sft_dir("cap") / d / "result.json").stat().st_mtime_ns for d in sizes}  # cached
 
 
+@pytest.mark.slow
+def test_exp2_controls_are_what_they_claim(tmp_path):
+    """merge_controls: the half-strength blend is base + half the blend's update, merge_x{a} is base +
+    a x the specialists' mean update (a 1 = the linear merge), the soup averages two blend seeds, and
+    the task vectors' cosines are symmetric with 1 on the diagonal."""
+    import mlx.core as mx
+
+    res = _run("exp2_merge_vs_blend", tmp_path, "--set", "merge_controls={alphas: [1, 2]}")
+    ctl = res["controls"]
+    assert set(ctl["models"]) == {"blend_half", "blend_soup", "merge_x1", "merge_x2"}
+    load = lambda p: mx.load(str(p / "model.safetensors"))  # noqa: E731
+    base = load(tmp_path / "tiny_model")
+    merged = load(Path(res["merged_model"]))
+    name = next(n for n in merged if "q_proj" in n and n.startswith("model.layers.1"))  # a LoRA-trained layer
+    x1 = load(_one(tmp_path, "merge/*/diverse-s0-x1/model"))
+    x2 = load(_one(tmp_path, "merge/*/diverse-s0-x2/model"))
+    assert mx.allclose(x1[name], merged[name], atol=1e-6).item()
+    assert mx.allclose(x2[name] - base[name], 2 * (merged[name] - base[name]), atol=1e-5).item()
+    blend = load(_one(tmp_path, "sft/*/mixed-s0/specialists/blend"))
+    half = load(_one(tmp_path, "sft/*/mixed-s0/blend_half"))
+    assert mx.allclose(half[name] - base[name], (blend[name] - base[name]) / 2, atol=1e-5).item()
+    assert not mx.allclose(half[name], blend[name]).item()
+    other = load(_one(tmp_path, "sft/*/mixed-s1000/specialists/blend"))
+    soup = load(_one(tmp_path, "merge/*/blend-soup-s0/model"))
+    assert mx.allclose(soup[name], (blend[name] + other[name]) / 2, atol=1e-6).item()
+    tv = ctl["task_vectors"]
+    assert tv["models"] == ["addition", "subtraction", "blend", "blend_seed2"]
+    c = tv["cosine"]
+    assert all(c[i][i] == pytest.approx(1.0) and c[i][j] == pytest.approx(c[j][i]) for i in range(4) for j in range(4))
+    assert -1 <= tv["mean_cosine_specialists"] <= 1 and tv["cosine_blends"] == pytest.approx(c[2][3])
+    head = _load("exp2_merge_vs_blend").headline(res)
+    assert "overall blend_soup - blend pass@1" in head and "overall merged - blend_half pass@1" in head
+    with pytest.raises(Exception, match="merge_controls"):
+        _run("exp2_merge_vs_blend", tmp_path / "bad", "--set", "merge_controls={alphas: [0]}")
+
+
 def test_exp2_merge_is_the_average_and_blend_sees_all_domains(work):
     import mlx.core as mx
 

@@ -108,6 +108,10 @@ DEFAULTS: dict[str, Any] = {
     # experiment 1: pass@k at these k (<= spectrum_eval.n) after SFT, from n samples on the first
     # max_tasks held-out tasks per domain (the spectrum itself); null: not run
     "spectrum_eval": None,
+    # experiment 2: controls for merge vs blend: the blend at half its LoRA scale, a soup of two
+    # blend seeds, the specialists' mean task vector scaled by each alpha (1 = the linear merge),
+    # and the task vectors' cosines; null: not run
+    "merge_controls": None,
 }
 
 _TB_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 48}
@@ -153,6 +157,10 @@ TESTBED: dict[str, Any] = {
     "large_k": None,
     "spectrum_source": "rollouts",
     "spectrum_eval": None,
+    # experiment 2: controls for merge vs blend: the blend at half its LoRA scale, a soup of two
+    # blend seeds, the specialists' mean task vector scaled by each alpha (1 = the linear merge),
+    # and the task vectors' cosines; null: not run
+    "merge_controls": None,
 }
 
 _TOOLS_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 48}
@@ -445,12 +453,12 @@ class Ctx:
         write_json_atomic(f, res)
         return res
 
-    def merge(self, name: str, models: list[str], method: Optional[str] = None) -> str:
-        """The models merged with the merge section's settings (``method``: another method, named in
-        the cache directory by ``name``)."""
+    def merge(self, name: str, models: list[str], method: Optional[str] = None, update: Optional[dict] = None) -> str:
+        """The models merged with the merge section's settings (``method``: another method;
+        ``update``: other merge settings, e.g. weights; both named in the cache directory by ``name``)."""
         from mlx_ssp.merge.engine import merge_models
 
-        cfg = self.merge_cfg if method is None else self.merge_cfg.model_copy(update={"method": method})
+        cfg = self.merge_cfg.model_copy(update={**({"method": method} if method else {}), **(update or {})})
         out = self.path("merge", self.k_merge, name, "model")
         if not (out / "config.json").exists():
             self.log(f"merge {name}: {cfg.method} of {len(models)} models")
