@@ -232,6 +232,9 @@ def test_exp3_mgpo_vs_grpo(work):
     h = mod.headline(res2)
     assert h["mgpo - grpo_lr pass@1"] == res2["curve"]["mgpo_minus_grpo_lr"]["2"]["d_pass@1"]
     assert "grpo_lr pass@1" not in mod.headline(res)
+    assert mod.headline(res)["mgpo mean MGPO weight"] == pytest.approx(sum(w) / len(w))
+    diffs = mod.task_diffs(res)["mgpo - grpo pass@1"]  # per task, averaging to the headline's difference
+    assert sum(diffs.values()) / len(diffs) == pytest.approx(mod.headline(res)["mgpo - grpo pass@1"])
     # the seed driver's curves: each arm's RL run, drawn with a band across seeds
     cur = mod.curves(work, 0)
     assert set(cur) == {"MGPO", "GRPO", "GRPO (lr scaled)"} and cur["GRPO (lr scaled)"] == [lr_dirs[0]]

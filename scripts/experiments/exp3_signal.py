@@ -64,7 +64,16 @@ def headline(res: dict) -> dict[str, float]:
         out["grpo_lr - start pass@1"] = curve["grpo_lr"][last]["gain"]["d_pass@1"]
         out["mgpo - grpo_lr pass@1"] = curve["mgpo_minus_grpo_lr"][last]["d_pass@1"]
         out["grpo_lr lr scale"] = res["grpo_lr_scale"]
+    for arm, logs in res.get("train_metrics", {}).items():
+        w = [m["mgpo_weight_mean"] for m in logs if m.get("mgpo_weight_mean") is not None]
+        if w and not arm.startswith("grpo"):  # GRPO (lambda 0) weighs every group 1
+            out[f"{arm} mean MGPO weight"] = sum(w) / len(w)
     return out
+
+
+def task_diffs(res: dict) -> dict[str, dict[str, float]]:
+    """headline metric -> {task id: difference} at the last step (seeds.py: the SE over seeds x tasks)."""
+    return res.get("task_diffs", {})
 
 
 def curves(seed_dir: Path, seed: int) -> dict[str, list[Path]]:
@@ -164,6 +173,9 @@ def run(ctx: common.Ctx) -> dict:
         curve[f"mgpo_minus_{other}"] = {s: common.paired(evals[other][s], evals["mgpo"][s], k) for s in evals["mgpo"]}
     for arm in extra:
         curve[f"{arm}_minus_grpo"] = {s: common.paired(evals["grpo"][s], evals[arm][s], k) for s in evals[arm]}
+    steps_ = ctx.rl_cfg.steps
+    task_diffs_ = {f"{arm} - grpo pass@1": common.task_diff_map(evals["grpo"][steps_], evals[arm][steps_], k)
+                   for arm in ("mgpo", *extra)}
 
     def cell(arm: str, s: int) -> str:
         return common.fmt(curve[arm][s]["pass@1"], curve[arm][s]["pass@1_se"])
@@ -213,7 +225,7 @@ def run(ctx: common.Ctx) -> dict:
         *more,
     ])
     results = {"k": k, "lambda": lam, "steps": steps, "curve": curve, "per_step": per_step,
-               "train_metrics": logs, "out_dir": str(out), "run_dirs": {a: str(d) for a, d in run_dirs.items()}}
+               "train_metrics": logs, "task_diffs": task_diffs_, "out_dir": str(out), "run_dirs": {a: str(d) for a, d in run_dirs.items()}}
     if scale is not None:
         results["grpo_lr_scale"] = scale
     if extra:
