@@ -2,10 +2,11 @@
 
 A run's YAML file has one section per stage (``model``, ``tasks``, ``rollout``, ``select``, ``sft``,
 ``merge``, ``rl``, ``eval``), two process-wide sections (``distributed``; ``sandbox``, the operator's
-bounds on what a code task may ask of the sandbox) plus a few top-level keys (``run_dir``, ``seed``). Each stage command
-reads its own section(s); ``mlx_ssp run`` reads them all. Precedence: ``--set`` beats the file,
-which beats the defaults. Unknown keys and bad values fail at load time with a message naming the
-file, the dotted key and the valid choices.
+bounds on what a code task may ask of the sandbox) plus a few top-level keys (``run_dir``, ``seed``,
+``name``, ``report_to``: :mod:`mlx_ssp.trackers`). Each stage command reads its own section(s);
+``mlx_ssp run`` reads them all. Precedence: ``--set`` beats the file, which beats the defaults.
+Unknown keys and bad values fail at load time with a message naming the file, the dotted key and the
+valid choices.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ SECTIONS: dict[str, str] = {
     "distill": "mlx_ssp.distill:DistillConfig",
 }
 #: Scalar keys allowed at the top of a run file.
-TOP_LEVEL = {"run_dir": "directory for every stage's outputs", "seed": "global seed", "name": "run name"}
+TOP_LEVEL = {"run_dir": "directory for every stage's outputs", "seed": "global seed", "name": "run name",
+             "report_to": "experiment trackers for the metrics (the names of mlx_ssp.trackers.TRACKERS)"}
 
 
 def section_model(name: str) -> type[BaseModel]:

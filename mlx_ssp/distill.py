@@ -34,6 +34,7 @@ from typing import Any, Optional
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
+from mlx_ssp import trackers
 from mlx_ssp.config import StrictModel
 from mlx_ssp.errors import UserError
 from mlx_ssp.rollout.config import SamplingConfig
@@ -185,7 +186,8 @@ def collect(sources: dict[str, str], tasks_path: Path, cfg: DistillConfig, out_d
     kept = []
     for name, path in sources.items():
         f = out_dir / "collect" / f"{name.replace(':', '-').replace('/', '-')}.jsonl"
-        run_rollouts(path, tasks_path, rcfg, f, progress=progress)
+        with trackers.scope(f"rollout/{name}"):  # each source's summary apart (mlx_ssp.trackers)
+            run_rollouts(path, tasks_path, rcfg, f, progress=progress)
         for _, rec in iter_jsonl_numbered(f, what="distill rollouts"):
             if float(rec.get("reward") or 0.0) >= CORRECT_AT:
                 kept.append({**rec, "distill_source": name})
@@ -238,7 +240,8 @@ def run_distill(cfg: DistillConfig, *, sources: dict[str, str], student: str, ta
                                "probe_domains": sorted(set(domains))}}
     raw["out_dir"] = str(out_dir / "sft")
     sft_cfg = validate(SFTConfig, raw, source="distill", prefix="distill.sft")
-    summary = run_sft(sft_cfg, student, seed=seed, run_dir=out_dir)
+    with trackers.scope("sft"):  # the student's curves apart from the sft stage's (mlx_ssp.trackers)
+        summary = run_sft(sft_cfg, student, seed=seed, run_dir=out_dir)
     report["model"] = summary["domains"][DOMAIN]["specialist"]
     report["sft"] = summary["domains"][DOMAIN]
     write_json_atomic(out_dir / "report.json", report)

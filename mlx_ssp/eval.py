@@ -103,7 +103,9 @@ def run_eval(model_spec, tasks_path, cfg: EvalConfig, out: str | Path, *, progre
                       progress=progress, **stage_settings(cfg))
     result["tasks_file"] = str(tasks_path)
     from mlx_ssp import distributed as dist
+    from mlx_ssp import trackers
 
     if dist.is_main():  # the ranks sampled their shares; rank 0 writes
         write_json_atomic(out, result)
+        trackers.log("", trackers.without(result, "sampling", "seed"), step=0)  # eval/overall/pass@1, eval/domains/...
     return result

@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import yaml
 
+from mlx_ssp import trackers
 from mlx_ssp.config import load_section
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import JsonlAppender, exclusive_lock, output_lock, write_json_atomic, write_text_atomic
@@ -105,6 +106,7 @@ class Run:
     seed: int
     sections: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    report_to: tuple[str, ...] = ()  # the run file's trackers (mlx_ssp.trackers)
 
     def section(self, name: str):
         if name not in self.sections:
@@ -197,6 +199,7 @@ def stage_tasks(run: Run) -> dict:
             raise UserError(f"{run.source}: the tasks section gives no {split} tasks")
         write_tasks(run.tasks_path(split), tasks)
         out[f"n_{split}"] = len(tasks)
+    trackers.log("", out, step=0)
     return out
 
 
@@ -399,9 +402,11 @@ def stage_distill(run: Run) -> dict:
         raise UserError(f"{run.source}: distill needs RL checkpoints to sample from (or distill.sources)")
     student = cfg.student or list(sources.values())[-1]
     sft_base = {k: v for k, v in (run.data.get("sft") or {}).items() if k not in ("domains", "out_dir", "data_dir")}
-    return run_distill(cfg, sources=sources, student=student, tasks_path=run.tasks_path("train"),
-                       probe_path=run.tasks_path("probe"), out_dir=run.stage_dir("distill"),
-                       seed=section_seed(cfg, run.seed), sft_base=sft_base, progress=run.progress)
+    report = run_distill(cfg, sources=sources, student=student, tasks_path=run.tasks_path("train"),
+                         probe_path=run.tasks_path("probe"), out_dir=run.stage_dir("distill"),
+                         seed=section_seed(cfg, run.seed), sft_base=sft_base, progress=run.progress)
+    trackers.log("", report, step=0)  # distill/correct, distill/selected, distill/per_domain/<domain>, ...
+    return report
 
 
 def stage_eval(run: Run) -> dict:
@@ -432,6 +437,10 @@ def stage_eval(run: Run) -> dict:
         del model
     table = eval_table(results, k=cfg.k)
     write_json_atomic(out_dir / "table.json", table)
+    for row in table["rows"]:  # eval/<model>/overall/pass@1, .../domains/<domain>/..., .../breadth/...
+        trackers.log(row["stage"], {**trackers.without(results[row["stage"]], "sampling", "seed"),
+                                    "breadth": row["breadth"]}, step=0)
+    trackers.log("", {"gain": table.get("gain", {})}, step=0)
     text = format_eval_table(table)
     write_text_atomic(out_dir / "table.md", text + "\n")
     return {"table": table}
@@ -593,7 +602,8 @@ def load_run(config_path: str | Path, overrides: tuple[str, ...] = (), progress:
     from mlx_ssp.stage_config import load_stage
 
     st = load_stage(config_path, overrides, with_model=False)  # no section: the seed is the top-level one
-    run = Run(run_dir=st.run_dir, data=st.data, source=st.source, seed=st.seed, progress=progress)
+    run = Run(run_dir=st.run_dir, data=st.data, source=st.source, seed=st.seed, progress=progress,
+              report_to=st.report_to)
     for sec in SECTIONS.values():
         sec.check(run)
     return run
@@ -639,12 +649,17 @@ def plan_stage(
     return "run", ""
 
 
-def write_resolved_config(run: Run) -> None:
-    """RUN_DIR/config.resolved.yaml: every section with its defaults filled in."""
+def resolved_config(run: Run) -> dict:
+    """Every section with its defaults filled in (config.resolved.yaml; the trackers' params)."""
     resolved = dict(run.data)
     resolved.update({s.name: s.resolve(run) for s in SECTIONS.values() if s.resolve is not None})
     resolved["run_dir"], resolved["seed"] = str(run.run_dir), run.seed
-    write_text_atomic(run.run_dir / "config.resolved.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    return resolved
+
+
+def write_resolved_config(run: Run) -> None:
+    """RUN_DIR/config.resolved.yaml: :func:`resolved_config`."""
+    write_text_atomic(run.run_dir / "config.resolved.yaml", yaml.safe_dump(resolved_config(run), sort_keys=False))
 
 
 def execute_stage(run: Run, stage: str, fp: str, log: JsonlAppender) -> dict:
@@ -652,11 +667,13 @@ def execute_stage(run: Run, stage: str, fp: str, log: JsonlAppender) -> dict:
     t0 = time.time()
     write_state(run, stage, {"fingerprint": fp, "complete": False, "started": t0})
     log.write({"stage": stage, "event": "start", "time": t0, "fingerprint": fp})
-    metrics = STAGE_REGISTRY[stage].run(run)
+    with trackers.scope(stage):  # what the stage logs is under its name
+        metrics = STAGE_REGISTRY[stage].run(run)
     t1 = time.time()
     done = {"fingerprint": fp, "complete": True, "started": t0, "finished": t1, "seconds": t1 - t0, "metrics": metrics}
     write_state(run, stage, done)
     log.write({"stage": stage, "event": "end", "time": t1, "seconds": t1 - t0, "fingerprint": fp, "metrics": metrics})
+    trackers.log(stage, {"stage_seconds": t1 - t0}, step=0)  # the stage's own metrics went from inside it
     return done
 
 
@@ -668,7 +685,10 @@ def run_pipeline(
     only: Optional[str] = None,
     progress: bool = True,
     echo: Callable[[str], None] = partial(print, flush=True),  # flushed: progress bars write between lines
+    report_to: Optional[tuple[str, ...]] = None,
 ) -> dict:
+    """Run (or resume) the loop of ``config_path``; ``report_to``: the trackers (None: the run
+    file's ``report_to``), one tracker run for the whole call in ``RUN_DIR`` (:mod:`mlx_ssp.trackers`)."""
     for name, stage in (("--from", from_stage), ("--only", only)):
         if stage is not None and stage not in STAGES:
             raise UserError(f"{name} {stage}: unknown stage; valid: {', '.join(STAGES)}")
@@ -682,7 +702,10 @@ def run_pipeline(
     with lock_run(run):
         check_run_dir(run.run_dir)
         write_resolved_config(run)
-        results = run_stages(run, from_stage=from_stage, only=only, echo=echo)
+        with trackers.session(run.report_to if report_to is None else report_to, dir=run.run_dir,
+                              project=trackers.project_of(run.run_dir), command="run", name=run.data.get("name"),
+                              params=resolved_config(run)):
+            results = run_stages(run, from_stage=from_stage, only=only, echo=echo)
         table_path = run.stage_dir("eval") / "table.json"
         if table_path.exists() and read_state(run, "eval").get("complete"):
             echo("\n" + format_eval_table(json.loads(table_path.read_text())))

@@ -56,6 +56,7 @@ from typing import Callable, Literal, Optional
 import numpy as np
 from pydantic import Field
 
+from mlx_ssp import trackers
 from mlx_ssp.config import StrictModel
 from mlx_ssp.errors import UserError
 
@@ -673,6 +674,7 @@ def run_select(rollouts: str | Path, cfg: SelectConfig, out_dir: str | Path, *, 
         for dom, row in report["domains"].items():
             row["dir"] = names[dom] if data[dom]["train"] else None
         write_json_atomic(tmp / "spectrum.json", report)
+    trackers.log("", trackers.without(report, "config"), step=0)  # `mlx_ssp run`: select/domains/<domain>/n_train...
     return report
 
 

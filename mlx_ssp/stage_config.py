@@ -17,6 +17,8 @@ them; this module holds no CLI code).
 The rules, one each:
 - seed: the section's own ``seed`` when it has one and it is set, else the file's top-level
   ``seed`` (an integer), else 0 (:func:`section_seed`);
+- trackers: the top-level ``report_to`` (:func:`mlx_ssp.trackers.parse_report_to`; a command's
+  ``--report-to`` beats it);
 - run directory: the top-level ``run_dir``; else ``runs/<config file stem>``; with no file
   ``runs``, so a stage's default outputs ``<run_dir>/<stage>`` are ``runs/<stage>``
   (:func:`default_run_dir`). Older versions of ``mlx_ssp sft`` wrote to ``run`` and ``mlx_ssp rl``
@@ -47,6 +49,7 @@ class StageConfig:
     seed: int
     run_dir: Path
     run_dir_set: bool  # the file (or --set) named run_dir
+    report_to: tuple[str, ...] = ()  # the trackers of the top-level report_to (mlx_ssp.trackers)
 
     def seeded(self):
         """The section with its unset ``seed`` filled in by the seed rule (rollout, eval: their
@@ -131,9 +134,11 @@ def load_stage(
     from mlx_ssp import distributed as dist
     from mlx_ssp.config import load_file, load_section
     from mlx_ssp.sandbox_policy import install_from_config
+    from mlx_ssp.trackers import parse_report_to
 
     data = _apply_model_and_flags(load_file(config_path, overrides), section, flags, model)
     source = str(config_path) if config_path else ("flags" if flags is not None else "--set")
+    report_to = parse_report_to(data.get("report_to"), source)
     dist.configure(load_section(data, "distributed", source=source))  # timeouts under mlx.launch
     install_from_config(data, source)  # bounds what code tasks may ask of the sandbox, in every stage
     cfg = load_section(data, section, source=source, cls=cls) if section is not None else None
@@ -142,7 +147,7 @@ def load_stage(
     mcfg = load_section(data, "model", source=source) if with_model else None
     return StageConfig(
         data=data, source=source, cfg=cfg, model=mcfg, seed=section_seed(cfg, top_seed(data, source)),
-        run_dir=default_run_dir(data, config_path), run_dir_set=bool(data.get("run_dir")),
+        run_dir=default_run_dir(data, config_path), run_dir_set=bool(data.get("run_dir")), report_to=report_to,
     )
 
 

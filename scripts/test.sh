@@ -3,7 +3,7 @@
 # Used verbatim by the README and by .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh dev,trackers  # trackers: tests/test_trackers.py runs the real TensorBoard, W&B, Trackio
 set +e
 python -m pytest -q "$@"
 rc=$?

@@ -169,7 +169,19 @@ def init_only(out: Path) -> dict:
     return {"size": dist.world().size}
 
 
-SCENARIOS = {f.__name__: f for f in (collectives, sharded, rl_steps, watch_alive, watch_freeze, watch_die, die, freeze, main_error, init_only)}
+def trackers_missing(out: Path) -> dict:
+    """Every rank opens a tracker whose package is not installed (tests/test_trackers.py)."""
+    from mlx_ssp import trackers
+
+    trackers.TRACKERS["nope"] = type("Nope", (trackers.TensorBoardSink,), {
+        "name": "nope", "module": "mlx_ssp_no_such_tracker", "package": "nope-tracker"})
+    with trackers.session(["nope"], dir=out, project="p", command="run"):
+        dist.barrier()
+    return {"unexpected": "survived"}
+
+
+SCENARIOS = {f.__name__: f for f in (collectives, sharded, rl_steps, watch_alive, watch_freeze, watch_die, die, freeze,
+                                     main_error, init_only, trackers_missing)}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from mlx_ssp.commands.options import (
-    config_option, load_task_stage, no_progress_option, sampling_flags, sampling_options, set_option,
+    config_option, load_task_stage, no_progress_option, report_to_option, sampling_flags, sampling_options,
+    set_option,
 )
 
 
@@ -19,17 +20,24 @@ from mlx_ssp.commands.options import (
 @click.option("--system", default=None, help="System prompt for tasks that have none.")
 @click.option("-o", "--output", default=None, help="EVAL.json to write.")
 @no_progress_option
+@report_to_option
 @config_option
 @set_option
-def cli(model, tasks_path, k, n, greedy, system, output, config_path, overrides, **kw):
+def cli(model, tasks_path, k, n, greedy, system, output, config_path, overrides, report_to, **kw):
     """pass@1 and pass@k per domain (unbiased estimator), printed and written as JSON."""
+    from pathlib import Path
+
     from mlx_ssp import distributed as dist
+    from mlx_ssp import trackers
     from mlx_ssp.eval import run_eval
     from mlx_ssp.rollout.summary import format_table
 
     flags = {"k": k, "n": n, "greedy": greedy, "tasks": tasks_path, "output": output, "system": system, **sampling_flags(kw)}
-    mcfg, cfg = load_task_stage(config_path, overrides, "eval", flags, model, "EVAL.json")
-    with dist.output_lock(cfg.output):  # one job writes EVAL.json at a time
+    cli_trackers = trackers.from_cli(report_to)
+    mcfg, cfg, st = load_task_stage(config_path, overrides, "eval", flags, model, "EVAL.json")
+    # one job writes EVAL.json at a time
+    with dist.output_lock(cfg.output), \
+            trackers.for_stage(st, cli_trackers, command="eval", dir=Path(cfg.output).parent, section="eval"):
         result = run_eval(mcfg, cfg.tasks, cfg, cfg.output)
     if not dist.is_main():  # rank 0 reports for all ranks
         return

@@ -11,7 +11,7 @@ import json
 
 import click
 
-from mlx_ssp.commands.options import set_option
+from mlx_ssp.commands.options import report_to_option, set_option
 
 
 @click.command("merge")
@@ -36,13 +36,18 @@ from mlx_ssp.commands.options import set_option
                    "tensor's working set to the peak memory. The output does not depend on it.")
 @click.option("--dry-run", is_flag=True, help="Check the config and every tensor, print the plan, write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@report_to_option
 @set_option
 def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenizer, seed, vocab_mismatch, workers, dry_run, quiet,
-        overrides):
+        report_to, overrides):
     """Merge the models of a mergekit CONFIG into OUT_DIR, streaming one tensor at a time (methods:
     mergekit 0.1.5's: linear, task_arithmetic, ties, dare_linear, dare_ties, breadcrumbs(_ties),
     della(_linear), sce, ram, ramplus_tl, slerp, nuslerp, multislerp, karcher, model_stock, nearswap,
-    arcee_fusion, passthrough; inputs may be MLX-quantized). --set key=value edits the config."""
+    arcee_fusion, passthrough; inputs may be MLX-quantized). --set key=value edits the config.
+    --report-to: the timing goes to the trackers (files beside OUT_DIR), the config is their params."""
+    import yaml
+
+    from mlx_ssp import trackers
     from mlx_ssp.errors import UserError
     from mlx_ssp.io import output_lock
     from mlx_ssp.merge.config import load_merge_config
@@ -50,6 +55,7 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
     from mlx_ssp.merge.outdir import check_clear_of_inputs
     from pathlib import Path
 
+    cli_trackers = trackers.from_cli(report_to) or ()
     cfg, text = load_merge_config(config, tuple(overrides))
     if Path(out_dir).exists() and not (overwrite or overwrite_any) and not dry_run:
         raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
@@ -60,7 +66,11 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
         click.echo(json.dumps({"method": cfg.merge_method, "models": [s.ref for s in job.sources],
                                "tensors": len(job.plans), "compute_dtypes": dtypes}, indent=2))
         return
-    with output_lock(out_dir):  # one process writes OUT_DIR at a time
+    params = {**yaml.safe_load(text), "out_dir": str(out_dir), "seed": seed, "out_shard_size": out_shard_size,
+              "vocab_mismatch": vocab_mismatch}
+    where = Path(out_dir).expanduser().resolve().parent  # not inside OUT_DIR: a merge output is replaced whole
+    with output_lock(out_dir), trackers.session(cli_trackers, dir=where, project=trackers.project_of(where),
+                                                command="merge", params=params, scope_name="merge"):
         res = write_merge(job, Path(out_dir), overwrite=overwrite, out_shard_size=out_shard_size,
                           copy_tokenizer=copy_tokenizer, seed=seed, config_text=text, progress=not quiet,
                           workers=workers, overwrite_any=overwrite_any, protect=(Path(config),))

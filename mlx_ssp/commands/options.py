@@ -1,5 +1,5 @@
-"""Flags shared by the stage commands: ``--set``, ``--config``, ``--no-progress`` and the sampling flags of rollout and
-eval (:func:`sampling_flags` names their keys in the stage's section, for
+"""Flags shared by the stage commands: ``--set``, ``--config``, ``--no-progress``, ``--report-to`` and the sampling
+flags of rollout and eval (:func:`sampling_flags` names their keys in the stage's section, for
 :func:`mlx_ssp.stage_config.apply_flags`); :func:`load_task_stage`, the load both of those share."""
 
 from __future__ import annotations
@@ -30,6 +30,18 @@ def no_progress_option(f):
 
     return click.option("--no-progress", is_flag=True, expose_value=False, callback=turn_off,
                         help="No progress bars (from any stage).")(f)
+
+
+def report_to_option(f):
+    """``--report-to NAME`` (repeatable or comma-separated; beats the run file's ``report_to``); the
+    command gets the raw values, :func:`mlx_ssp.trackers.from_cli` reads them."""
+    from mlx_ssp.trackers import choices
+
+    return click.option(
+        "--report-to", "report_to", multiple=True, metavar="NAME",
+        help=f"Send the metrics to these experiment trackers ({', '.join(choices())}; repeatable or "
+             "comma-separated; beats the run file's report_to).",
+    )(f)
 
 
 def config_option(f):
@@ -77,9 +89,9 @@ def sampling_flags(kw: dict) -> dict:
 
 
 def load_task_stage(config_path, overrides, section: str, flags: dict, model, output_what: str):
-    """(ModelConfig, section with the seed rule applied) for a command that reads a task file and
-    writes ``output_what`` (rollout, eval), through :func:`mlx_ssp.stage_config.load_stage`; both
-    paths must be set, by flag or file."""
+    """(ModelConfig, section with the seed rule applied, the whole :class:`~mlx_ssp.stage_config.StageConfig`)
+    for a command that reads a task file and writes ``output_what`` (rollout, eval), through
+    :func:`mlx_ssp.stage_config.load_stage`; both paths must be set, by flag or file."""
     from mlx_ssp.errors import UserError
     from mlx_ssp.io import check_output_path
     from mlx_ssp.stage_config import load_stage
@@ -91,4 +103,4 @@ def load_task_stage(config_path, overrides, section: str, flags: dict, model, ou
     if not cfg.output:
         raise UserError(f"no output: pass -o {output_what} (or set {section}.output)")
     check_output_path(cfg.output, f"{section}.output")  # a file, before the model is loaded
-    return st.model, cfg
+    return st.model, cfg, st

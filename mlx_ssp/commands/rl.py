@@ -7,7 +7,7 @@ import json
 
 import click
 
-from mlx_ssp.commands.options import no_progress_option, set_option
+from mlx_ssp.commands.options import no_progress_option, report_to_option, set_option
 from mlx_ssp.errors import UserError
 
 
@@ -15,8 +15,9 @@ from mlx_ssp.errors import UserError
 @click.argument("config_path", type=click.Path(dir_okay=False), required=False)
 @click.option("--restart", is_flag=True, help="Ignore existing checkpoints and start afresh.")
 @set_option
+@report_to_option
 @no_progress_option
-def cli(config_path, restart, overrides):
+def cli(config_path, restart, overrides, report_to):
     """MGPO-weighted GRPO with verifiable rewards on the run file's model.
 
     CONFIG_PATH is a run YAML with model:, rl: and tasks: (or rl.tasks) sections; --set rl.steps=10
@@ -24,10 +25,11 @@ def cli(config_path, restart, overrides):
     order, each from the previous one's model; finished phases are skipped."""
     from mlx_ssp import distributed as dist
     from mlx_ssp.rl.stage import run
+    from mlx_ssp.trackers import from_cli
 
     if config_path is None and not overrides:
         raise UserError("give a run YAML (mlx_ssp rl CONFIG.yaml) or --set keys")
-    summary = run(config_path, overrides, restart=restart)
+    summary = run(config_path, overrides, restart=restart, report_to=from_cli(report_to))
     if not dist.is_main():  # rank 0 reports for all ranks
         return
     last = summary.get("last") or {}

@@ -8,7 +8,8 @@ from __future__ import annotations
 import click
 
 from mlx_ssp.commands.options import (
-    config_option, load_task_stage, no_progress_option, sampling_flags, sampling_options, set_option,
+    config_option, load_task_stage, no_progress_option, report_to_option, sampling_flags, sampling_options,
+    set_option,
 )
 
 
@@ -29,15 +30,19 @@ from mlx_ssp.commands.options import (
 @click.option("-o", "--output", default=None, help="rollouts.jsonl to write (resumed if it exists).")
 @click.option("--overwrite", is_flag=True, help="Start the output afresh instead of resuming it.")
 @no_progress_option
+@report_to_option
 @config_option
 @set_option
 def cli(model, endpoint, api_key_env, concurrency, tokenizer, tasks_path, k, system, output, overwrite,
-        config_path, overrides, **kw):
+        config_path, overrides, report_to, **kw):
     """Sample K completions per task with behaviour log-probs and verifier rewards.
 
     Writes ROLLOUTS.jsonl (one record per completion; rerunning resumes it) and
     ROLLOUTS.summary.json (pass@1 / pass@K per domain)."""
+    from pathlib import Path
+
     from mlx_ssp import distributed as dist
+    from mlx_ssp import trackers
     from mlx_ssp.rollout.stage import run_rollouts
     from mlx_ssp.rollout.summary import format_table
 
@@ -51,8 +56,10 @@ def cli(model, endpoint, api_key_env, concurrency, tokenizer, tasks_path, k, sys
         from mlx_ssp.errors import UserError
 
         raise UserError("--api-key-env, --concurrency and --tokenizer go with --endpoint URL")
-    mcfg, cfg = load_task_stage(config_path, overrides, "rollout", flags, model, "ROLLOUTS.jsonl")
-    summary = run_rollouts(teacher or mcfg, cfg.tasks, cfg, cfg.output, overwrite=overwrite)
+    cli_trackers = trackers.from_cli(report_to)
+    mcfg, cfg, st = load_task_stage(config_path, overrides, "rollout", flags, model, "ROLLOUTS.jsonl")
+    with trackers.for_stage(st, cli_trackers, command="rollout", dir=Path(cfg.output).parent, section="rollout"):
+        summary = run_rollouts(teacher or mcfg, cfg.tasks, cfg, cfg.output, overwrite=overwrite)
     if not dist.is_main():  # rank 0 reports for all ranks
         return
     click.echo(format_table(summary))

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import mlx_ssp  # noqa: F401
 import mlx.core as mx
 
+from mlx_ssp import trackers
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import atomic_dir
 from mlx_ssp.merge import safetensors_io as sio
@@ -235,6 +236,7 @@ def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_sh
            "shards": len(writer.names), "workers": n_workers, "seconds": round(elapsed, 3)}
     if job.cfg.out_quantization is not None:
         res["quantized"] = sum(p.quant is not None for p in job.plans)  # 0 would mean mlx-lm's names did not match
+    trackers.log("", res, step=0)  # merge/seconds, merge/bytes, ... (mlx_ssp.trackers)
     return res
 
 

@@ -49,7 +49,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlx_ssp import distributed as dist
-from mlx_ssp import progress
+from mlx_ssp import progress, trackers
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import write_json_atomic
 from mlx_ssp.finetune import checkpoints as ckpts
@@ -787,6 +787,7 @@ def train(model, tokenizer, tasks: list[Task], cfg: RLConfig, out_dir: str | Pat
         while tr.step_no < cfg.steps:
             rec = tr.step()
             log.write(rec)
+            trackers.log("", rec, rec["step"])  # rl/reward_mean, ... (rl/<phase>/... in a phase)
             last = rec
             if on_step is not None:
                 on_step(tr, rec)

@@ -29,6 +29,7 @@ import json
 from pathlib import Path
 from typing import Callable, Optional
 
+from mlx_ssp import trackers
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import write_json_atomic
 
@@ -114,8 +115,9 @@ def run_phases(model_cfg, tasks: list, cfg, out: Path, *, seed: int, resume: boo
         else:
             _say(echo, f"[rl] phase {phase.name}: training from {start.path}")
             ptasks = phase_tasks(tasks, phase, pcfg)
-            summary, model, tok, path = train_one(start, ptasks, pcfg, d, seed=pseed, resume=resume,
-                                                  where=f"rl.phases '{phase.name}'")
+            with trackers.scope(phase.name):  # rl/<phase>/reward_mean, ... (mlx_ssp.trackers)
+                summary, model, tok, path = train_one(start, ptasks, pcfg, d, seed=pseed, resume=resume,
+                                                      where=f"rl.phases '{phase.name}'")
             entry = {"name": phase.name, "start": str(start.path), "model": str(d / "model"),
                      "tasks": summary.get("tasks", len(ptasks)),
                      **{k: summary.get(k) for k in ("steps", "skipped_total", "last", "checkpoint", "out_dir",

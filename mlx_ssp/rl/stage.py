@@ -18,15 +18,21 @@ from pathlib import Path
 from mlx_ssp.errors import UserError
 
 
-def load_config(config_path, overrides):
-    """(raw data, rl section, ModelConfig, seed, output directory) through the one stage loader;
-    the output is ``rl.output``, else ``<run_dir>/rl``."""
+def load_stage_config(config_path, overrides):
+    """(:class:`~mlx_ssp.stage_config.StageConfig` of the rl section, output directory) through the one
+    stage loader; the output is ``rl.output``, else ``<run_dir>/rl``."""
     from mlx_ssp.stage_config import load_stage, note_old_default
 
     st = load_stage(config_path, overrides, "rl")
     out = Path(st.cfg.output) if st.cfg.output else st.run_dir / "rl"
     if not st.cfg.output:
         note_old_default(st, Path("runs/rl"), out, "pass --set rl.output=runs/rl")
+    return st, out
+
+
+def load_config(config_path, overrides):
+    """(raw data, rl section, ModelConfig, seed, output directory): :func:`load_stage_config` unpacked."""
+    st, out = load_stage_config(config_path, overrides)
     return st.data, st.cfg, st.model, st.seed, out
 
 
@@ -46,17 +52,20 @@ def load_train_tasks(data: dict, cfg, source: str):
     raise UserError(f"{source}: no training tasks; set rl.tasks (a task JSONL) or a tasks: section")
 
 
-def run(config_path, overrides=(), *, restart: bool = False) -> dict:
+def run(config_path, overrides=(), *, restart: bool = False, report_to: tuple[str, ...] | None = None) -> dict:
     """Load everything named in the run file and train, holding the output directory's lock
-    (:func:`mlx_ssp.distributed.output_lock`: a second job on it fails at once); returns the summary."""
+    (:func:`mlx_ssp.distributed.output_lock`: a second job on it fails at once); returns the summary.
+    ``report_to``: the trackers (None: the run file's ``report_to``; :mod:`mlx_ssp.trackers`)."""
     from mlx_ssp import distributed as dist
+    from mlx_ssp import trackers
 
-    data, cfg, mcfg, seed, out = load_config(config_path, overrides)
+    st, out = load_stage_config(config_path, overrides)
+    cfg, mcfg, seed = st.cfg, st.model, st.seed
     source = str(config_path or "--set")
-    tasks = load_train_tasks(data, cfg, source)
+    tasks = load_train_tasks(st.data, cfg, source)
     from mlx_ssp.rl.phases import run_phases, train_one
 
-    with dist.output_lock(out):
+    with dist.output_lock(out), trackers.for_stage(st, report_to, command="rl", dir=out, section="rl"):
         if cfg.phases:
             import sys
 

@@ -14,6 +14,7 @@ import logging
 from collections import defaultdict
 from pathlib import Path
 
+from mlx_ssp import trackers
 from mlx_ssp.rollout.config import RolloutConfig
 from mlx_ssp.rollout.request import RolloutRequest, stage_settings
 from mlx_ssp.rollout.resume import (
@@ -166,6 +167,7 @@ def _run_locked(source, request: RolloutRequest, out: Path, meta: dict, *, overw
                             stats=stats, dropped=dropped)
     if main:
         write_json_atomic(sidecar(out, "summary"), summary)
+        trackers.log("", trackers.without(summary, "sampling", "seed"), step=0)  # rollout/overall/pass@1, ...
     return dist.broadcast_object(summary, what="rollout: summary")  # rank 0 read the whole file
 
 

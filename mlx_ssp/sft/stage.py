@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from mlx_ssp import distributed as dist
+from mlx_ssp import trackers
 from mlx_ssp.errors import UserError
 from mlx_ssp.finetune import checkpoints as ckpts
 from mlx_ssp.finetune.fuse import fuse_and_save, restore_base
@@ -82,6 +83,7 @@ class _Hook:
         rec = {"step": step, **{k: float(v) for k, v in info.items() if k != "iteration"}}
         dist.heartbeat()
         self.run.metrics.write(rec)
+        trackers.log(self.run.plan.name, rec, step)  # sft/<domain>/train_loss, ...
         if step % self.run.cfg.save_every == 0 or step == self.run.cfg.iters:
             self.run.checkpoint(step, rec["train_loss"])
         self.hook_time += time.perf_counter() - tic
@@ -147,6 +149,8 @@ class _DomainRun:
         write_json_atomic(ckpt / "probe.json", rec)
         chosen = write_curve(self.ddir, self.plan.name, self.cfg.select)
         step = ckpts.step_of(ckpt.name)
+        state = json.loads((ckpt / "state.json").read_text())  # the probe curve's row: val_loss, probe/pass@1, ...
+        trackers.log(self.plan.name, {"val_loss": state.get("val_loss"), "probe": trackers.without(rec, "k")}, step)
         print(
             f"[sft {self.plan.name}] step {step}: pass@1 {rec['pass@1']:.3f}  pass@{rec['k']} {rec['pass@k']:.3f}"
             f"  (best so far: step {chosen['step'] if chosen else '-'}; probe {dt:.1f}s)",
@@ -270,6 +274,7 @@ def train_specialist(
         if not dist.is_main():
             return result
         write_json_atomic(ddir / "result.json", result)
+        trackers.log(plan.name, {"chosen_step": chosen["step"], **times}, cfg.iters)  # train_seconds, probe_seconds...
         print(f"[sft {plan.name}] chose step {chosen['step']} by {cfg.select}; specialist at {spec_dir}", file=sys.stderr)
         return result
     finally:
