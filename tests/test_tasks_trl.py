@@ -101,6 +101,12 @@ def test_bad_rows_and_params_fail_naming_the_choices(tmp_path):
         export_source(f"jsonl:{clash}", params={"format": "trl"}, verifier="exact")
     kept = export_source(f"jsonl:{clash}", params={"format": "trl", "metadata_fields": []}, verifier="exact")
     assert kept[0].metadata["source"] == f"jsonl:{clash}"
+    datasets = pytest.importorskip("datasets")
+    d = tmp_path / "with_bytes"
+    datasets.Dataset.from_list([{"prompt": "q", "answer": "1", "image": b"\x89PNG"}]).save_to_disk(str(d))
+    with pytest.raises(UserError, match="row 1: column 'image' is not JSON data \\(bytes\\)"):
+        export_source(f"hf:{d}", params={"format": "trl"}, verifier="exact")
+    assert export_source(f"hf:{d}", params={"format": "trl", "metadata_fields": []}, verifier="exact")[0].answer == "1"
     # unknown params and formats fail when the config is loaded, naming the valid ones
     for params, needle in [({"format": "openai"}, "unknown format 'openai'; valid: fields, trl"),
                            ({"fromat": "trl"}, "unknown params fromat; valid: answer_after, answer_field, "

@@ -247,6 +247,12 @@ def _map_rows(rows: list[dict], params: dict, where: str) -> list[Item]:
             raise UserError(f"{where}: column '{clash[0]}' would overwrite the task metadata key mlx_ssp sets "
                             f"({', '.join(BUILDER_KEYS)}); list the columns to keep in params.metadata_fields")
         md = {f: r.get(f) for f in keep}
+        for f, v in md.items():  # a task file is JSON: an image or bytes column cannot be kept
+            try:
+                json.dumps(v)
+            except (TypeError, ValueError):
+                raise UserError(f"{where}: row {i + 1}: column '{f}' is not JSON data ({type(v).__name__}); "
+                                "list the columns to keep in params.metadata_fields") from None
         if cf:
             md[IMPORTED] = imported_completions(r.get(cf), f"{where}: row {i + 1}")
         items.append(Item(key, _prompt(r[pf], f"{where}: row {i + 1}"), ans, md))
