@@ -1,5 +1,6 @@
 """mlx-lm's SFT data formats in `mlx_ssp sft`: completions ``{"prompt", "completion"}``, chat
-``{"messages"}`` and ``{"text"}``, read through mlx-lm's own dataset classes. With ``mask_prompt``
+``{"messages"}`` and ``{"text"}``, read through mlx-lm's own dataset classes, and TRL's conversational
+prompt-completion (lists of messages), read as the chat it joins into. With ``mask_prompt``
 the loss covers exactly the answer tokens (mlx-lm's ``default_loss`` mask over the stage's batches),
 and one training step on a completions file moves the LoRA weights."""
 
@@ -93,6 +94,28 @@ def test_chat_mask_covers_the_last_assistant_turn_and_text_trains_on_all(tmp_pat
     assert stats["format"] == "text"
     text, n = _targets(ds, tok, 1)
     assert text.startswith(TEXT[1]["text"][1:]) and n == len(ds[1][0]) - 1
+
+
+def test_trl_conversational_prompt_completion_trains_as_chat(tmp_path, base):
+    """TRL's conversational prompt-completion records join into one chat; the mask covers the
+    completion's assistant message exactly; they mix with chat records in one file."""
+    from mlx_ssp.errors import UserError
+
+    _, tok, _ = base
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"What is {a} + 2?"}],
+             "completion": [{"role": "assistant", "content": f"It is {a + 2}."}]} for a in range(3)]
+    ds, stats = load_sft_file(_write(tmp_path / "conv.jsonl", rows + CHAT[:1]), tok, mask_prompt=True, max_seq_length=512)
+    assert stats["format"] == "chat" and stats["records"] == 4
+    for i, rec in enumerate(rows):
+        text, _ = _targets(ds, tok, i)
+        assert text == rec["completion"][0]["content"] + END
+    assert _targets(ds, tok, 3)[0] == CHAT[0]["messages"][-1]["content"] + END
+    two = [{**rows[0], "completion": rows[0]["completion"] * 2}]
+    with pytest.raises(UserError, match=r"conv2.jsonl:1: a conversational 'completion' must be a list of one assistant"):
+        load_sft_file(_write(tmp_path / "conv2.jsonl", two), tok, mask_prompt=True, max_seq_length=512)
+    mixed = rows[:1] + COMPLETIONS[:1]
+    with pytest.raises(UserError, match=r"mixed.jsonl:2: a 'completions' record in a 'chat' file"):
+        load_sft_file(_write(tmp_path / "mixed.jsonl", mixed), tok, mask_prompt=True, max_seq_length=512)
 
 
 def _lora_b(adapter_dir: Path) -> np.ndarray:

@@ -47,12 +47,32 @@ def _record_kind(rec: dict) -> Optional[str]:
     if is_token_record(rec):
         return "tokens"
     if "prompt" in rec and "completion" in rec:
-        return "completions"
+        # TRL's conversational prompt-completion (lists of messages) trains as the chat it joins into
+        return "chat" if isinstance(rec["prompt"], list) else "completions"
     if "messages" in rec:
         return "chat"
     if "text" in rec:
         return "text"
     return None
+
+
+def _conversation(rec: dict, where: str) -> list:
+    """The messages of a TRL conversational prompt-completion record: the prompt's, then the one
+    assistant message of the completion (mlx-lm's chat masking trains on the last message only)."""
+    c = rec["completion"]
+    if not (isinstance(c, list) and len(c) == 1 and isinstance(c[0], dict) and c[0].get("role") == "assistant"):
+        raise UserError(f"{where}: a conversational 'completion' must be a list of one assistant message")
+    return list(rec["prompt"]) + c
+
+
+def _as_mlx_lm(rec: dict) -> dict:
+    """A record as mlx-lm's create_dataset reads it (a conversational prompt-completion as a chat)."""
+    if "messages" in rec or not isinstance(rec.get("prompt"), list):
+        return rec
+    out = {"messages": list(rec["prompt"]) + list(rec["completion"])}
+    if rec.get("tools") is not None:
+        out["tools"] = rec["tools"]
+    return out
 
 
 def _check_record(path: Path, lineno: int, rec: dict, kind: str, mask_prompt: bool) -> None:
@@ -68,7 +88,7 @@ def _check_record(path: Path, lineno: int, rec: dict, kind: str, mask_prompt: bo
     if kind == "tokens":
         return  # checked with the tokenizer's vocabulary in load_token_records
     if kind == "chat":
-        msgs = rec["messages"]
+        msgs = rec["messages"] if "messages" in rec else _conversation(rec, where)
         if not isinstance(msgs, list) or not msgs:
             raise UserError(f"{where}: 'messages' must be a non-empty list")
         for i, m in enumerate(msgs):
@@ -105,7 +125,7 @@ def load_sft_file(path: Path, tokenizer, *, mask_prompt: bool, max_seq_length: i
         _check_record(path, lineno, rec, kind, mask_prompt)
     if kind == "tokens":  # their own mask says what is trained on; mask_prompt does not apply
         return load_token_records(path, recs, tokenizer, max_seq_length=max_seq_length)
-    data = [r for _, r in recs]
+    data = [_as_mlx_lm(r) for _, r in recs]
     conf = types.SimpleNamespace(mask_prompt=mask_prompt)
     ds = CacheDataset(create_dataset(data, tokenizer, conf))
     n_tokens = n_trunc = 0
