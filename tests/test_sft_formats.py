@@ -140,6 +140,6 @@ def test_one_step_on_the_file_moves_the_lora_weights(tmp_path, base, rows):
     ck = tmp_path / "sft" / "d" / "checkpoints" / f"step_{1:07d}"
     b = _lora_b(ck)
     assert b.size > 0 and np.all(np.isfinite(b)) and np.abs(b).max() > 0  # lora_b starts at zero
-    (m,) = [json.loads(line) for line in open(tmp_path / "sft" / "d" / "metrics.jsonl")]
+    (m,) = [json.loads(line) for line in (tmp_path / "sft" / "d" / "metrics.jsonl").read_text().splitlines()]
     assert m["step"] == 1 and np.isfinite(m["train_loss"])
     assert not any("lora_" in k for k, _ in tree_flatten(base[0].parameters()))  # the base model is restored

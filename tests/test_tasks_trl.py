@@ -109,8 +109,8 @@ def test_bad_rows_and_params_fail_naming_the_choices(tmp_path):
     assert export_source(f"hf:{d}", params={"format": "trl", "metadata_fields": []}, verifier="exact")[0].answer == "1"
     # unknown params and formats fail when the config is loaded, naming the valid ones
     for params, needle in [({"format": "openai"}, "unknown format 'openai'; valid: fields, trl"),
-                           ({"fromat": "trl"}, "unknown params fromat; valid: answer_after, answer_field, "
-                                               "completions_field, format, id_field, metadata_fields, prompt_field"),
+                           ({"fromat": "trl"}, ("unknown params fromat; valid: answer_after, answer_field, "
+                                                "completions_field, format, id_field, metadata_fields, prompt_field")),
                            ({"format": "trl", "metadata_fields": "level"}, "metadata_fields must be a list")]:
         with pytest.raises(UserError, match=f"tasks.domains.d.params: .*{needle}"):
             load_section({"tasks": {"domains": {"d": {"source": f"jsonl:{src}", "params": params}}}}, "tasks")

@@ -170,7 +170,7 @@ def check_advantages(backend: str, case: AdvCase, seed: int = 0, repeats: int = 
 
     def fwd_bwd(fn):
         def run():
-            kw = dict(lam=case.lam, scale_rewards=case.scale, eps=1e-6, num_groups=groups)
+            kw = {"lam": case.lam, "scale_rewards": case.scale, "eps": 1e-6, "num_groups": groups}
             out = fn(r, gid, **kw)
             _, (d,) = mx.vjp(lambda x: [fn(x, gid, **kw).advantages], [r], [cot])
             return (*out, d)
