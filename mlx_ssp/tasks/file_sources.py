@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlx_ssp.errors import UserError
+from mlx_ssp.tasks import BUILDER_KEYS
 from mlx_ssp.tasks.item import ORDER, Item, no_params, read_rows
 
 if TYPE_CHECKING:
@@ -141,6 +143,9 @@ class RowFormat:
     answer_fields: tuple[str, ...]  # the first column found is the answer
     extra_columns: bool  # without metadata_fields: every other column goes to the task's metadata
     help: str
+    #: the prompt must be non-empty text or {role, content} messages when the row is read (the field
+    #: mapping keeps passing the column as it is, as it always has)
+    check_prompt: bool = False
 
 
 #: ``params.format`` -> its defaults. ``trl``: TRL's prompt-only datasets, ``prompt`` as text or as
@@ -150,15 +155,19 @@ ROW_FORMATS: dict[str, RowFormat] = {
     "fields": RowFormat(("prompt", "question", "problem", "input", "messages"), ("answer", "solution", "output", "target"),
                         False, "a field mapping (the default)"),
     "trl": RowFormat(("prompt",), ("solution", "answer", "ground_truth"), True,
-                     "TRL prompt-only / conversational rows: prompt, an answer column, extra columns -> metadata"),
+                     "TRL prompt-only / conversational rows: prompt, an answer column, extra columns -> metadata",
+                     check_prompt=True),
 }
 _MAP_KEYS = {"format", "prompt_field", "answer_field", "id_field", "answer_after", "metadata_fields", "completions_field"}
 _HF_KEYS = {"split", "name", "data_files", "revision"}
-#: the task metadata keys the task builder sets itself (or reads the verifier from): a column may not take them
-BUILDER_KEYS = ("verifier", "split", "source", "answer_extraction", "sandbox")
+_NAME_KEYS = ("prompt_field", "answer_field", "id_field", "answer_after", "completions_field")  # strings
 #: the task metadata key that holds a row's imported completions (``completions_field``); the
 #: rollout stage uses them instead of sampling (:mod:`mlx_ssp.rollout.imported`)
 IMPORTED = "imported_completions"
+#: the largest value (its JSON, in bytes) the TRL format's "every other column" rule copies into a
+#: task's metadata: the metadata is repeated in every task record and every rollout, and datasets
+#: often carry a `messages` or a long reference-solution column next to the prompt
+MAX_EXTRA_COLUMN_BYTES = 64 * 1024
 
 
 def check_map_params(params: dict, hf: bool = False) -> None:
@@ -173,6 +182,10 @@ def check_map_params(params: dict, hf: bool = False) -> None:
     mf = params.get("metadata_fields")
     if mf is not None and not (isinstance(mf, list) and all(isinstance(f, str) for f in mf)):
         raise ValueError("metadata_fields must be a list of column names")
+    for k in _NAME_KEYS:
+        if k in params and params[k] is not None and not isinstance(params[k], str):
+            what = "a text marker" if k == "answer_after" else "a column name"
+            raise ValueError(f"{k} must be {what} (a string; got {type(params[k]).__name__} {params[k]!r})")
 
 
 def _checked_params(params: dict, where: str, hf: bool = False) -> None:
@@ -230,7 +243,15 @@ def _map_rows(rows: list[dict], params: dict, where: str) -> list[Item]:
     pf, af = pick("prompt_field", fmt.prompt_fields), pick("answer_field", fmt.answer_fields)
     idf, after = params.get("id_field"), params.get("answer_after")
     mfields = params.get("metadata_fields")
+    reserved = (*BUILDER_KEYS, IMPORTED)
+    if mfields is not None:
+        # 'verifier' stays allowed: the task builder takes a row's own verifier from it
+        clash = [c for c in mfields if c in reserved and c != "verifier"]
+        if clash:
+            raise UserError(f"{where}: params.metadata_fields names '{clash[0]}', a task metadata key mlx_ssp sets "
+                            f"itself ({', '.join(k for k in reserved if k != 'verifier')}); leave it out")
     taken = {pf, af, idf, cf}
+    skipped: dict[str, None] = {}  # columns the automatic rule leaves out because the builder sets them (ordered)
     items = []
     for i, r in enumerate(rows):
         if pf not in r or af not in r:
@@ -241,21 +262,33 @@ def _map_rows(rows: list[dict], params: dict, where: str) -> list[Item]:
                 raise UserError(f"{where}: row {i + 1}: answer has no '{after}'")
             ans = str(ans).rsplit(after, 1)[1].strip()
         key = str(r[idf]) if idf else str(i)
-        keep = mfields if mfields is not None else [c for c in r if c not in taken] if fmt.extra_columns else []
-        clash = [c for c in keep if c in BUILDER_KEYS or c == IMPORTED]
-        if clash:
-            raise UserError(f"{where}: column '{clash[0]}' would overwrite the task metadata key mlx_ssp sets "
-                            f"({', '.join(BUILDER_KEYS)}); list the columns to keep in params.metadata_fields")
+        auto = mfields is None and fmt.extra_columns
+        if mfields is not None:
+            keep = mfields
+        elif auto:
+            keep = [c for c in r if c not in taken and c not in reserved]
+            skipped.update((c, None) for c in r if c in reserved and c not in taken)
+        else:
+            keep = []
         md = {f: r.get(f) for f in keep}
-        for f, v in md.items():  # a task file is JSON: an image or bytes column cannot be kept
-            try:
-                json.dumps(v)
+        for f, v in md.items():
+            try:  # a task file is JSON: an image or bytes column cannot be kept
+                size = len(json.dumps(v, ensure_ascii=False).encode())
             except (TypeError, ValueError):
                 raise UserError(f"{where}: row {i + 1}: column '{f}' is not JSON data ({type(v).__name__}); "
                                 "list the columns to keep in params.metadata_fields") from None
+            if auto and size > MAX_EXTRA_COLUMN_BYTES:  # a column the user named is kept whole: their choice
+                raise UserError(f"{where}: row {i + 1}: column '{f}' holds {size / 1024:.0f} KiB, over the "
+                                f"{MAX_EXTRA_COLUMN_BYTES // 1024} KiB copied per column into every task's metadata; "
+                                "list the columns to keep in params.metadata_fields")
         if cf:
             md[IMPORTED] = imported_completions(r.get(cf), f"{where}: row {i + 1}")
-        items.append(Item(key, _prompt(r[pf], f"{where}: row {i + 1}"), ans, md))
+        prompt = _prompt(r[pf], f"{where}: row {i + 1}") if fmt.check_prompt else r[pf]
+        items.append(Item(key, prompt, ans, md))
+    if skipped:
+        hint = " (params.metadata_fields: [verifier, ...] keeps a per-row verifier column)" if "verifier" in skipped else ""
+        warnings.warn(f"{where}: column(s) {', '.join(skipped)} not copied to the task metadata: mlx_ssp sets "
+                      f"those keys itself{hint}", stacklevel=2)
     return items
 
 
