@@ -118,6 +118,26 @@ def test_trl_conversational_prompt_completion_trains_as_chat(tmp_path, base):
         load_sft_file(_write(tmp_path / "mixed.jsonl", mixed), tok, mask_prompt=True, max_seq_length=512)
 
 
+@pytest.mark.parametrize("prompt, error", [
+    ([], "a conversational 'prompt' must be a non-empty list of messages"),
+    ([{"content": "no role"}], "'prompt' message 0 needs 'role' and 'content'"),
+    ([{"role": "user", "content": "hi"}, "hello"], "'prompt' message 1 needs 'role' and 'content'"),
+])
+def test_a_bad_conversational_prompt_names_the_prompt(tmp_path, base, prompt, error):
+    """The record has no 'messages' key: the error names 'prompt', the key the user wrote."""
+    from mlx_ssp.errors import UserError
+
+    _, tok, _ = base
+    good = {"prompt": [{"role": "user", "content": "What is 1 + 2?"}], "completion": [{"role": "assistant", "content": "3"}]}
+    bad = {**good, "prompt": prompt}
+    with pytest.raises(UserError, match=f"bad.jsonl:2: {error}") as e:
+        load_sft_file(_write(tmp_path / "bad.jsonl", [good, bad]), tok, mask_prompt=True, max_seq_length=512)
+    assert "'messages'" not in str(e.value)
+    no_content = {**good, "completion": [{"role": "assistant"}]}
+    with pytest.raises(UserError, match="nc.jsonl:1: 'completion' message 0 needs 'role' and 'content'"):
+        load_sft_file(_write(tmp_path / "nc.jsonl", [no_content]), tok, mask_prompt=True, max_seq_length=512)
+
+
 def _lora_b(adapter_dir: Path) -> np.ndarray:
     w = mx.load(str(adapter_dir / "adapters.safetensors"))
     return np.concatenate([np.array(v).ravel() for k, v in sorted(w.items()) if k.endswith("lora_b")])
