@@ -102,6 +102,16 @@ def report() -> tuple[list[tuple[str, str]], list[str]]:
     return rows, advice
 
 
+def no_kernel_line(be: dict[str, bool], cpu_default: bool, where: str) -> str:
+    """Why ``doctor --kernels`` has nothing to check: no GPU back-end, or one that is there while the
+    default device is the CPU (the kernels run only on the default device, so they do not run either)."""
+    if (be["metal"] or be["cuda"]) and cpu_default:
+        return (f"kernels: the default device is the CPU ({where}); the custom kernels run only when the GPU is "
+                "the default device: nothing to check, the RL stage uses the plain-MLX reference")
+    return (f"kernels: no Metal or CUDA device to run them on here ({where}); nothing to check, "
+            "the RL stage uses the plain-MLX reference")
+
+
 def kernel_check() -> tuple[list[str], bool]:
     """``mlx_ssp doctor --kernels``: (lines to print, every check passed). Each custom kernel runs on
     each GPU back-end here against its plain-MLX reference (:mod:`mlx_ssp.rl.kernels.selfcheck`);
@@ -117,8 +127,7 @@ def kernel_check() -> tuple[list[str], bool]:
              f"Metal: {'yes' if be['metal'] else 'no'}, CUDA: {'yes' if be['cuda'] else 'no'}")
     results = selfcheck()
     if not results:
-        return [f"kernels: no Metal or CUDA device to run them on here ({where}); nothing to check, "
-                "the RL stage uses the plain-MLX reference"], True
+        return [no_kernel_line(be, mx.default_device() == mx.cpu, where)], True
     lines = [f"kernels vs their plain-MLX reference ({where})"]
     for name, checks in results.items():
         lines += format_checks(name, checks)

@@ -13,6 +13,7 @@ import mlx_ssp  # noqa: F401
 import mlx.core as mx
 
 from mlx_ssp.cli import main
+from mlx_ssp.doctor import backends, kernel_check, no_kernel_line
 from mlx_ssp.rl import kernels as K
 from mlx_ssp.rl.kernels import advantages as KA, dispatch as KD, log_softmax as KL, selfcheck as S
 from mlx_ssp.rl.mgpo import mgpo_advantages
@@ -130,3 +131,32 @@ def test_doctor_kernels_on_a_device_reports_each_check_and_fails_on_a_wrong_kern
     KL._sls_op.cache_clear()
     res = CliRunner().invoke(main, ["doctor", "--kernels"])
     assert res.exit_code == 1 and "2 of 4 checks pass, 2 FAIL" in res.output
+
+
+def test_doctor_kernels_refuses_a_run_file_instead_of_ignoring_it(tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text("model: {path: demo}\n")
+    for args in (["doctor", "--kernels", str(run)], ["doctor", "--kernels", "--set", "rl.group_size=4"]):
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 2, res.output
+        msg = res.output.strip()
+        assert "\n" not in msg and "--kernels" in msg and "takes no CONFIG_PATH or --set" in msg
+        assert "kernels vs" not in msg and "no Metal or CUDA" not in msg  # refused before any check runs
+
+
+def test_a_gpu_back_end_with_the_cpu_as_default_device_is_named_as_such():
+    """With Metal (or CUDA) present but the CPU as MLX's default device the kernels do not run: the
+    line says the default device is the CPU, not that there is no GPU device."""
+    where = "Darwin arm64, default device Device(cpu, 0), Metal: yes, CUDA: no"
+    line = no_kernel_line({"cpu": True, "metal": True, "cuda": False}, True, where)
+    assert "the default device is the CPU" in line and "no Metal or CUDA" not in line and where in line
+    assert "no Metal or CUDA device" in no_kernel_line({"cpu": True, "metal": False, "cuda": False}, True, where)
+    if not (backends()["metal"] or backends()["cuda"]):
+        return  # the end-to-end half needs a GPU back-end
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        lines, ok = kernel_check()
+    finally:
+        mx.set_default_device(old)
+    assert ok and len(lines) == 1 and "the default device is the CPU" in lines[0], lines

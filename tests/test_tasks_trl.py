@@ -12,8 +12,7 @@ from click.testing import CliRunner
 from mlx_ssp.cli import main
 from mlx_ssp.config import load_section
 from mlx_ssp.errors import UserError
-from mlx_ssp.tasks import BUILDER_KEYS, build_split, export_source, load_tasks
-from mlx_ssp.tasks import file_sources
+from mlx_ssp.tasks import BUILDER_KEYS, build_split, export_source, file_sources, load_tasks
 from mlx_ssp.tasks.file_sources import MAX_EXTRA_COLUMN_BYTES, load_jsonl
 from mlx_ssp.verify import verify
 

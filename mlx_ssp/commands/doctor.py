@@ -7,6 +7,7 @@ from __future__ import annotations
 import click
 
 from mlx_ssp.commands.options import set_option
+from mlx_ssp.errors import UserError
 
 
 @click.command("doctor")
@@ -27,6 +28,9 @@ def cli(config_path, prompt_tokens, kernels, overrides) -> None:
     from mlx_ssp.doctor import kernel_check, report, rl_memory
 
     if kernels:
+        if config_path is not None or overrides:  # the kernel check reads no run file: say so, not ignore it
+            raise UserError("--kernels checks the custom kernels only and takes no CONFIG_PATH or --set; "
+                            "run mlx_ssp doctor CONFIG_PATH for the rl memory prediction")
         lines, ok = kernel_check()
         for line in lines:
             click.echo(line)
