@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from mlx_ssp.cli import main
 from mlx_ssp.config import load_section
 from mlx_ssp.errors import UserError
-from mlx_ssp.tasks import BUILDER_KEYS, build_split, export_source, file_sources, load_tasks
+from mlx_ssp.tasks import build_split, export_source, file_sources, load_tasks
+from mlx_ssp.tasks.item import BUILDER_KEYS
 from mlx_ssp.tasks.file_sources import MAX_EXTRA_COLUMN_BYTES, load_jsonl
 from mlx_ssp.verify import verify
 
@@ -214,4 +215,4 @@ def test_the_builder_keys_are_the_keys_the_builder_sets(tmp_path):
     t = export_source(f"jsonl:{src}", params={"metadata_fields": ["level", "verifier"]}, sandbox={"wall_s": 3})[0]
     assert t.verifier == "math"
     assert set(t.metadata) - {"level"} == set(BUILDER_KEYS) - {"verifier"}
-    assert file_sources.BUILDER_KEYS is BUILDER_KEYS  # one definition, beside the builder
+    assert file_sources.BUILDER_KEYS is BUILDER_KEYS  # one definition, which the builder and the sources share

@@ -139,11 +139,6 @@ def render_prompt(tokenizer, task: Task, system: str | None = None) -> list[int]
 
 # -- the ``tasks:`` config section and its splits -------------------------------------------------
 
-#: the task metadata keys :func:`_to_task` sets itself (``verifier``: it reads a row's own verifier
-#: from there, then drops it). Defined above the imports below because the file sources, loaded by
-#: them, import it to keep a dataset column from taking one of these keys.
-BUILDER_KEYS = ("verifier", "split", "source", "answer_extraction", "sandbox")
-
 from mlx_ssp.tasks.config import SPLITS, DomainConfig, SplitSizes, TasksConfig  # noqa: E402
 from mlx_ssp.tasks.sources import default_domain_name  # noqa: E402  (its home is the source registry)
 

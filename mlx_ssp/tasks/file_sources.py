@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlx_ssp.errors import UserError
-from mlx_ssp.tasks import BUILDER_KEYS
-from mlx_ssp.tasks.item import ORDER, Item, no_params, read_rows
+from mlx_ssp.tasks.item import BUILDER_KEYS, ORDER, Item, no_params, read_rows
 
 if TYPE_CHECKING:
     from mlx_ssp.tasks.sources import Source
