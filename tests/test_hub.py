@@ -1,0 +1,180 @@
+"""Hub upload against a loopback stand-in of the Hub's HTTP API.
+
+The stand-in (http.server on 127.0.0.1, reached through ``HF_ENDPOINT``) answers the four calls a
+real huggingface_hub client makes for ``create_repo`` + ``upload_folder`` of small files:
+``POST /api/repos/create``, ``POST /api/validate-yaml`` (the README.md's front matter, checked
+before the commit), ``POST /api/models/{repo}/preupload/{rev}`` (every file "regular", so no LFS) and ``POST /api/models/{repo}/commit/{rev}`` (NDJSON: a header line, then one line per file
+with its bytes in base64). It records every request, so the tests check what reached the wire.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from huggingface_hub import constants as hf_constants
+
+from mlx_ssp.errors import UserError
+from mlx_ssp.hub import UploadConfig, check_repo_id, upload_model
+
+TOKEN = "hf_loopbackSecretToken123"
+
+
+class FakeHub:
+    """Requests seen (method, path, headers, body) and the repos with their committed files."""
+
+    def __init__(self, fail_status: int | None = None):
+        self.requests: list[tuple[str, str, dict, bytes]] = []
+        self.repos: dict[str, dict] = {}
+        self.validated: list[str] = []  # README.md texts sent to /api/validate-yaml
+        self.fail_status = fail_status
+
+
+def _handler(hub: FakeHub):
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):  # quiet
+            pass
+
+        def _reply(self, status: int, obj) -> None:
+            body = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _body(self) -> bytes:
+            n = int(self.headers.get("Content-Length") or 0)
+            return self.rfile.read(n) if n else b""
+
+        def do_GET(self):
+            hub.requests.append(("GET", self.path, dict(self.headers), b""))
+            self._reply(404, {"error": f"not in the stand-in: {self.path}"})
+
+        def do_POST(self):
+            body = self._body()
+            hub.requests.append(("POST", self.path, dict(self.headers), body))
+            path = self.path.split("?")[0]
+            if hub.fail_status:
+                return self._reply(hub.fail_status, {"error": "Invalid credentials in Authorization header"})
+            if path == "/api/validate-yaml":  # upload_folder has the Hub check README.md's front matter
+                hub.validated.append(json.loads(body)["content"])
+                return self._reply(200, {"errors": [], "warnings": []})
+            if path == "/api/repos/create":
+                req = json.loads(body)
+                repo = f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
+                hub.repos.setdefault(repo, {"visibility": req.get("visibility"), "files": {}})
+                return self._reply(200, {"url": f"http://{self.headers['Host']}/{repo}"})
+            parts = path.split("/")  # /api/models/ORG/NAME/{preupload,commit}/REV
+            if len(parts) == 7 and parts[:3] == ["", "api", "models"] and parts[5] == "preupload":
+                files = json.loads(body)["files"]
+                return self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                                   for f in files]})
+            if len(parts) == 7 and parts[:3] == ["", "api", "models"] and parts[5] == "commit":
+                repo = f"{parts[3]}/{parts[4]}"
+                for line in body.splitlines():
+                    item = json.loads(line)
+                    if item["key"] == "file":
+                        v = item["value"]
+                        assert v["encoding"] == "base64"
+                        hub.repos[repo]["files"][v["path"]] = base64.b64decode(v["content"])
+                return self._reply(200, {"commitUrl": f"http://{self.headers['Host']}/{repo}/commit/abc",
+                                         "commitOid": "a" * 40, "pullRequestUrl": None})
+            return self._reply(404, {"error": f"not in the stand-in: {path}"})
+
+    return H
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """Start the stand-in; point HF_ENDPOINT at it and HF_TOKEN at the test token."""
+
+    def start(fail_status: int | None = None) -> FakeHub:
+        hub = FakeHub(fail_status)
+        server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)  # a test environment may set it
+        return hub
+
+    servers: list = []
+    yield start
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama"}\n')
+    (d / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    (d / "README.md").write_text("---\nlibrary_name: mlx\n---\n\n# card\n")
+    return d
+
+
+def test_upload_creates_a_private_repo_with_the_files_and_sends_the_token_only_as_a_header(tmp_path, fake_hub):
+    hub = fake_hub()
+    d = _model_dir(tmp_path)
+    url = upload_model(d, "org/tiny")
+    assert url.endswith("/org/tiny")
+    assert hub.repos["org/tiny"]["visibility"] == "private"
+    files = hub.repos["org/tiny"]["files"]
+    assert set(files) == {"config.json", "model.safetensors", "README.md"}
+    for name, data in files.items():
+        assert data == (d / name).read_bytes()
+    assert hub.validated == [(d / "README.md").read_text()]
+    assert hub.requests
+    for method, path, headers, body in hub.requests:
+        auth = {k.lower(): v for k, v in headers.items()}.get("authorization")
+        assert auth == f"Bearer {TOKEN}"
+        assert TOKEN not in path and TOKEN.encode() not in body
+        assert TOKEN not in "".join(v for k, v in headers.items() if k.lower() != "authorization")
+    assert not any(TOKEN.encode() in p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
+
+
+def test_public_flag_makes_a_public_repo(tmp_path, fake_hub):
+    hub = fake_hub()
+    upload_model(_model_dir(tmp_path), "org/open", public=True)
+    assert hub.repos["org/open"]["visibility"] == "public"
+
+
+def test_http_error_is_one_line_without_the_token(tmp_path, fake_hub):
+    fake_hub(fail_status=401)
+    with pytest.raises(UserError) as e:
+        upload_model(_model_dir(tmp_path), "org/tiny")
+    msg = str(e.value)
+    assert "\n" not in msg and "HTTP 401" in msg and "org/tiny" in msg and TOKEN not in msg
+
+
+def test_no_token_is_one_line(tmp_path, fake_hub, monkeypatch):
+    hub = fake_hub()
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no token file either
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "hf_home" / "token"))
+    monkeypatch.setattr(hf_constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf_home" / "stored_tokens"))
+    with pytest.raises(UserError, match="HF_TOKEN"):
+        upload_model(_model_dir(tmp_path), "org/tiny")
+    assert hub.requests == []
+
+
+@pytest.mark.parametrize("repo", ["noslash", "a/b/c", "bad name/x", "org/-x-"])
+def test_bad_repo_ids_are_refused(repo):
+    with pytest.raises(UserError):
+        check_repo_id(repo)
+
+
+def test_upload_section_validates_the_repo():
+    from mlx_ssp.config import validate
+
+    assert validate(UploadConfig, {"repo": "org/x"}).public is False
+    with pytest.raises(UserError, match="upload"):
+        validate(UploadConfig, {"repo": "not a repo"}, source="run.yaml", prefix="upload")
+    with pytest.raises(UserError, match="publik"):
+        validate(UploadConfig, {"repo": "org/x", "publik": True}, source="run.yaml", prefix="upload")
