@@ -51,6 +51,22 @@ class UploadConfig(StrictModel):
         return v
 
 
+def require_token() -> str:
+    """huggingface_hub's token (``HF_TOKEN``, else the login file); a one-line UserError when there is
+    none. Commands call it before their work, so a missing token stops them before a long run."""
+    token = get_token()
+    if not token:
+        raise UserError("no Hugging Face token for the upload: set HF_TOKEN (a write token) or run `hf auth login`")
+    return token
+
+
+def check_upload(repo: Optional[str]) -> None:
+    """Before a command's work: the repo id and the token, when ``repo`` asks for an upload."""
+    if repo is not None:
+        check_repo_id(repo)
+        require_token()
+
+
 def _one_line(text: str, token: str) -> str:
     line = next((s.strip() for s in str(text).splitlines() if s.strip()), "")
     return line.replace(token, "***") if token else line
@@ -63,9 +79,7 @@ def upload_model(folder: str | Path, repo: str, *, public: bool = False) -> str:
     check_repo_id(repo)
     if not (folder / "config.json").is_file():
         raise UserError(f"{folder} is not a model directory (no config.json); nothing to upload")
-    token = get_token()
-    if not token:
-        raise UserError("no Hugging Face token for the upload: set HF_TOKEN (a write token) or run `hf auth login`")
+    token = require_token()
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=token)
     try:
         url = api.create_repo(repo_id=repo, repo_type="model", private=not public, exist_ok=True)

@@ -55,8 +55,10 @@ from typing import Any, Callable, Iterator, Optional
 
 import yaml
 
+from mlx_ssp.card import add_eval_table
 from mlx_ssp.config import load_section
 from mlx_ssp.errors import UserError
+from mlx_ssp.hub import require_token, upload_model
 from mlx_ssp.io import JsonlAppender, exclusive_lock, output_lock, write_json_atomic, write_text_atomic
 from mlx_ssp.stage_config import section_seed, with_seed
 
@@ -324,7 +326,7 @@ def stage_rl(run: Run) -> dict:
     With ``rl.phases``: the phases in order (:func:`mlx_ssp.rl.phases.run_phases`), each fused into
     ``rl/phases/<name>/model``; finished phases are not rerun."""
     from mlx_ssp.models import ModelConfig
-    from mlx_ssp.rl.phases import run_phases, train_one
+    from mlx_ssp.rl.phases import rl_card, run_phases, train_one
     from mlx_ssp.finetune.fuse import fuse_and_save
     from mlx_ssp.tasks import load_tasks
 
@@ -343,7 +345,8 @@ def stage_rl(run: Run) -> dict:
                        for p in summary["phases"]],
         }
     summary, model, tokenizer, path = train_one(merged, tasks, cfg, out, seed=seed, resume=True)
-    fuse_and_save(model, tokenizer, Path(path), out / "model", dequantize=False, overwrite=True)
+    fuse_and_save(model, tokenizer, Path(path), out / "model", dequantize=False, overwrite=True,
+                  card=rl_card(cfg, path, {"tasks": len(tasks), **summary}, seed))
     last = summary.get("last") or {}
     res = {
         "steps": summary.get("steps"),
@@ -434,7 +437,34 @@ def stage_eval(run: Run) -> dict:
     write_json_atomic(out_dir / "table.json", table)
     text = format_eval_table(table)
     write_text_atomic(out_dir / "table.md", text + "\n")
+    add_table_to_cards(run, text)
     return {"table": table}
+
+
+def add_table_to_cards(run: Run, table_md: str) -> None:
+    """Put the held-out table into the card of every model this run wrote (never the base's, nor a
+    directory outside the run)."""
+    root = run.run_dir.resolve()
+    for name, path in eval_models(run).items():
+        p = Path(path).resolve()
+        if name != "base" and root in p.parents:
+            add_eval_table(p, table_md, note=f"The held-out table of the run that made this model "
+                                             f"(this model is the row `{name}`).")
+
+
+def final_model(run: Run) -> str:
+    """The run's last model: the distilled student if any, else the (last phase's) RL model, else the merge."""
+    return list(eval_models(run).values())[-1]
+
+
+def upload_final(run: Run, upload, echo: Callable[[str], None]) -> Optional[str]:
+    """Upload :func:`final_model` as ``upload.repo`` says; its URL (None: no upload asked)."""
+    if upload is None or upload.repo is None:
+        return None
+    path = final_model(run)
+    url = upload_model(path, upload.repo, public=upload.public)
+    echo(f"[upload] {path} -> {url} ({'public' if upload.public else 'private unless the repo already existed'})")
+    return url
 
 
 # -- the eval table ------------------------------------------------------------------------------
@@ -579,6 +609,8 @@ SECTIONS: dict[str, Section] = {
         Section("distill", lambda run: run.section("distill") if run.data.get("distill") is not None else None,
                 _resolved("distill"), optional=True),
         Section("sft", _check_sft, lambda run: _dump(sft_config(run))),
+        # where the final model goes after the run; no stage's fingerprint covers it
+        Section("upload", _section("upload"), optional=True),
     )
 }
 assert all(s in SECTIONS for st in STAGE_REGISTRY.values() for s in st.sections)
@@ -673,6 +705,9 @@ def run_pipeline(
         if stage is not None and stage not in STAGES:
             raise UserError(f"{name} {stage}: unknown stage; valid: {', '.join(STAGES)}")
     run = load_run(config_path, overrides, progress)
+    upload = run.section("upload") if run.data.get("upload") is not None else None
+    if upload is not None and upload.repo is not None:
+        require_token()  # before the run, not after hours of it
     for name, stage in (("--from", from_stage), ("--only", only)):
         if stage is not None and not STAGE_REGISTRY[stage].enabled(run):
             raise UserError(f"{name} {stage}: {run.source} has no {STAGE_REGISTRY[stage].section}: section, so no {stage} stage")
@@ -686,6 +721,8 @@ def run_pipeline(
         table_path = run.stage_dir("eval") / "table.json"
         if table_path.exists() and read_state(run, "eval").get("complete"):
             echo("\n" + format_eval_table(json.loads(table_path.read_text())))
+            if "eval" in results:  # eval is current, so is every stage: the final model is ready to share
+                upload_final(run, upload, echo)
     return results
 
 

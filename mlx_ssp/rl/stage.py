@@ -4,8 +4,9 @@ loader, its training tasks, then :func:`mlx_ssp.rl.loop.load_and_train`.
 Reads the ``model:`` section (the policy to train; usually the merged model), the ``rl:`` section
 and, when ``rl.tasks`` is not set, the ``tasks:`` section's ``train`` split. Writes to
 ``rl.output`` (default ``<run_dir>/rl``): metrics.jsonl, checkpoints/step_N/, and the latest
-adapters.safetensors + adapter_config.json (fuse with ``mlx_lm fuse --adapter-path``). Rerunning
-resumes from the last checkpoint; ``restart`` starts afresh.
+adapters.safetensors + adapter_config.json (fuse with ``mlx_lm fuse --adapter-path``), and with
+``fuse`` (``mlx_ssp rl --upload-repo``) the fused ``model/`` with its card. Rerunning resumes from
+the last checkpoint; ``restart`` starts afresh.
 
 With ``rl.phases`` the phases run one after another in ``<output>/phases/<name>/``
 (:func:`mlx_ssp.rl.phases.run_phases`), each fused into its own ``model/``; a rerun skips the finished ones.
@@ -46,9 +47,11 @@ def load_train_tasks(data: dict, cfg, source: str):
     raise UserError(f"{source}: no training tasks; set rl.tasks (a task JSONL) or a tasks: section")
 
 
-def run(config_path, overrides=(), *, restart: bool = False) -> dict:
+def run(config_path, overrides=(), *, restart: bool = False, fuse: bool = False) -> dict:
     """Load everything named in the run file and train, holding the output directory's lock
-    (:func:`mlx_ssp.distributed.output_lock`: a second job on it fails at once); returns the summary."""
+    (:func:`mlx_ssp.distributed.output_lock`: a second job on it fails at once); returns the summary.
+    ``fuse`` (without phases, whose models are always fused): fuse the final adapters into
+    ``<output>/model`` with its model card (the summary's ``model``)."""
     from mlx_ssp import distributed as dist
 
     data, cfg, mcfg, seed, out = load_config(config_path, overrides)
@@ -62,5 +65,14 @@ def run(config_path, overrides=(), *, restart: bool = False) -> dict:
 
             return run_phases(mcfg, tasks, cfg, out, seed=seed, resume=not restart,
                               echo=lambda m: print(m, file=sys.stderr, flush=True))
-        summary, *_ = train_one(mcfg, tasks, cfg, out, seed=seed, resume=not restart)
+        summary, model, tokenizer, path = train_one(mcfg, tasks, cfg, out, seed=seed, resume=not restart)
+        if fuse:
+            from mlx_ssp.finetune.fuse import fuse_and_save
+            from mlx_ssp.rl.phases import rl_card
+
+            with dist.main_first("rl: fuse the final model") as do_it:
+                if do_it:
+                    fuse_and_save(model, tokenizer, Path(path), out / "model", dequantize=False, overwrite=True,
+                                  card=rl_card(cfg, path, {"tasks": len(tasks), **summary}, seed))
+            summary["model"] = str(out / "model")
         return summary
