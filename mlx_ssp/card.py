@@ -62,7 +62,8 @@ class Card:
     kind: str  # a key of KINDS
     inputs: tuple[str, ...]  # the base / input models, as given (paths or Hub ids)
     settings: dict[str, Any] = field(default_factory=dict)  # the recipe's key settings
-    datasets: tuple[str, ...] = ()  # training data: Hub dataset ids or local files
+    datasets: tuple[str, ...] = ()  # training data on the Hub: dataset ids (front matter and body)
+    data_files: tuple[str, ...] = ()  # training data on disk (body only)
     config_yaml: Optional[str] = None  # the merge config (mergekit YAML)
     eval_table: Optional[str] = None  # a Markdown table of held-out results
     title: str = ""
@@ -125,7 +126,7 @@ def _value(v: Any) -> str:
 def front_matter(card: Card) -> ModelCardData:
     kind = KINDS[card.kind]
     bases = _unique(i for ref in card.inputs for i in hub_ids(ref))
-    datasets = _unique(d for d in card.datasets if _is_repo_id(d) and not Path(d).exists())
+    datasets = _unique(card.datasets)
     return ModelCardData(
         base_model=(bases[0] if len(bases) == 1 else bases) or None,
         base_model_relation=kind.relation if bases else None,
@@ -148,8 +149,8 @@ def render(card: Card) -> str:
     if card.settings:
         lines += ["## Settings", "", "| setting | value |", "|---|---|"]
         lines += [f"| {k} | {_value(v)} |" for k, v in card.settings.items() if v is not None] + [""]
-    if card.datasets:
-        lines += ["## Training data", ""] + [f"- `{d}`" for d in card.datasets] + [""]
+    if card.datasets or card.data_files:
+        lines += ["## Training data", ""] + [f"- `{d}`" for d in (*card.datasets, *card.data_files)] + [""]
     if card.config_yaml:
         lines += ["## Configuration", "", "The following YAML configuration was used to produce this model:", "",
                   "```yaml", card.config_yaml.rstrip("\n"), "```", ""]

@@ -178,3 +178,68 @@ def test_upload_section_validates_the_repo():
         validate(UploadConfig, {"repo": "not a repo"}, source="run.yaml", prefix="upload")
     with pytest.raises(UserError, match="publik"):
         validate(UploadConfig, {"repo": "org/x", "publik": True}, source="run.yaml", prefix="upload")
+
+
+# ------------------------------------------------------------------ mlx_ssp merge --export-gguf --upload-repo
+
+
+def test_merge_cli_writes_card_and_gguf_and_uploads_them(tmp_path, fake_hub):
+    """A real merge of two tiny llama models: OUT_DIR gets our card (base_model taken from the inputs'
+    own cards, the merge config as YAML), a GGUF file, and every file reaches the stand-in Hub."""
+    import shutil
+
+    import yaml
+    from click.testing import CliRunner
+    from gguf import GGUFReader
+    from huggingface_hub import ModelCard
+
+    from mlx_ssp.card import Card, write_card
+    from mlx_ssp.cli import main
+    from mlx_ssp.testing import make_tiny_model
+
+    a = make_tiny_model(tmp_path / "a", arch="llama", num_layers=1)
+    b = shutil.copytree(a, tmp_path / "b")
+    for m in (a, b):  # inputs that are our own specialists of a Hub model
+        write_card(m, Card("lora", ("SomeOrg/base-model",)))
+    user_readme = (a / "README.md").read_bytes()
+    cfg = tmp_path / "merge.yml"
+    cfg.write_text(yaml.safe_dump({"merge_method": "linear", "models": [
+        {"model": str(a), "parameters": {"weight": 0.5}}, {"model": str(b), "parameters": {"weight": 0.5}}]}))
+    hub = fake_hub()
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["merge", str(cfg), str(out), "--quiet", "--export-gguf", "--upload-repo", "org/merged"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["uploaded"].endswith("/org/merged") and Path(res["gguf"]).parent == out
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == "SomeOrg/base-model" and card.data.library_name == "mlx"
+    assert {"mlx", "mlx_ssp", "merge"} <= set(card.data.tags) and card.data.pipeline_tag == "text-generation"
+    assert "merge_method: linear" in card.text and str(a) in card.text
+    assert (a / "README.md").read_bytes() == user_readme  # an input's card is never rewritten
+    assert GGUFReader(out / "ggml-model-f16.gguf").tensors
+    files = hub.repos["org/merged"]["files"]
+    assert hub.repos["org/merged"]["visibility"] == "private"
+    assert set(files) == {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "README.md",
+                                                             "mergekit_config.yml", "ggml-model-f16.gguf"}
+    assert all(files[n] == (out / n).read_bytes() for n in files)
+    assert not any(TOKEN.encode() in p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
+
+
+def test_merge_cli_refuses_gguf_of_an_unsupported_architecture_before_merging(tmp_path):
+    import shutil
+
+    import yaml
+    from click.testing import CliRunner
+
+    from mlx_ssp.cli import main
+    from mlx_ssp.testing import make_tiny_model
+
+    a = make_tiny_model(tmp_path / "a", arch="qwen3", num_layers=1)
+    b = shutil.copytree(a, tmp_path / "b")
+    cfg = tmp_path / "merge.yml"
+    cfg.write_text(yaml.safe_dump({"merge_method": "linear", "models": [
+        {"model": str(a), "parameters": {"weight": 1.0}}, {"model": str(b), "parameters": {"weight": 1.0}}]}))
+    r = CliRunner().invoke(main, ["merge", str(cfg), str(tmp_path / "out"), "--quiet", "--export-gguf"])
+    assert r.exit_code == 2
+    assert "qwen3" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -80,7 +80,7 @@ def rl_card(cfg, model_path, summary: dict, seed: int, phase: Optional[str] = No
                 "learning rate": cfg.learning_rate, "KL beta": cfg.beta, "training": adapter,
                 "temperature": cfg.sampling.temperature, "max tokens": cfg.sampling.max_tokens, "seed": seed,
                 "train prompts": summary.get("tasks"), "last reward mean": last.get("reward_mean")}
-    return Card("grpo", (str(model_path),), settings, datasets=(cfg.tasks,) if cfg.tasks else (),
+    return Card("grpo", (str(model_path),), settings, data_files=(cfg.tasks,) if cfg.tasks else (),
                 title=f"RL phase {phase}" if phase else "RL model")
 
 

@@ -234,7 +234,7 @@ def specialist_card(cfg: SFTConfig, plan: DomainPlan, model_path: Path, chosen: 
                 "train records": plan.stats.get("records"), "checkpoint rule": cfg.select,
                 "chosen step": chosen.get("step"), "probe pass@1": chosen.get("pass@1"),
                 f"probe pass@{cfg.probe.k}": chosen.get("pass@k")}
-    return Card(kind, (str(model_path),), settings, datasets=(str(plan.train_path),),
+    return Card(kind, (str(model_path),), settings, data_files=(str(plan.train_path),),
                 title=f"{plan.name} specialist" if kind == "lora" else "distilled student")
 
 
