@@ -243,3 +243,31 @@ def test_merge_cli_refuses_gguf_of_an_unsupported_architecture_before_merging(tm
     assert r.exit_code == 2
     assert "qwen3" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_sft_upload_needs_one_domain_and_stops_before_training(tmp_path, monkeypatch):
+    import yaml
+    from click.testing import CliRunner
+
+    from mlx_ssp.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), "model": str(tmp_path / "no-model"),
+                                   "sft": {"domains": {"math": {"data": "x"}, "code": {"data": "y"}}}}))
+    r = CliRunner().invoke(main, ["sft", str(run), "--upload-repo", "org/spec"])
+    assert r.exit_code == 2 and "--domain" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_upload_repo_is_checked_at_load(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from mlx_ssp.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    cfg = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    r = CliRunner().invoke(main, ["run", str(cfg), "--set", f"run_dir={tmp_path / 'run'}", "--upload-repo", "not a repo"])
+    assert r.exit_code == 2 and "upload.repo" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
