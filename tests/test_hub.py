@@ -1,9 +1,11 @@
 """Hub upload against a loopback stand-in of the Hub's HTTP API.
 
-The stand-in (http.server on 127.0.0.1, reached through ``HF_ENDPOINT``) answers the four calls a
-real huggingface_hub client makes for ``create_repo`` + ``upload_folder`` of small files:
-``POST /api/repos/create``, ``POST /api/validate-yaml`` (the README.md's front matter, checked
-before the commit), ``POST /api/models/{repo}/preupload/{rev}`` (every file "regular", so no LFS) and ``POST /api/models/{repo}/commit/{rev}`` (NDJSON: a header line, then one line per file
+The stand-in (http.server on 127.0.0.1, reached through ``HF_ENDPOINT``) answers the calls a
+real huggingface_hub client makes for ``create_repo`` + ``repo_info`` + ``upload_folder`` of small files:
+``POST /api/repos/create`` (409 for an existing repo, as the Hub does), ``GET /api/models/{repo}``
+(the repo's ``private``), ``POST /api/validate-yaml`` (the README.md's front matter, checked
+before the commit), ``POST /api/models/{repo}/preupload/{rev}`` (every file "regular", so no LFS) and
+``POST /api/models/{repo}/commit/{rev}`` (NDJSON: a header line, then one line per file
 with its bytes in base64). It records every request, so the tests check what reached the wire.
 """
 
@@ -53,6 +55,14 @@ def _handler(hub: FakeHub):
 
         def do_GET(self):
             hub.requests.append(("GET", self.path, dict(self.headers), b""))
+            path = self.path.split("?")[0]
+            parts = path.split("/")  # /api/models/ORG/NAME: repo_info
+            if len(parts) == 5 and parts[:3] == ["", "api", "models"]:
+                repo = f"{parts[3]}/{parts[4]}"
+                if repo in hub.repos:
+                    return self._reply(200, {"id": repo, "private": hub.repos[repo]["visibility"] == "private",
+                                             "sha": "a" * 40})
+                return self._reply(404, {"error": "Repository not found"})
             self._reply(404, {"error": f"not in the stand-in: {self.path}"})
 
         def do_POST(self):
@@ -67,8 +77,11 @@ def _handler(hub: FakeHub):
             if path == "/api/repos/create":
                 req = json.loads(body)
                 repo = f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
-                hub.repos.setdefault(repo, {"visibility": req.get("visibility"), "files": {}})
-                return self._reply(200, {"url": f"http://{self.headers['Host']}/{repo}"})
+                url = f"http://{self.headers['Host']}/{repo}"
+                if repo in hub.repos:  # the Hub keeps an existing repo as it is
+                    return self._reply(409, {"error": "You already created this model repo", "url": url})
+                hub.repos[repo] = {"visibility": req.get("visibility"), "files": {}}
+                return self._reply(200, {"url": url})
             parts = path.split("/")  # /api/models/ORG/NAME/{preupload,commit}/REV
             if len(parts) == 7 and parts[:3] == ["", "api", "models"] and parts[5] == "preupload":
                 files = json.loads(body)["files"]
@@ -143,6 +156,53 @@ def test_public_flag_makes_a_public_repo(tmp_path, fake_hub):
     hub = fake_hub()
     upload_model(_model_dir(tmp_path), "org/open", public=True)
     assert hub.repos["org/open"]["visibility"] == "public"
+
+
+def test_an_existing_public_repo_is_refused_without_public(tmp_path, fake_hub):
+    """create_repo keeps an existing repo's visibility, so a private-by-default upload into a public
+    repo would publish the model: it is refused before any file is sent, and --public allows it."""
+    hub = fake_hub()
+    hub.repos["org/open"] = {"visibility": "public", "files": {}}
+    d = _model_dir(tmp_path)
+    with pytest.raises(UserError) as e:
+        upload_model(d, "org/open")
+    msg = str(e.value)
+    assert "\n" not in msg and "org/open" in msg and "public" in msg and "--public" in msg
+    assert hub.repos["org/open"]["files"] == {}
+    assert not any("/commit/" in path or "/preupload/" in path for _, path, _, _ in hub.requests)
+    upload_model(d, "org/open", public=True)
+    assert set(hub.repos["org/open"]["files"]) == {"config.json", "model.safetensors", "README.md"}
+
+
+def test_an_existing_private_repo_gets_the_upload(tmp_path, fake_hub):
+    hub = fake_hub()
+    hub.repos["org/mine"] = {"visibility": "private", "files": {}}
+    upload_model(_model_dir(tmp_path), "org/mine")
+    assert hub.repos["org/mine"]["visibility"] == "private"
+    assert set(hub.repos["org/mine"]["files"]) == {"config.json", "model.safetensors", "README.md"}
+
+
+def test_hidden_leftovers_are_not_uploaded(tmp_path, fake_hub):
+    """An interrupted atomic write leaves hidden temporaries beside the model; they stay local."""
+    hub = fake_hub()
+    d = _model_dir(tmp_path)
+    (d / ".ggml-model-f16.gguf.tmp-123.tmp.gguf").write_bytes(b"half a gguf")
+    (d / ".README.md.tmp-456").write_text("stale")
+    (d / "sub").mkdir()
+    (d / "sub" / ".hidden").write_text("x")
+    (d / "sub" / "kept.json").write_text("{}")
+    upload_model(d, "org/tiny")
+    assert set(hub.repos["org/tiny"]["files"]) == {"config.json", "model.safetensors", "README.md", "sub/kept.json"}
+    upload_model(d, "org/tiny")  # the patterns hold on a second call too (huggingface_hub extends the list)
+    assert set(hub.repos["org/tiny"]["files"]) == {"config.json", "model.safetensors", "README.md", "sub/kept.json"}
+
+
+def test_public_without_a_repo_is_refused():
+    from mlx_ssp.hub import check_upload
+
+    with pytest.raises(UserError, match="--upload-repo"):
+        check_upload(None, public=True)
+    check_upload(None)  # nothing asked, nothing checked
 
 
 def test_http_error_is_one_line_without_the_token(tmp_path, fake_hub):

@@ -56,7 +56,7 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
     from mlx_ssp.merge.outdir import check_clear_of_inputs
     from pathlib import Path
 
-    check_upload(upload_repo)  # a bad repo id or no token stops here, before the merge
+    check_upload(upload_repo, public)  # a bad repo id or no token stops here, before the merge
     cfg, text = load_merge_config(config, tuple(overrides))
     if Path(out_dir).exists() and not (overwrite or overwrite_any) and not dry_run:
         raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")

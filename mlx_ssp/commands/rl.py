@@ -30,7 +30,7 @@ def cli(config_path, restart, upload_repo, public, overrides):
 
     if config_path is None and not overrides:
         raise UserError("give a run YAML (mlx_ssp rl CONFIG.yaml) or --set keys")
-    check_upload(upload_repo)  # before training
+    check_upload(upload_repo, public)  # before training
     summary = run(config_path, overrides, restart=restart, fuse=upload_repo is not None)
     if not dist.is_main():  # rank 0 reports for all ranks
         return

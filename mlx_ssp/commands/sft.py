@@ -38,7 +38,7 @@ def cli(config_path: str, overrides: tuple[str, ...], domains: tuple[str, ...], 
     from mlx_ssp.sft.stage import run_sft, sft_out_dir
     from mlx_ssp.stage_config import note_old_default
 
-    check_upload(upload_repo)
+    check_upload(upload_repo, public)
     st = load_config(config_path, overrides, overwrite)
     if export_gguf:  # before training: the base's architecture decides whether its specialists convert
         from mlx_ssp.doctor import model_config_json
