@@ -10,6 +10,10 @@ held-out table once one exists (:func:`with_eval_table`).
 ``base_model`` must hold Hub repo ids, so a local input counts only when its id can be recovered
 (:func:`hub_ids`): a Hub cache snapshot, or a directory whose own card (one we wrote) names it. Cards
 are written only into our output directories, atomically; an input's README.md is only read.
+
+A card is meant to be shared, so its body never holds an absolute local path (:func:`shown`): a local
+model or data file is named by its last component, a Hub cache snapshot by its repo id, and the merge
+config's paths likewise (the ``mergekit_config.yml`` beside it keeps the real ones, to rerun the merge).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ KINDS: dict[str, Kind] = {
                  "verified solutions, with the checkpoint chosen by probe Pass@K, fused into the weights "
                  "(`mlx_ssp sft`)", "finetune"),
     "grpo": Kind(("grpo", "mgpo", "reinforcement-learning"), "MGPO-weighted GRPO with verifiable rewards on the "
-                 "base model, LoRA adapters fused into the weights (`mlx_ssp rl`)", "finetune"),
+                 "base model (`mlx_ssp rl`)", "finetune"),
     "distill": Kind(("distillation", "lora", "sft"), "offline self-distillation: the RL checkpoints' verified "
                     "traces, selected by learning potential, trained into the student with LoRA and fused "
                     "(`mlx_ssp run`, distill stage)", "finetune"),
@@ -67,6 +71,7 @@ class Card:
     config_yaml: Optional[str] = None  # the merge config (mergekit YAML)
     eval_table: Optional[str] = None  # a Markdown table of held-out results
     title: str = ""
+    how: str = ""  # a clause ending the opening sentence (e.g. whether adapters were fused or all weights trained)
 
 
 def _is_repo_id(ref: str) -> bool:
@@ -79,6 +84,51 @@ def _is_repo_id(ref: str) -> bool:
 
 #: a Hub cache snapshot: .../models--ORG--NAME/snapshots/<sha>
 _CACHE = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
+#: a path that names the maker's own file system: absolute (POSIX, Windows) or home-relative
+_LOCAL = re.compile(r"^(/|~|[A-Za-z]:[\\/]|\\\\)")
+
+
+def is_local_path(ref: str) -> bool:
+    """Whether ``ref`` names a place on this machine that a reader of a shared card must not see:
+    an absolute or home-relative path, or a relative one that climbs out (``..``)."""
+    return bool(_LOCAL.match(ref)) or ".." in Path(ref).parts
+
+
+def shown(ref: str) -> str:
+    """How a card's body names a model or file: a Hub id (or a plain relative path) as it is, a Hub
+    cache snapshot by its repo id, any other local path by its last component only (an absolute path
+    tells a reader nothing and gives away the maker's user name and directory layout)."""
+    ref = str(ref)
+    if not is_local_path(ref):
+        return ref
+    m = _CACHE.search(ref.rstrip("/\\"))
+    if m:
+        return f"{m.group(1)}/{m.group(2)}"
+    name = re.split(r"[/\\]", ref.rstrip("/\\"))[-1]
+    return name if name not in ("", "~", "..") else "(a local path)"
+
+
+def _shown_yaml(config_yaml: str) -> str:
+    """The merge config with every local path :func:`shown`; as written when it holds none (so its
+    comments and layout stay), else re-dumped (mergekit's own card dumps its config too)."""
+    try:
+        data = yaml.safe_load(config_yaml)
+    except yaml.YAMLError:  # validated before a merge, so only a caller's odd text: hide it all
+        return "# (the config could not be read back; see mergekit_config.yml)\n"
+
+    def walk(x):
+        if isinstance(x, str):
+            return shown(x)
+        if isinstance(x, dict):
+            return {walk(k): walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    hidden = walk(data)
+    if hidden == data and not any(is_local_path(tok) for tok in config_yaml.split()):
+        return config_yaml
+    return yaml.safe_dump(hidden, sort_keys=False)
 
 
 def hub_ids(ref: str) -> list[str]:
@@ -120,6 +170,8 @@ def _value(v: Any) -> str:
         return f"{v:g}"
     if isinstance(v, (list, tuple)):
         return ", ".join(_value(x) for x in v)
+    if isinstance(v, (str, Path)):
+        v = shown(str(v))  # e.g. a merge's base model or tokenizer source given as a path
     return str(v).replace("|", "\\|")
 
 
@@ -142,23 +194,31 @@ def render(card: Card) -> str:
     if card.kind not in KINDS:
         raise ValueError(f"unknown card kind {card.kind!r}; valid: {', '.join(KINDS)}")
     kind = KINDS[card.kind]
+    how = f", {card.how}" if card.how else ""
     lines = [f"# {card.title or 'mlx_ssp ' + card.kind + ' model'}", "",
-             f"This model is {kind.made}, made with mlx_ssp on [MLX](https://github.com/ml-explore/mlx).", ""]
+             f"This model is {kind.made}{how}, made with mlx_ssp on [MLX](https://github.com/ml-explore/mlx).", ""]
     if card.inputs:
-        lines += ["## Input models", ""] + [f"- `{ref}`" for ref in card.inputs] + [""]
+        lines += ["## Input models", ""] + [f"- `{shown(ref)}`" + (" (a local directory)" if _local_dir(ref) else "")
+                                            for ref in card.inputs] + [""]
     if card.settings:
         lines += ["## Settings", "", "| setting | value |", "|---|---|"]
         lines += [f"| {k} | {_value(v)} |" for k, v in card.settings.items() if v is not None] + [""]
     if card.datasets or card.data_files:
-        lines += ["## Training data", ""] + [f"- `{d}`" for d in (*card.datasets, *card.data_files)] + [""]
+        lines += ["## Training data", ""] + [f"- `{d}`" for d in card.datasets]
+        lines += [f"- `{shown(f)}` (a local file)" for f in card.data_files] + [""]
     if card.config_yaml:
         lines += ["## Configuration", "", "The following YAML configuration was used to produce this model:", "",
-                  "```yaml", card.config_yaml.rstrip("\n"), "```", ""]
+                  "```yaml", _shown_yaml(card.config_yaml).rstrip("\n"), "```", ""]
     lines += ["## Use with mlx", "", "```python", "from mlx_lm import load, generate", "",
               'model, tokenizer = load("PATH_OR_REPO")',
               'print(generate(model, tokenizer, prompt="What is 7 + 5?", max_tokens=64))', "```", ""]
     text = f"---\n{front_matter(card).to_yaml()}\n---\n\n" + "\n".join(lines)
     return with_eval_table(text, card.eval_table) if card.eval_table else text
+
+
+def _local_dir(ref: str) -> bool:
+    """A local input that is not a Hub cache snapshot (which :func:`shown` names by its repo id)."""
+    return is_local_path(str(ref)) and not _CACHE.search(str(ref).rstrip("/\\"))
 
 
 def with_eval_table(text: str, table_md: str, note: str = "") -> str:

@@ -85,3 +85,48 @@ def test_fuse_and_save_writes_the_given_card(tmp_path):
     card = ModelCard.load(tmp_path / "fused" / "README.md")
     assert card.text.lstrip().startswith("# math specialist") and "| rank | 2 |" in card.text
     assert "mlx_ssp" in card.data.tags and "lora" in card.data.tags
+
+
+def test_no_absolute_local_path_reaches_a_card(tmp_path):
+    """A card is shared: local models, data files, path-valued settings and the merge config's paths
+    appear by their last component (a Hub cache snapshot by its id), never as the maker's paths."""
+    import yaml
+
+    spec = tmp_path / "run" / "sft" / "specialists" / "math"
+    snap = tmp_path / "hub" / "models--Org--Name" / "snapshots" / "abc123"
+    for d in (spec, snap):
+        d.mkdir(parents=True)
+    data = tmp_path / "run" / "select" / "math.jsonl"
+    config = yaml.safe_dump({"merge_method": "ties", "base_model": str(snap),
+                             "models": [{"model": str(spec), "parameters": {"weight": 1.0}}, {"model": "Other/model"}],
+                             "tokenizer": {"source": str(tmp_path / "tok")}})
+    text = render(Card("merge", (str(spec), str(snap), "Other/model", "~/models/mine"),
+                       {"base model": str(snap), "tokenizer source": str(tmp_path / "tok"), "method": "ties"},
+                       data_files=(str(data), "../outside/x.jsonl"), config_yaml=config))
+    assert str(tmp_path) not in text and "~/" not in text and "../" not in text
+    assert "- `math` (a local directory)" in text and "- `Org/Name`\n" in text and "- `Other/model`" in text
+    assert "- `mine` (a local directory)" in text
+    assert "- `math.jsonl` (a local file)" in text and "- `x.jsonl` (a local file)" in text
+    assert "| base model | Org/Name |" in text and "| tokenizer source | tok |" in text
+    shown_cfg = yaml.safe_load(text.split("```yaml\n")[1].split("```")[0])
+    assert shown_cfg["models"][0]["model"] == "math" and shown_cfg["models"][1]["model"] == "Other/model"
+    assert shown_cfg["base_model"] == "Org/Name" and shown_cfg["merge_method"] == "ties"
+    assert ModelCard(text).data.base_model == ["Org/Name", "Other/model"]  # the front matter keeps Hub ids
+
+
+def test_a_config_without_local_paths_is_shown_as_written():
+    config = "# two specialists of one base\nmerge_method: linear\nmodels:\n  - model: a/b\n  - model: c/d\n"
+    assert "```yaml\n" + config + "```" in render(Card("merge", ("a/b", "c/d"), config_yaml=config))
+
+
+@pytest.mark.parametrize("fine_tune_type, how", [("lora", "LoRA adapters fused"), ("full", "every weight trained")])
+def test_rl_card_says_how_the_weights_were_trained(tmp_path, fine_tune_type, how):
+    from mlx_ssp.config import validate
+    from mlx_ssp.rl.config import RLConfig
+    from mlx_ssp.rl.phases import rl_card
+
+    cfg = validate(RLConfig, {"fine_tune_type": fine_tune_type, "tasks": str(tmp_path / "train.jsonl")})
+    text = render(rl_card(cfg, tmp_path / "run" / "merge" / "model", {"steps": 3, "tasks": 8}, seed=0))
+    first = next(line for line in text.splitlines() if line.startswith("This model is"))
+    assert how in first and ("LoRA" not in first) == (fine_tune_type == "full")
+    assert str(tmp_path) not in text and "- `train.jsonl` (a local file)" in text

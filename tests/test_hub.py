@@ -274,7 +274,10 @@ def test_merge_cli_writes_card_and_gguf_and_uploads_them(tmp_path, fake_hub):
     card = ModelCard.load(out / "README.md")
     assert card.data.base_model == "SomeOrg/base-model" and card.data.library_name == "mlx"
     assert {"mlx", "mlx_ssp", "merge"} <= set(card.data.tags) and card.data.pipeline_tag == "text-generation"
-    assert "merge_method: linear" in card.text and str(a) in card.text
+    assert "merge_method: linear" in card.text and "- `a` (a local directory)" in card.text
+    readme = (out / "README.md").read_text()
+    assert str(tmp_path) not in readme and str(tmp_path) not in hub.validated[0]  # nor what the Hub got
+    assert str(a) in (out / "mergekit_config.yml").read_text()  # the local copy reruns the merge as it was
     assert (a / "README.md").read_bytes() == user_readme  # an input's card is never rewritten
     assert GGUFReader(out / "ggml-model-f16.gguf").tensors
     files = hub.repos["org/merged"]["files"]

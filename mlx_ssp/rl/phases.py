@@ -80,8 +80,9 @@ def rl_card(cfg, model_path, summary: dict, seed: int, phase: Optional[str] = No
                 "learning rate": cfg.learning_rate, "KL beta": cfg.beta, "training": adapter,
                 "temperature": cfg.sampling.temperature, "max tokens": cfg.sampling.max_tokens, "seed": seed,
                 "train prompts": summary.get("tasks"), "last reward mean": last.get("reward_mean")}
+    how = "LoRA adapters fused into the weights" if cfg.fine_tune_type == "lora" else "every weight trained"
     return Card("grpo", (str(model_path),), settings, data_files=(cfg.tasks,) if cfg.tasks else (),
-                title=f"RL phase {phase}" if phase else "RL model")
+                title=f"RL phase {phase}" if phase else "RL model", how=how)
 
 
 def train_one(model_cfg, tasks: list, cfg, out: Path, *, seed: int, resume: bool, where: str = "rl"):
