@@ -334,3 +334,66 @@ def test_run_upload_repo_is_checked_at_load(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, ["run", str(cfg), "--set", f"run_dir={tmp_path / 'run'}", "--upload-repo", "not a repo"])
     assert r.exit_code == 2 and "upload.repo" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ mlx_ssp rl --upload-repo
+
+
+def _rl_run_file(tmp_path: Path, policy: Path, **rl) -> Path:
+    import yaml
+
+    from mlx_ssp.tasks import Task, write_tasks
+
+    tasks = tmp_path / "tasks.jsonl"
+    write_tasks(tasks, [Task(id=f"t{i}", domain="toy", prompt=f"What is {i} + 1?", answer=str(i + 1), verifier="exact")
+                        for i in range(4)])
+    run = {"model": str(policy), "seed": 0, "run_dir": str(tmp_path / "run"),
+           "rl": {"tasks": str(tasks), "steps": 1, "batch_size": 2, "group_size": 2, "progress": False,
+                  "sampling": {"max_tokens": 3}, **rl}}
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text(yaml.safe_dump(run))
+    return cfg
+
+
+@pytest.mark.slow
+def test_rl_upload_fuses_beside_the_policy_not_over_it(tmp_path, fake_hub):
+    """The policy is a pipeline's RL model, <run>/rl/model, and `mlx_ssp rl` writes to <run>/rl: the
+    upload fuses into <run>/rl/fused and sends that, leaving the policy's files as they were."""
+    import shutil
+
+    from click.testing import CliRunner
+    from huggingface_hub import ModelCard
+
+    from mlx_ssp.cli import main
+    from mlx_ssp.testing import make_tiny_model
+
+    policy = tmp_path / "run" / "rl" / "model"
+    shutil.copytree(make_tiny_model(tmp_path / "tiny", arch="llama", num_layers=1), policy)
+    before = {p.name: p.read_bytes() for p in policy.iterdir() if p.is_file()}
+    hub = fake_hub()
+    r = CliRunner().invoke(main, ["rl", str(_rl_run_file(tmp_path, policy)), "--upload-repo", "org/rl"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert {p.name: p.read_bytes() for p in policy.iterdir() if p.is_file()} == before
+    fused = tmp_path / "run" / "rl" / "fused"
+    assert json.loads(r.stdout.strip().splitlines()[-1])["uploaded"].endswith("/org/rl")
+    files = hub.repos["org/rl"]["files"]
+    assert set(files) == {p.name for p in fused.iterdir()} and all(files[n] == (fused / n).read_bytes() for n in files)
+    card = ModelCard.load(fused / "README.md")
+    assert "grpo" in card.data.tags and str(tmp_path) not in card.text
+
+
+def test_rl_upload_refuses_to_fuse_over_the_policy_before_training(tmp_path, fake_hub):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from mlx_ssp.cli import main
+    from mlx_ssp.testing import make_tiny_model
+
+    policy = tmp_path / "elsewhere" / "fused"
+    shutil.copytree(make_tiny_model(tmp_path / "tiny", arch="llama", num_layers=1), policy)
+    hub = fake_hub()
+    cfg = _rl_run_file(tmp_path, policy, output=str(tmp_path / "elsewhere"))
+    r = CliRunner().invoke(main, ["rl", str(cfg), "--upload-repo", "org/rl"])
+    assert r.exit_code == 2 and "rl.output" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "elsewhere" / "metrics.jsonl").exists() and hub.requests == []

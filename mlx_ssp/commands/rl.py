@@ -14,7 +14,7 @@ from mlx_ssp.errors import UserError
 @click.command("rl")
 @click.argument("config_path", type=click.Path(dir_okay=False), required=False)
 @click.option("--restart", is_flag=True, help="Ignore existing checkpoints and start afresh.")
-@upload_options("the final model: the adapters fused into OUT/model (with rl.phases: the last phase's model)")
+@upload_options("the final model: the adapters fused into OUT/fused (with rl.phases: the last phase's model)")
 @set_option
 @no_progress_option
 def cli(config_path, restart, upload_repo, public, overrides):
@@ -23,7 +23,7 @@ def cli(config_path, restart, upload_repo, public, overrides):
     CONFIG_PATH is a run YAML with model:, rl: and tasks: (or rl.tasks) sections; --set rl.steps=10
     etc. override it. Rerunning resumes from the last checkpoint. With rl.phases the phases run in
     order, each from the previous one's model; finished phases are skipped. --upload-repo fuses the
-    final adapters into OUT/model (with its model card) and uploads that."""
+    final adapters into OUT/fused (with its model card) and uploads that directory."""
     from mlx_ssp import distributed as dist
     from mlx_ssp.hub import check_upload, upload_model
     from mlx_ssp.rl.stage import run
