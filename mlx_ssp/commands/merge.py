@@ -11,7 +11,7 @@ import json
 
 import click
 
-from mlx_ssp.commands.options import set_option
+from mlx_ssp.commands.options import export_gguf_option, set_option, upload_options
 
 
 @click.command("merge")
@@ -36,24 +36,33 @@ from mlx_ssp.commands.options import set_option
                    "tensor's working set to the peak memory. The output does not depend on it.")
 @click.option("--dry-run", is_flag=True, help="Check the config and every tensor, print the plan, write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@export_gguf_option("the merged model")
+@upload_options("OUT_DIR (the merged model; the GGUF file too with --export-gguf)")
 @set_option
 def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenizer, seed, vocab_mismatch, workers, dry_run, quiet,
-        overrides):
+        export_gguf, upload_repo, public, overrides):
     """Merge the models of a mergekit CONFIG into OUT_DIR, streaming one tensor at a time (methods:
     mergekit 0.1.5's: linear, task_arithmetic, ties, dare_linear, dare_ties, breadcrumbs(_ties),
     della(_linear), sce, ram, ramplus_tl, slerp, nuslerp, multislerp, karcher, model_stock, nearswap,
-    arcee_fusion, passthrough; inputs may be MLX-quantized). --set key=value edits the config."""
+    arcee_fusion, passthrough; inputs may be MLX-quantized). --set key=value edits the config.
+    OUT_DIR gets a model card (README.md: method, inputs, the config)."""
     from mlx_ssp.errors import UserError
+    from mlx_ssp.gguf_export import check_exportable
+    from mlx_ssp.gguf_export import export_gguf as write_gguf
+    from mlx_ssp.hub import check_upload, upload_model
     from mlx_ssp.io import output_lock
     from mlx_ssp.merge.config import load_merge_config
-    from mlx_ssp.merge.engine import input_paths, plan_merge, write_merge
+    from mlx_ssp.merge.engine import input_paths, output_config, plan_merge, write_merge
     from mlx_ssp.merge.outdir import check_clear_of_inputs
     from pathlib import Path
 
+    check_upload(upload_repo, public)  # a bad repo id or no token stops here, before the merge
     cfg, text = load_merge_config(config, tuple(overrides))
     if Path(out_dir).exists() and not (overwrite or overwrite_any) and not dry_run:
         raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
     job = plan_merge(cfg, vocab_mismatch=vocab_mismatch, source_label=str(config))
+    if export_gguf:
+        check_exportable(output_config(job), f"--export-gguf ({config})")
     if dry_run:
         check_clear_of_inputs(Path(out_dir), input_paths(job, (Path(config),)))
         dtypes = sorted({p.cd for p in job.plans})
@@ -64,4 +73,8 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
         res = write_merge(job, Path(out_dir), overwrite=overwrite, out_shard_size=out_shard_size,
                           copy_tokenizer=copy_tokenizer, seed=seed, config_text=text, progress=not quiet,
                           workers=workers, overwrite_any=overwrite_any, protect=(Path(config),))
+        if export_gguf:
+            res["gguf"] = str(write_gguf(out_dir))
+    if upload_repo:
+        res["uploaded"] = upload_model(out_dir, upload_repo, public=public)
     click.echo(json.dumps(res))

@@ -1,5 +1,5 @@
-"""Flags shared by the stage commands: ``--set``, ``--config``, ``--no-progress`` and the sampling flags of rollout and
-eval (:func:`sampling_flags` names their keys in the stage's section, for
+"""Flags shared by the stage commands: ``--set``, ``--config``, ``--no-progress``, ``--upload-repo``/``--public``,
+``--export-gguf`` and the sampling flags of rollout and eval (:func:`sampling_flags` names their keys in the stage's section, for
 :func:`mlx_ssp.stage_config.apply_flags`); :func:`load_task_stage`, the load both of those share."""
 
 from __future__ import annotations
@@ -30,6 +30,27 @@ def no_progress_option(f):
 
     return click.option("--no-progress", is_flag=True, expose_value=False, callback=turn_off,
                         help="No progress bars (from any stage).")(f)
+
+
+def upload_options(what: str):
+    """``--upload-repo ORG/NAME`` and ``--public`` (:func:`mlx_ssp.hub.upload_model`); ``what`` names
+    the model the command uploads."""
+
+    def deco(f):
+        f = click.option("--public", is_flag=True,
+                         help="Create the Hub repo public (default: private; an existing repo keeps its visibility).")(f)
+        return click.option("--upload-repo", metavar="ORG/NAME", default=None,
+                            help=f"Upload {what} to this Hugging Face Hub model repo (with its model card), created "
+                                 "private unless --public. The token comes from HF_TOKEN or `hf auth login`.")(f)
+
+    return deco
+
+
+def export_gguf_option(what: str):
+    """``--export-gguf``: :func:`mlx_ssp.gguf_export.export_gguf` on the model the command writes."""
+    return click.option("--export-gguf", is_flag=True,
+                        help=f"Also write {what} as GGUF (ggml-model-f16.gguf beside its weights; mlx-lm's "
+                             "converter: llama, mistral, mixtral, unquantized).")
 
 
 def config_option(f):

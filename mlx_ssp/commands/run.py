@@ -7,7 +7,7 @@ from typing import Optional
 
 import click
 
-from mlx_ssp.commands.options import no_progress_option, set_option
+from mlx_ssp.commands.options import no_progress_option, set_option, upload_options
 from mlx_ssp.errors import UserError
 from mlx_ssp.pipeline import STAGES
 
@@ -21,8 +21,11 @@ from mlx_ssp.pipeline import STAGES
 @click.option("--only", type=click.Choice(STAGES), default=None,
               help="Run only this stage: rerun it if complete, resume it if interrupted (earlier stages must "
                    "be complete).")
+@upload_options("the run's final model (the distilled student, else the last RL model) once every stage is "
+                "complete (config: upload.repo, upload.public)")
 @no_progress_option
-def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str], only: Optional[str]) -> None:
+def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str], only: Optional[str],
+        upload_repo: Optional[str], public: bool) -> None:
     """Run the whole SSP loop from CONFIG.yaml: tasks -> rollout -> select -> sft -> merge -> rl -> eval,
     into the run directory (config key run_dir; --set run_dir=PATH moves it).
 
@@ -30,10 +33,14 @@ def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str],
     changed together with every stage after it (saying so). The final table compares the base model,
     each specialist, the merged model and the RL model on held-out tasks. One process at a time
     writes a run directory (a second one stops at once); a non-empty directory that is not a run
-    is refused.
+    is refused. Every model the run writes gets a model card (README.md) with the held-out table.
     """
     from mlx_ssp.pipeline import run_pipeline
 
     if from_stage and only:
         raise UserError("give --from or --only, not both")
+    if upload_repo is not None:  # the flags are the upload: section's keys (beating the file)
+        overrides = (*overrides, f"upload.repo={upload_repo}")
+    if public:
+        overrides = (*overrides, "upload.public=true")
     run_pipeline(config_path, overrides, from_stage=from_stage, only=only)

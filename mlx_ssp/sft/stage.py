@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from mlx_ssp import distributed as dist
+from mlx_ssp.card import Card
 from mlx_ssp.errors import UserError
 from mlx_ssp.finetune import checkpoints as ckpts
 from mlx_ssp.finetune.fuse import fuse_and_save, restore_base
@@ -222,6 +223,21 @@ class _DomainRun:
                 "checkpoint_seconds": max(0.0, overhead - self.probe_time - self.val_time)}
 
 
+def specialist_card(cfg: SFTConfig, plan: DomainPlan, model_path: Path, chosen: dict, seed: int,
+                    kind: str = "lora") -> Card:
+    """The fused specialist's model card: the LoRA recipe, its data and the chosen checkpoint."""
+    lora = cfg.lora
+    settings = {"domain": plan.name, "adapter": f"{lora.fine_tune_type}, rank {lora.rank}, scale {lora.scale:g}, "
+                f"dropout {lora.dropout:g}", "layers": "all" if lora.num_layers < 0 else lora.num_layers,
+                "optimizer": cfg.optimizer, "learning rate": cfg.learning_rate, "iters": cfg.iters,
+                "batch size": cfg.batch_size, "max sequence length": cfg.max_seq_length, "seed": seed,
+                "train records": plan.stats.get("records"), "checkpoint rule": cfg.select,
+                "chosen step": chosen.get("step"), "probe pass@1": chosen.get("pass@1"),
+                f"probe pass@{cfg.probe.k}": chosen.get("pass@k")}
+    return Card(kind, (str(model_path),), settings, data_files=(str(plan.train_path),),
+                title=f"{plan.name} specialist" if kind == "lora" else "distilled student")
+
+
 def train_specialist(
     cfg: SFTConfig,
     plan: DomainPlan,
@@ -233,6 +249,7 @@ def train_specialist(
     seed: int,
     probe_fn: ProbeFn = default_probe,
     callbacks: list | None = None,
+    card_kind: str = "lora",
 ) -> dict:
     """Train, probe, choose and fuse one domain's specialist on the (shared) base ``model``.
     The model is the base model again when this returns (also on error)."""
@@ -263,7 +280,8 @@ def train_specialist(
                 run.load_adapter(ckpt)
                 # the chosen adapter beside adapter_config.json: `mlx_lm fuse --adapter-path DDIR` works
                 shutil.copyfile(ckpt / "adapters.safetensors", ddir / "adapters.safetensors")
-                fuse_and_save(model, tokenizer, model_path, spec_dir, dequantize=cfg.dequantize, overwrite=True)
+                fuse_and_save(model, tokenizer, model_path, spec_dir, dequantize=cfg.dequantize, overwrite=True,
+                              card=specialist_card(cfg, plan, model_path, chosen, seed, card_kind))
         result = _result(cfg, plan, chosen, ckpt, spec_dir, times)
         if curriculum is not None:
             result["curriculum"] = curriculum
@@ -412,9 +430,11 @@ def run_sft(
     probe_fn: ProbeFn = default_probe,
     callbacks: list | None = None,
     model_and_tokenizer: tuple | None = None,
+    card_kind: str = "lora",
 ) -> dict:
     """Train every domain's specialist, one after another, on one loaded base model.
-    All inputs are checked first. Returns the summary written to ``OUT/summary.json``."""
+    All inputs are checked first. Returns the summary written to ``OUT/summary.json``.
+    ``card_kind`` is the recipe its model cards name (:data:`mlx_ssp.card.KINDS`)."""
     from mlx_ssp.models import load_model
 
     if not cfg.domains:
@@ -437,7 +457,8 @@ def run_sft(
     results = {}
     for plan in plans:
         results[plan.name] = train_specialist(
-            cfg, plan, model, tokenizer, Path(model_path), out_dir, seed=seed, probe_fn=probe_fn, callbacks=callbacks
+            cfg, plan, model, tokenizer, Path(model_path), out_dir, seed=seed, probe_fn=probe_fn, callbacks=callbacks,
+            card_kind=card_kind,
         )
     summary_path = out_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {"domains": {}}
