@@ -2,11 +2,11 @@
 
 A run's YAML file has one section per stage (``model``, ``tasks``, ``rollout``, ``select``, ``sft``,
 ``merge``, ``rl``, ``eval``), two process-wide sections (``distributed``; ``sandbox``, the operator's
-bounds on what a code task may ask of the sandbox) plus a few top-level keys (``run_dir``, ``seed``,
-``name``, ``report_to``: :mod:`mlx_ssp.trackers`). Each stage command reads its own section(s);
-``mlx_ssp run`` reads them all. Precedence: ``--set`` beats the file, which beats the defaults.
-Unknown keys and bad values fail at load time with a message naming the file, the dotted key and the
-valid choices.
+bounds on what a code task may ask of the sandbox), ``upload`` (where ``mlx_ssp run`` uploads its
+final model) plus a few top-level keys (``run_dir``, ``seed``, ``name``, ``report_to``:
+:mod:`mlx_ssp.trackers`). Each stage command reads its own section(s); ``mlx_ssp run`` reads them
+all. Precedence: ``--set`` beats the file, which beats the defaults. Unknown keys and bad values
+fail at load time with a message naming the file, the dotted key and the valid choices.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ SECTIONS: dict[str, str] = {
     "distributed": "mlx_ssp.distributed:DistributedConfig",
     "sandbox": "mlx_ssp.sandbox_policy:SandboxPolicy",
     "distill": "mlx_ssp.distill:DistillConfig",
+    "upload": "mlx_ssp.hub:UploadConfig",
 }
 #: Scalar keys allowed at the top of a run file.
 TOP_LEVEL = {"run_dir": "directory for every stage's outputs", "seed": "global seed", "name": "run name",

@@ -241,7 +241,7 @@ def run_distill(cfg: DistillConfig, *, sources: dict[str, str], student: str, ta
     raw["out_dir"] = str(out_dir / "sft")
     sft_cfg = validate(SFTConfig, raw, source="distill", prefix="distill.sft")
     with trackers.scope("sft"):  # the student's curves apart from the sft stage's (mlx_ssp.trackers)
-        summary = run_sft(sft_cfg, student, seed=seed, run_dir=out_dir)
+        summary = run_sft(sft_cfg, student, seed=seed, run_dir=out_dir, card_kind="distill")
     report["model"] = summary["domains"][DOMAIN]["specialist"]
     report["sft"] = summary["domains"][DOMAIN]
     write_json_atomic(out_dir / "report.json", report)

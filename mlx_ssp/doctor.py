@@ -102,6 +102,41 @@ def report() -> tuple[list[tuple[str, str]], list[str]]:
     return rows, advice
 
 
+def no_kernel_line(be: dict[str, bool], cpu_default: bool, where: str) -> str:
+    """Why ``doctor --kernels`` has nothing to check: no GPU back-end, or one that is there while the
+    default device is the CPU (the kernels run only on the default device, so they do not run either)."""
+    if (be["metal"] or be["cuda"]) and cpu_default:
+        return (f"kernels: the default device is the CPU ({where}); the custom kernels run only when the GPU is "
+                "the default device: nothing to check, the RL stage uses the plain-MLX reference")
+    return (f"kernels: no Metal or CUDA device to run them on here ({where}); nothing to check, "
+            "the RL stage uses the plain-MLX reference")
+
+
+def kernel_check() -> tuple[list[str], bool]:
+    """``mlx_ssp doctor --kernels``: (lines to print, every check passed). Each custom kernel runs on
+    each GPU back-end here against its plain-MLX reference (:mod:`mlx_ssp.rl.kernels.selfcheck`);
+    without Metal or CUDA there is nothing to check, which is not a failure."""
+    import importlib.metadata as md
+
+    import mlx.core as mx
+
+    from mlx_ssp.rl.kernels.selfcheck import format_checks, selfcheck
+
+    be = backends()
+    where = (f"{platform.system()} {platform.machine()}, mlx {md.version('mlx')}, default device {mx.default_device()}, "
+             f"Metal: {'yes' if be['metal'] else 'no'}, CUDA: {'yes' if be['cuda'] else 'no'}")
+    results = selfcheck()
+    if not results:
+        return [no_kernel_line(be, mx.default_device() == mx.cpu, where)], True
+    lines = [f"kernels vs their plain-MLX reference ({where})"]
+    for name, checks in results.items():
+        lines += format_checks(name, checks)
+    checks = [c for cs in results.values() for c in cs]
+    failed = sum(not c.ok for c in checks)
+    lines.append(f"{len(checks) - failed} of {len(checks)} checks pass" + (f", {failed} FAIL" if failed else ""))
+    return lines, failed == 0
+
+
 # -- the RL stage's predicted peak ----------------------------------------------------------------
 
 

@@ -56,8 +56,10 @@ from typing import Any, Callable, Iterator, Optional
 import yaml
 
 from mlx_ssp import trackers
+from mlx_ssp.card import add_eval_table
 from mlx_ssp.config import load_section
 from mlx_ssp.errors import UserError
+from mlx_ssp.hub import require_token, upload_model
 from mlx_ssp.io import JsonlAppender, exclusive_lock, output_lock, write_json_atomic, write_text_atomic
 from mlx_ssp.stage_config import section_seed, with_seed
 
@@ -327,7 +329,7 @@ def stage_rl(run: Run) -> dict:
     With ``rl.phases``: the phases in order (:func:`mlx_ssp.rl.phases.run_phases`), each fused into
     ``rl/phases/<name>/model``; finished phases are not rerun."""
     from mlx_ssp.models import ModelConfig
-    from mlx_ssp.rl.phases import run_phases, train_one
+    from mlx_ssp.rl.phases import rl_card, run_phases, train_one
     from mlx_ssp.finetune.fuse import fuse_and_save
     from mlx_ssp.tasks import load_tasks
 
@@ -346,7 +348,8 @@ def stage_rl(run: Run) -> dict:
                        for p in summary["phases"]],
         }
     summary, model, tokenizer, path = train_one(merged, tasks, cfg, out, seed=seed, resume=True)
-    fuse_and_save(model, tokenizer, Path(path), out / "model", dequantize=False, overwrite=True)
+    fuse_and_save(model, tokenizer, Path(path), out / "model", dequantize=False, overwrite=True,
+                  card=rl_card(cfg, path, {"tasks": len(tasks), **summary}, seed))
     last = summary.get("last") or {}
     res = {
         "steps": summary.get("steps"),
@@ -362,10 +365,16 @@ def stage_rl(run: Run) -> dict:
 def eval_models(run: Run) -> dict[str, str]:
     """Every model the loop produced, in table order: base, specialists, the blend (if trained), merged,
     RL (with ``rl.phases``: one row ``rl:<phase>`` per phase, in phase order)."""
-    from mlx_ssp.distill import read_report
     from mlx_ssp.models import resolve_model
 
-    models = {"base": str(resolve_model(run.section("model").path))}
+    return {"base": str(resolve_model(run.section("model").path)), **run_models(run)}
+
+
+def run_models(run: Run) -> dict[str, str]:
+    """The models this run wrote, in table order (:func:`eval_models` without the base)."""
+    from mlx_ssp.distill import read_report
+
+    models = {}
     for d, p in run.specialists().items():
         models[f"specialist:{d}"] = str(p)
     if run.blend() is not None:
@@ -444,6 +453,52 @@ def stage_eval(run: Run) -> dict:
     text = format_eval_table(table)
     write_text_atomic(out_dir / "table.md", text + "\n")
     return {"table": table}
+
+
+def add_table_to_cards(run: Run, table_md: str) -> None:
+    """Put the held-out table into the card of every model this run wrote (never the base's, nor a
+    directory outside the run). Under mlx.launch rank 0 alone writes them (the ranks are one run)."""
+    from mlx_ssp import distributed as dist
+
+    if not dist.is_main():
+        return
+    root = run.run_dir.resolve()
+    for name, path in run_models(run).items():
+        p = Path(path).resolve()
+        if root in p.parents:
+            add_eval_table(p, table_md, note=f"The held-out table of the run that made this model "
+                                             f"(this model is the row `{name}`).")
+
+
+def final_model(run: Run) -> str:
+    """The run's final model: the distilled student with a ``distill:`` section, else the RL model (with
+    ``rl.phases``, the last phase's); a one-line UserError when it is not there."""
+    from mlx_ssp.distill import read_report
+    from mlx_ssp.rl.phases import phase_dir
+
+    if run.data.get("distill") is not None:
+        path = (read_report(run.stage_dir("distill")) or {}).get("model")
+        what = "the distilled student"
+    else:
+        phases = run.section("rl").phases
+        path = phase_dir(run.stage_dir("rl"), phases[-1].name) / "model" if phases else run.stage_dir("rl") / "model"
+        what = f"the RL model of phase {phases[-1].name}" if phases else "the RL model"
+    if not path or not (Path(path) / "config.json").is_file():
+        raise UserError(f"{run.run_dir}: {what} is missing ({path or 'no distill report'}); rerun the run to make it")
+    return str(path)
+
+
+def upload_final(run: Run, upload, echo: Callable[[str], None]) -> Optional[str]:
+    """Upload :func:`final_model` as ``upload.repo`` says; its URL (None: no upload asked, or not rank 0:
+    under mlx.launch the ranks are one run, and one upload)."""
+    from mlx_ssp import distributed as dist
+
+    if upload is None or upload.repo is None or not dist.is_main():
+        return None
+    path = final_model(run)
+    url = upload_model(path, upload.repo, public=upload.public)
+    echo(f"[upload] {path} -> {url} ({'public' if upload.public else 'private unless the repo already existed'})")
+    return url
 
 
 # -- the eval table ------------------------------------------------------------------------------
@@ -588,6 +643,8 @@ SECTIONS: dict[str, Section] = {
         Section("distill", lambda run: run.section("distill") if run.data.get("distill") is not None else None,
                 _resolved("distill"), optional=True),
         Section("sft", _check_sft, lambda run: _dump(sft_config(run))),
+        # where the final model goes after the run; no stage's fingerprint covers it
+        Section("upload", _section("upload"), optional=True),
     )
 }
 assert all(s in SECTIONS for st in STAGE_REGISTRY.values() for s in st.sections)
@@ -657,9 +714,11 @@ def resolved_config(run: Run) -> dict:
     return resolved
 
 
-def write_resolved_config(run: Run) -> None:
-    """RUN_DIR/config.resolved.yaml: :func:`resolved_config`."""
-    write_text_atomic(run.run_dir / "config.resolved.yaml", yaml.safe_dump(resolved_config(run), sort_keys=False))
+def write_resolved_config(run: Run) -> dict:
+    """RUN_DIR/config.resolved.yaml: :func:`resolved_config`, which it returns (the trackers' params)."""
+    resolved = resolved_config(run)
+    write_text_atomic(run.run_dir / "config.resolved.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    return resolved
 
 
 def execute_stage(run: Run, stage: str, fp: str, log: JsonlAppender) -> dict:
@@ -693,6 +752,12 @@ def run_pipeline(
         if stage is not None and stage not in STAGES:
             raise UserError(f"{name} {stage}: unknown stage; valid: {', '.join(STAGES)}")
     run = load_run(config_path, overrides, progress)
+    upload = run.section("upload") if run.data.get("upload") is not None else None
+    if upload is not None and upload.public and upload.repo is None:
+        raise UserError(f"{run.source}: upload.public (--public) is set but upload.repo is not; "
+                        "give --upload-repo ORG/NAME (or upload.repo), or drop --public")
+    if upload is not None and upload.repo is not None:
+        require_token()  # before the run, not after hours of it
     for name, stage in (("--from", from_stage), ("--only", only)):
         if stage is not None and not STAGE_REGISTRY[stage].enabled(run):
             raise UserError(f"{name} {stage}: {run.source} has no {STAGE_REGISTRY[stage].section}: section, so no {stage} stage")
@@ -701,14 +766,18 @@ def run_pipeline(
     run.run_dir.mkdir(parents=True, exist_ok=True)
     with lock_run(run):
         check_run_dir(run.run_dir)
-        write_resolved_config(run)
+        resolved = write_resolved_config(run)
         with trackers.session(run.report_to if report_to is None else report_to, dir=run.run_dir,
                               project=trackers.project_of(run.run_dir), command="run", name=run.data.get("name"),
-                              params=resolved_config(run)):
+                              params=resolved):
             results = run_stages(run, from_stage=from_stage, only=only, echo=echo)
         table_path = run.stage_dir("eval") / "table.json"
         if table_path.exists() and read_state(run, "eval").get("complete"):
-            echo("\n" + format_eval_table(json.loads(table_path.read_text())))
+            text = format_eval_table(json.loads(table_path.read_text()))
+            echo("\n" + text)
+            if "eval" in results:  # eval is current, so is every stage: the cards get its table, then the upload
+                add_table_to_cards(run, text)
+                upload_final(run, upload, echo)
     return results
 
 

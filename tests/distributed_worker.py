@@ -180,8 +180,49 @@ def trackers_missing(out: Path) -> dict:
     return {"unexpected": "survived"}
 
 
+def pipeline_upload(out: Path) -> dict:
+    """`mlx_ssp run` on OUT/run.yaml (it sets upload.repo) with fake stages that write, on rank 0 as the
+    real ones do, a specialist, the merge and the RL model with our cards and the eval table; the driver
+    itself runs on every rank, as under mlx.launch."""
+    from dataclasses import replace
+
+    from mlx_ssp import pipeline
+    from mlx_ssp.card import Card, write_card
+
+    def model(d: Path, kind: str) -> str:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text('{"model_type": "llama"}\n')
+        (d / "model.safetensors").write_bytes(bytes(range(256)))
+        write_card(d, Card(kind, ("Org/base",)))
+        return str(d)
+
+    def fake(name):
+        def fn(run):
+            d = run.stage_dir(name)
+            if dist.is_main():
+                d.mkdir(parents=True, exist_ok=True)
+                if name == "sft":
+                    spec = model(d / "specialists" / "addition", "lora")
+                    (d / "summary.json").write_text(json.dumps({"domains": {"addition": {"specialist": spec}}}))
+                elif name in ("merge", "rl"):
+                    model(d / "model", {"merge": "merge", "rl": "grpo"}[name])
+                elif name == "eval":
+                    (d / "table.json").write_text(json.dumps({"k": 2, "domains": ["addition"], "rows": [
+                        {"stage": "rl", "overall": {"pass@1": 0.5, "pass@2": 0.5},
+                         "domains": {"addition": {"pass@1": 0.5, "pass@2": 0.5}}}]}))
+            dist.barrier(f"fake {name}")  # the real stages' collectives keep the ranks in step
+            return {}
+
+        return fn
+
+    pipeline.STAGE_REGISTRY = {s: replace(st, run=fake(s)) for s, st in pipeline.STAGE_REGISTRY.items()}
+    lines: list[str] = []
+    pipeline.run_pipeline(out / "run.yaml", echo=lines.append, progress=False)
+    return {"upload_lines": [x for x in lines if x.startswith("[upload]")]}
+
+
 SCENARIOS = {f.__name__: f for f in (collectives, sharded, rl_steps, watch_alive, watch_freeze, watch_die, die, freeze,
-                                     main_error, init_only, trackers_missing)}
+                                     main_error, init_only, trackers_missing, pipeline_upload)}
 
 
 if __name__ == "__main__":

@@ -282,3 +282,32 @@ def test_cluster_check_command(tmp_path):
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert "2 rank(s); all_sum of 10 MB: correct" in res.stdout, res.stdout + res.stderr
     assert "rank 1:" in res.stdout
+
+
+@pytest.mark.slow
+def test_run_under_two_ranks_uploads_once(tmp_path):
+    """Under mlx.launch every rank runs the driver; rank 0 alone adds the table to the cards and
+    uploads the final model (one commit on the stand-in Hub, one [upload] line)."""
+    from test_hub import TOKEN, FakeHub, _handler
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    hub = FakeHub()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "run.yaml").write_text(
+            f"run_dir: {tmp_path / 'run'}\nseed: 0\nmodel: Org/base\nupload: {{repo: org/final}}\n"
+            "tasks:\n  domains:\n    addition:\n      source: reasoning_gym:basic_arithmetic\n"
+            "      sizes: {train: 2, probe: 1, eval: 1}\n")
+        env = {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_TOKEN": TOKEN, "HF_HUB_OFFLINE": "0"}
+        res = launch("pipeline_upload", tmp_path, env=env, timeout=180)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert res.returncode == 0, res.stderr
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert len(r0["upload_lines"]) == 1 and r1["upload_lines"] == []
+    assert sum(1 for m, path, _, _ in hub.requests if m == "POST" and "/commit/" in path) == 1
+    assert "## Held-out evaluation" in hub.repos["org/final"]["files"]["README.md"].decode()

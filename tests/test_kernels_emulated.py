@@ -306,3 +306,13 @@ def test_advantage_kernel_source(mgpo, emu_backend, scale):
         ("more groups than threads", rng.integers(0, 2, 2100).astype(np.float32), np.arange(2100) % 1050),
     ]
     assert_backend_matches_reference(mgpo, emu_backend, cases, scale)
+
+
+def test_doctor_selfcheck_passes_on_the_kernel_source(mgpo, emu_backend):
+    """`mlx_ssp doctor --kernels`'s checks, on the shipped kernel text run by the emulator: all pass."""
+    from mlx_ssp.rl.kernels import selfcheck as S
+
+    sls = (S.SLSCase(3, 1000, "float32", 0.7), S.SLSCase(2, 300, "bfloat16", 1.3))
+    adv = (S.AdvCase(6, 4), S.AdvCase(9, 5, "batch", ragged=True, continuous=True))
+    checks = S.check_backend(emu_backend, sls, adv, repeats=1)
+    assert len(checks) == 4 and all(c.ok and not c.error for c in checks), S.format_checks(emu_backend, checks)

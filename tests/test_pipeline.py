@@ -21,6 +21,8 @@ from mlx_ssp import pipeline
 from mlx_ssp.commands import run as run_command
 from mlx_ssp.errors import UserError
 
+from test_hub import fake_hub  # noqa: F401  (the loopback Hub stand-in, a fixture)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = """
@@ -47,6 +49,8 @@ def fake_stages(monkeypatch):
             d = run.stage_dir(name)
             d.mkdir(parents=True, exist_ok=True)
             (d / "out.txt").write_text(name)
+            if name == "sft":  # what the driver reads to find the run's models
+                (d / "summary.json").write_text(json.dumps({"domains": {}}))
             if name == "eval":
                 table = {"k": 2, "domains": ["addition"], "rows": [
                     {"stage": "base", "overall": {"pass@1": 0.1, "pass@2": 0.2},
@@ -159,10 +163,12 @@ def test_second_process_is_refused_while_the_driver_runs(tmp_path, fake_stages, 
         with exclusive_lock(lock_path(run.stage_dir("rollout") / "rollouts.jsonl"), "rollouts"):
             return rollout(run)
 
+    sft_fake = pipeline.STAGE_REGISTRY["sft"].run
+
     def sft(run):
         seen["run"] = _cli("run", cfg, "--only", "sft")
         seen["sft"] = _cli("sft", cfg)
-        return {}
+        return sft_fake(run)
 
     monkeypatch.setitem(pipeline.STAGE_REGISTRY, "rollout", replace(pipeline.STAGE_REGISTRY["rollout"], run=locked_rollout))
     monkeypatch.setitem(pipeline.STAGE_REGISTRY, "sft", replace(pipeline.STAGE_REGISTRY["sft"], run=sft))
@@ -233,6 +239,121 @@ def test_bad_config_fails_before_any_stage(tmp_path, fake_stages):
         pipeline.run_pipeline(cfg, ("eval.k=0",), echo=lambda s: None)
     assert fake_stages == []
 
+
+
+# -- model cards and the upload of the final model -------------------------------------------------
+
+
+def _model_dir(d: Path, card=None) -> Path:
+    """A directory resolve_model accepts, with our card when ``card`` is given."""
+    from mlx_ssp.card import write_card
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text('{"model_type": "llama"}\n')
+    (d / "model.safetensors").write_bytes(bytes(range(256)))
+    if card is not None:
+        write_card(d, card)
+    return d
+
+
+@pytest.fixture
+def model_stages(tmp_path, fake_stages, monkeypatch):
+    """fake_stages whose sft, merge and rl write what the real ones leave: a fused specialist, the merge
+    and the RL model, each a model directory with our card; the base is a user's model with its own
+    README.md. Returns (run file, base)."""
+    from mlx_ssp.card import Card
+
+    base = _model_dir(tmp_path / "base")
+    (base / "README.md").write_text("---\nlicense: mit\n---\n\n# my base model\n")
+
+    def sft(run):
+        fake_stages.append("sft")
+        spec = _model_dir(run.stage_dir("sft") / "specialists" / "addition", Card("lora", (str(base),)))
+        (run.stage_dir("sft") / "summary.json").write_text(json.dumps({"domains": {"addition": {"specialist": str(spec)}}}))
+        return {}
+
+    def merge(run):
+        fake_stages.append("merge")
+        _model_dir(run.stage_dir("merge") / "model", Card("merge", (str(run.stage_dir("sft") / "specialists" / "addition"),)))
+        return {}
+
+    def rl(run):
+        fake_stages.append("rl")
+        d = _model_dir(run.stage_dir("rl") / "model", Card("grpo", (str(run.stage_dir("merge") / "model"),)))
+        (d / ".README.md.tmp-stale").write_text("an interrupted write")  # never uploaded
+        return {}
+
+    for name, fn in (("sft", sft), ("merge", merge), ("rl", rl)):
+        monkeypatch.setitem(pipeline.STAGE_REGISTRY, name, replace(pipeline.STAGE_REGISTRY[name], run=fn))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(CONFIG.format(run_dir=tmp_path / "run", k=4).replace("model: demo", f"model: {base}"))
+    return cfg, base
+
+
+def _commits(hub) -> int:
+    return sum(1 for method, path, _, _ in hub.requests if method == "POST" and "/commit/" in path)
+
+
+def test_run_uploads_the_final_model_once_with_the_table_in_our_cards_only(tmp_path, model_stages, fake_stages, fake_hub):
+    cfg, base = model_stages
+    user_card = (base / "README.md").read_bytes()
+    hub = fake_hub()
+    out: list[str] = []
+    pipeline.run_pipeline(cfg, ("upload.repo=org/final",), echo=out.append)
+    run = tmp_path / "run"
+    rl_model = run / "rl" / "model"
+    assert _commits(hub) == 1 and list(hub.repos) == ["org/final"]
+    assert hub.repos["org/final"]["visibility"] == "private"
+    files = hub.repos["org/final"]["files"]
+    assert set(files) == {"config.json", "model.safetensors", "README.md"}  # the hidden leftover stayed home
+    assert all(files[n] == (rl_model / n).read_bytes() for n in files)
+    readme = files["README.md"].decode()
+    assert "## Held-out evaluation" in readme and "| base |" in readme and "row `rl`" in readme
+    assert str(tmp_path) not in readme
+    for d in (run / "sft" / "specialists" / "addition", run / "merge" / "model"):
+        assert "| base |" in (d / "README.md").read_text() and str(tmp_path) not in (d / "README.md").read_text()
+    assert (base / "README.md").read_bytes() == user_card  # the user's base model is never written
+    assert any(line.startswith("[upload]") and "org/final" in line for line in out)
+    # --only rl stops before eval: nothing is uploaded
+    pipeline.run_pipeline(cfg, ("upload.repo=org/final",), only="rl", echo=lambda s: None)
+    assert fake_stages.count("rl") == 2 and _commits(hub) == 1
+
+
+def test_run_upload_checks_come_before_the_first_stage(tmp_path, model_stages, fake_stages, fake_hub, monkeypatch):
+    from huggingface_hub import constants as hf_constants
+
+    cfg, _ = model_stages
+    hub = fake_hub()
+    with pytest.raises(UserError, match="upload.repo"):  # --public alone would upload nothing, silently
+        pipeline.run_pipeline(cfg, ("upload.public=true",), echo=lambda s: None)
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "hf_home" / "token"))
+    monkeypatch.setattr(hf_constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf_home" / "stored_tokens"))
+    with pytest.raises(UserError, match="HF_TOKEN"):
+        pipeline.run_pipeline(cfg, ("upload.repo=org/final",), echo=lambda s: None)
+    assert fake_stages == [] and not (tmp_path / "run").exists() and hub.requests == []
+    r = subprocess.run([sys.executable, "-m", "mlx_ssp.cli", "run", str(cfg), "--public"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "upload.repo" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_final_model_is_the_distilled_student_else_the_last_rl_model(tmp_path):
+    run = pipeline.load_run(_write(tmp_path))
+    with pytest.raises(UserError, match="the RL model is missing"):
+        pipeline.final_model(run)
+    rl_model = _model_dir(tmp_path / "run" / "rl" / "model")
+    assert pipeline.final_model(run) == str(rl_model)
+    phased = pipeline.load_run(_write(tmp_path), ("rl.phases=[{name: a}, {name: b}]",))
+    b = _model_dir(tmp_path / "run" / "rl" / "phases" / "b" / "model")
+    _model_dir(tmp_path / "run" / "rl" / "phases" / "a" / "model")
+    assert pipeline.final_model(phased) == str(b)
+    student = _model_dir(tmp_path / "student")
+    distilled = pipeline.load_run(_write(tmp_path), ("distill={}",))
+    with pytest.raises(UserError, match="distilled student"):
+        pipeline.final_model(distilled)
+    (tmp_path / "run" / "distill").mkdir(parents=True)
+    (tmp_path / "run" / "distill" / "report.json").write_text(json.dumps({"model": str(student)}))
+    assert pipeline.final_model(distilled) == str(student)
 
 def test_eval_table_and_gain():
     results = {

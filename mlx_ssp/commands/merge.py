@@ -11,7 +11,7 @@ import json
 
 import click
 
-from mlx_ssp.commands.options import report_to_option, set_option
+from mlx_ssp.commands.options import export_gguf_option, report_to_option, set_option, upload_options
 
 
 @click.command("merge")
@@ -36,42 +36,57 @@ from mlx_ssp.commands.options import report_to_option, set_option
                    "tensor's working set to the peak memory. The output does not depend on it.")
 @click.option("--dry-run", is_flag=True, help="Check the config and every tensor, print the plan, write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@export_gguf_option("the merged model")
+@upload_options("OUT_DIR (the merged model; the GGUF file too with --export-gguf)")
 @report_to_option
 @set_option
 def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenizer, seed, vocab_mismatch, workers, dry_run, quiet,
-        report_to, overrides):
+        export_gguf, upload_repo, public, report_to, overrides):
     """Merge the models of a mergekit CONFIG into OUT_DIR, streaming one tensor at a time (methods:
     mergekit 0.1.5's: linear, task_arithmetic, ties, dare_linear, dare_ties, breadcrumbs(_ties),
     della(_linear), sce, ram, ramplus_tl, slerp, nuslerp, multislerp, karcher, model_stock, nearswap,
     arcee_fusion, passthrough; inputs may be MLX-quantized). --set key=value edits the config.
-    --report-to: the timing goes to the trackers (files beside OUT_DIR), the config is their params."""
+    OUT_DIR gets a model card (README.md: method, inputs, the config). --report-to: the timing goes to
+    the trackers (files beside OUT_DIR), the config is their params."""
     import yaml
 
     from mlx_ssp import trackers
     from mlx_ssp.errors import UserError
+    from mlx_ssp.gguf_export import check_exportable
+    from mlx_ssp.gguf_export import export_gguf as write_gguf
+    from mlx_ssp.hub import check_upload, upload_model
     from mlx_ssp.io import output_lock
     from mlx_ssp.merge.config import load_merge_config
-    from mlx_ssp.merge.engine import input_paths, plan_merge, write_merge
+    from mlx_ssp.merge.engine import input_paths, output_config, plan_merge, write_merge
     from mlx_ssp.merge.outdir import check_clear_of_inputs
     from pathlib import Path
 
     cli_trackers = trackers.from_cli(report_to) or ()
+    check_upload(upload_repo, public)  # a bad repo id or no token stops here, before the merge
     cfg, text = load_merge_config(config, tuple(overrides))
     if Path(out_dir).exists() and not (overwrite or overwrite_any) and not dry_run:
         raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
     job = plan_merge(cfg, vocab_mismatch=vocab_mismatch, source_label=str(config))
+    if export_gguf:
+        check_exportable(output_config(job), f"--export-gguf ({config})")
     if dry_run:
         check_clear_of_inputs(Path(out_dir), input_paths(job, (Path(config),)))
         dtypes = sorted({p.cd for p in job.plans})
         click.echo(json.dumps({"method": cfg.merge_method, "models": [s.ref for s in job.sources],
                                "tensors": len(job.plans), "compute_dtypes": dtypes}, indent=2))
         return
-    params = {**yaml.safe_load(text), "out_dir": str(out_dir), "seed": seed, "out_shard_size": out_shard_size,
-              "vocab_mismatch": vocab_mismatch}
+    params = None  # the trackers' run parameters, only built when one is on
+    if cli_trackers:
+        params = {**yaml.safe_load(text), "out_dir": str(out_dir), "seed": seed, "out_shard_size": out_shard_size,
+                  "vocab_mismatch": vocab_mismatch}
     where = Path(out_dir).expanduser().resolve().parent  # not inside OUT_DIR: a merge output is replaced whole
     with output_lock(out_dir), trackers.session(cli_trackers, dir=where, project=trackers.project_of(where),
                                                 command="merge", params=params, scope_name="merge"):
         res = write_merge(job, Path(out_dir), overwrite=overwrite, out_shard_size=out_shard_size,
                           copy_tokenizer=copy_tokenizer, seed=seed, config_text=text, progress=not quiet,
                           workers=workers, overwrite_any=overwrite_any, protect=(Path(config),))
+        if export_gguf:
+            res["gguf"] = str(write_gguf(out_dir))
+    if upload_repo:
+        res["uploaded"] = upload_model(out_dir, upload_repo, public=public)
     click.echo(json.dumps(res))

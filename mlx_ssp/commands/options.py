@@ -1,10 +1,13 @@
-"""Flags shared by the stage commands: ``--set``, ``--config``, ``--no-progress``, ``--report-to`` and the sampling
-flags of rollout and eval (:func:`sampling_flags` names their keys in the stage's section, for
+"""Flags shared by the stage commands: ``--set``, ``--config``, ``--no-progress``, ``--report-to``,
+``--upload-repo``/``--public``, ``--export-gguf`` and the sampling flags of rollout and eval
+(:func:`sampling_flags` names their keys in the stage's section, for
 :func:`mlx_ssp.stage_config.apply_flags`); :func:`load_task_stage`, the load both of those share."""
 
 from __future__ import annotations
 
 import click
+
+from mlx_ssp.trackers import choices
 
 
 def set_option(f):
@@ -35,13 +38,32 @@ def no_progress_option(f):
 def report_to_option(f):
     """``--report-to NAME`` (repeatable or comma-separated; beats the run file's ``report_to``); the
     command gets the raw values, :func:`mlx_ssp.trackers.from_cli` reads them."""
-    from mlx_ssp.trackers import choices
-
     return click.option(
         "--report-to", "report_to", multiple=True, metavar="NAME",
         help=f"Send the metrics to these experiment trackers ({', '.join(choices())}; repeatable or "
              "comma-separated; beats the run file's report_to).",
     )(f)
+
+
+def upload_options(what: str):
+    """``--upload-repo ORG/NAME`` and ``--public`` (:func:`mlx_ssp.hub.upload_model`); ``what`` names
+    the model the command uploads."""
+
+    def deco(f):
+        f = click.option("--public", is_flag=True,
+                         help="Create the Hub repo public (default: private; an existing repo keeps its visibility).")(f)
+        return click.option("--upload-repo", metavar="ORG/NAME", default=None,
+                            help=f"Upload {what} to this Hugging Face Hub model repo (with its model card), created "
+                                 "private unless --public. The token comes from HF_TOKEN or `hf auth login`.")(f)
+
+    return deco
+
+
+def export_gguf_option(what: str):
+    """``--export-gguf``: :func:`mlx_ssp.gguf_export.export_gguf` on the model the command writes."""
+    return click.option("--export-gguf", is_flag=True,
+                        help=f"Also write {what} as GGUF (ggml-model-f16.gguf beside its weights; mlx-lm's "
+                             "converter: llama, mistral, mixtral, unquantized).")
 
 
 def config_option(f):

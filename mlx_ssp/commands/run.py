@@ -7,7 +7,7 @@ from typing import Optional
 
 import click
 
-from mlx_ssp.commands.options import no_progress_option, report_to_option, set_option
+from mlx_ssp.commands.options import no_progress_option, report_to_option, set_option, upload_options
 from mlx_ssp.errors import UserError
 from mlx_ssp.pipeline import STAGES
 
@@ -21,10 +21,12 @@ from mlx_ssp.pipeline import STAGES
 @click.option("--only", type=click.Choice(STAGES), default=None,
               help="Run only this stage: rerun it if complete, resume it if interrupted (earlier stages must "
                    "be complete).")
+@upload_options("the run's final model (the distilled student, else the last RL model) once every stage is "
+                "complete (config: upload.repo, upload.public)")
 @report_to_option
 @no_progress_option
 def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str], only: Optional[str],
-        report_to: tuple[str, ...]) -> None:
+        upload_repo: Optional[str], public: bool, report_to: tuple[str, ...]) -> None:
     """Run the whole SSP loop from CONFIG.yaml: tasks -> rollout -> select -> sft -> merge -> rl -> eval,
     into the run directory (config key run_dir; --set run_dir=PATH moves it).
 
@@ -32,12 +34,17 @@ def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str],
     changed together with every stage after it (saying so). The final table compares the base model,
     each specialist, the merged model and the RL model on held-out tasks. One process at a time
     writes a run directory (a second one stops at once); a non-empty directory that is not a run
-    is refused. With report_to (or --report-to) the metrics also go to one tracker run, each stage
-    its own namespace.
+    is refused. Every model the run writes gets a model card (README.md) with the held-out table.
+    With report_to (or --report-to) the metrics also go to one tracker run, each stage its own
+    namespace.
     """
     from mlx_ssp.pipeline import run_pipeline
     from mlx_ssp.trackers import from_cli
 
     if from_stage and only:
         raise UserError("give --from or --only, not both")
+    if upload_repo is not None:  # the flags are the upload: section's keys (beating the file)
+        overrides = (*overrides, f"upload.repo={upload_repo}")
+    if public:
+        overrides = (*overrides, "upload.public=true")
     run_pipeline(config_path, overrides, from_stage=from_stage, only=only, report_to=from_cli(report_to))

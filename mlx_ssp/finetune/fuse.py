@@ -4,7 +4,9 @@ and swap the wrappers back for their untouched base layers."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
+from mlx_ssp.card import Card, write_card
 from mlx_ssp.finetune.lora import lora_modules
 from mlx_ssp.io import atomic_dir
 
@@ -23,9 +25,11 @@ def restore_base(model) -> None:
         model.update_modules(tree_unflatten(mods))
 
 
-def fuse_and_save(model, tokenizer, model_path: Path, out: Path, *, dequantize: bool, overwrite: bool) -> None:
+def fuse_and_save(model, tokenizer, model_path: Path, out: Path, *, dequantize: bool, overwrite: bool,
+                  card: Optional[Card] = None) -> None:
     """Fuse the current adapters into the weights and save an HF-layout model at ``out`` (same dtype
-    as the base); the in-memory model gets its LoRA wrappers back afterwards."""
+    as the base) with ``card`` as its README.md (in place of mlx-lm's blank one); the in-memory
+    model gets its LoRA wrappers back afterwards."""
     from mlx.utils import tree_unflatten
     from mlx_lm.utils import dequantize_model, load_config, save
 
@@ -41,5 +45,7 @@ def fuse_and_save(model, tokenizer, model_path: Path, out: Path, *, dequantize: 
             config.pop("quantization_config", None)
         with atomic_dir(out, overwrite=overwrite) as tmp:
             save(tmp, model_path, to_save, tokenizer, config, donate_model=False)
+            if card is not None:
+                write_card(tmp, card)
     finally:
         model.update_modules(tree_unflatten(wrappers))

@@ -28,6 +28,7 @@ import mlx_ssp  # noqa: F401
 import mlx.core as mx
 
 from mlx_ssp import trackers
+from mlx_ssp.card import Card, write_card
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import atomic_dir
 from mlx_ssp.merge import safetensors_io as sio
@@ -192,15 +193,30 @@ def output_config(job: MergeJob) -> dict:
     return conf
 
 
-def _write_side_files(job: MergeJob, tmp: Path, tok_src: Optional[Path], config_text: str) -> None:
+def merge_card(job: MergeJob, config_text: str, seed: int) -> Card:
+    """The output's model card: the method, its global parameters and inputs, and the config as YAML
+    (mergekit's card fields)."""
+    cfg = job.cfg
+    oq = cfg.out_quantization
+    settings = {"merge method": cfg.merge_method, "base model": cfg.base_model, "dtype": cfg.dtype,
+                "out dtype": cfg.out_dtype, "tokenizer source": cfg.tokenizer_source,
+                "out quantization": f"{oq.mode} {oq.bits}-bit, group {oq.group_size}" if oq else None,
+                "seed (random masks)": seed if METHODS[cfg.merge_method].sparsify else None}
+    settings.update({f"parameters.{k}": v for k, v in (cfg.parameters or {}).items()})
+    return Card("merge", tuple(s.ref for s in job.sources), settings, config_yaml=config_text or None,
+                title=f"{cfg.merge_method} merge of {len(job.sources)} models")
+
+
+def _write_side_files(job: MergeJob, tmp: Path, tok_src: Optional[Path], config_text: str, seed: int) -> None:
     """config.json, the tokenizer files (from ``tok_src``, unless None; with tokenizer surgery the
-    output vocabulary's, always, as mergekit saves it) and the merge config."""
+    output vocabulary's, always, as mergekit saves it), the merge config and the model card."""
     (tmp / "config.json").write_text(json.dumps(output_config(job), indent=2) + "\n")
     if job.vocab is not None:
         write_tokenizer(job.vocab, tmp)
     elif tok_src is not None:
         copy_tokenizer_files(tok_src, tmp)
     (tmp / "mergekit_config.yml").write_text(config_text or "")
+    write_card(tmp, merge_card(job, config_text, seed))
 
 
 def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_shard_size: int | str = "5GB",
@@ -230,7 +246,7 @@ def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_sh
         except BaseException:
             writer.abort()
             raise
-        _write_side_files(job, tmp, tok_src, config_text)
+        _write_side_files(job, tmp, tok_src, config_text, seed)
     elapsed = time.perf_counter() - t0
     res = {"out_dir": str(out_dir), "tensors": len(job.plans), "bytes": writer.total_bytes,
            "shards": len(writer.names), "workers": n_workers, "seconds": round(elapsed, 3)}

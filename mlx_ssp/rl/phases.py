@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from mlx_ssp import trackers
+from mlx_ssp.card import Card
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import write_json_atomic
 
@@ -67,6 +68,22 @@ def phase_fingerprint(previous: str, phase, cfg, seed: int) -> str:
     payload = {"previous": previous, "name": phase.name, "domains": phase.domains, "verifier": phase.verifier,
                "rl": fingerprint(config_record(cfg, seed, "")), "steps": cfg.steps}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def rl_card(cfg, model_path, summary: dict, seed: int, phase: Optional[str] = None) -> Card:
+    """The fused RL model's card: the GRPO settings (steps, G, MGPO lambda, lr, ...) and the last step's reward."""
+    lora = cfg.lora
+    adapter = (f"LoRA rank {lora.rank}, scale {lora.scale:g}, layers {'all' if lora.num_layers < 0 else lora.num_layers}"
+               if cfg.fine_tune_type == "lora" else "full fine-tuning")
+    last = summary.get("last") or {}
+    settings = {"phase": phase, "steps": summary.get("steps"), "prompts per step": cfg.batch_size,
+                "group size G": cfg.group_size, "MGPO lambda": cfg.mgpo_lambda, "loss": cfg.loss,
+                "learning rate": cfg.learning_rate, "KL beta": cfg.beta, "training": adapter,
+                "temperature": cfg.sampling.temperature, "max tokens": cfg.sampling.max_tokens, "seed": seed,
+                "train prompts": summary.get("tasks"), "last reward mean": last.get("reward_mean")}
+    how = "LoRA adapters fused into the weights" if cfg.fine_tune_type == "lora" else "every weight trained"
+    return Card("grpo", (str(model_path),), settings, data_files=(cfg.tasks,) if cfg.tasks else (),
+                title=f"RL phase {phase}" if phase else "RL model", how=how)
 
 
 def train_one(model_cfg, tasks: list, cfg, out: Path, *, seed: int, resume: bool, where: str = "rl"):
@@ -125,7 +142,8 @@ def run_phases(model_cfg, tasks: list, cfg, out: Path, *, seed: int, resume: boo
             # rank 0 writes the next phase's starting model; the other ranks wait for it
             with dist.main_first(f"rl: fuse phase {phase.name}") as do_it:
                 if do_it:
-                    fuse_and_save(model, tok, Path(path), d / "model", dequantize=False, overwrite=True)
+                    fuse_and_save(model, tok, Path(path), d / "model", dequantize=False, overwrite=True,
+                                  card=rl_card(pcfg, path, {**summary, "tasks": entry["tasks"]}, pseed, phase.name))
                     write_json_atomic(d / PHASE_FILE, {"fingerprint": fp, "complete": True, "summary": entry})
             del model
         done.append(entry)

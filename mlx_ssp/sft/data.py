@@ -47,12 +47,42 @@ def _record_kind(rec: dict) -> Optional[str]:
     if is_token_record(rec):
         return "tokens"
     if "prompt" in rec and "completion" in rec:
-        return "completions"
+        # TRL's conversational prompt-completion (lists of messages) trains as the chat it joins into
+        return "chat" if isinstance(rec["prompt"], list) else "completions"
     if "messages" in rec:
         return "chat"
     if "text" in rec:
         return "text"
     return None
+
+
+def _conversation(rec: dict, where: str) -> list:
+    """The messages of a TRL conversational prompt-completion record: the prompt's, then the one
+    assistant message of the completion (mlx-lm's chat masking trains on the last message only)."""
+    p, c = rec["prompt"], rec["completion"]
+    if not p:  # a list: that is what made the record conversational
+        raise UserError(f"{where}: a conversational 'prompt' must be a non-empty list of messages")
+    if not (isinstance(c, list) and len(c) == 1 and isinstance(c[0], dict) and c[0].get("role") == "assistant"):
+        raise UserError(f"{where}: a conversational 'completion' must be a list of one assistant message")
+    _check_messages(p, "prompt", where)
+    _check_messages(c, "completion", where)
+    return list(p) + c
+
+
+def _check_messages(msgs: list, key: str, where: str) -> None:
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise UserError(f"{where}: '{key}' message {i} needs 'role' and 'content'")
+
+
+def _as_mlx_lm(rec: dict, where: str) -> dict:
+    """A record as mlx-lm's create_dataset reads it (a conversational prompt-completion as a chat)."""
+    if "messages" in rec or not isinstance(rec.get("prompt"), list):
+        return rec
+    out = {"messages": _conversation(rec, where)}
+    if rec.get("tools") is not None:
+        out["tools"] = rec["tools"]
+    return out
 
 
 def _check_record(path: Path, lineno: int, rec: dict, kind: str, mask_prompt: bool) -> None:
@@ -68,12 +98,13 @@ def _check_record(path: Path, lineno: int, rec: dict, kind: str, mask_prompt: bo
     if kind == "tokens":
         return  # checked with the tokenizer's vocabulary in load_token_records
     if kind == "chat":
-        msgs = rec["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise UserError(f"{where}: 'messages' must be a non-empty list")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise UserError(f"{where}: message {i} needs 'role' and 'content'")
+        if "messages" in rec:
+            msgs = rec["messages"]
+            if not isinstance(msgs, list) or not msgs:
+                raise UserError(f"{where}: 'messages' must be a non-empty list")
+            _check_messages(msgs, "messages", where)
+        else:  # a conversational prompt-completion: its errors name its own keys
+            msgs = _conversation(rec, where)
         if mask_prompt and msgs[-1].get("role") != "assistant":
             raise UserError(f"{where}: with mask_prompt the last message must be the assistant's (nothing to train on)")
     elif kind == "completions":
@@ -105,7 +136,7 @@ def load_sft_file(path: Path, tokenizer, *, mask_prompt: bool, max_seq_length: i
         _check_record(path, lineno, rec, kind, mask_prompt)
     if kind == "tokens":  # their own mask says what is trained on; mask_prompt does not apply
         return load_token_records(path, recs, tokenizer, max_seq_length=max_seq_length)
-    data = [r for _, r in recs]
+    data = [_as_mlx_lm(r, f"{path}:{lineno}") for lineno, r in recs]
     conf = types.SimpleNamespace(mask_prompt=mask_prompt)
     ds = CacheDataset(create_dataset(data, tokenizer, conf))
     n_tokens = n_trunc = 0

@@ -13,6 +13,7 @@ from typing import Optional
 
 from mlx_ssp import distributed as dist
 from mlx_ssp import trackers
+from mlx_ssp.card import Card
 from mlx_ssp.errors import UserError
 from mlx_ssp.finetune import checkpoints as ckpts
 from mlx_ssp.finetune.fuse import fuse_and_save, restore_base
@@ -149,8 +150,9 @@ class _DomainRun:
         write_json_atomic(ckpt / "probe.json", rec)
         chosen = write_curve(self.ddir, self.plan.name, self.cfg.select)
         step = ckpts.step_of(ckpt.name)
-        state = json.loads((ckpt / "state.json").read_text())  # the probe curve's row: val_loss, probe/pass@1, ...
-        trackers.log(self.plan.name, {"val_loss": state.get("val_loss"), "probe": trackers.without(rec, "k")}, step)
+        if trackers.active():  # the probe curve's row (val_loss, probe/pass@1, ...); its read only when sent
+            state = json.loads((ckpt / "state.json").read_text())
+            trackers.log(self.plan.name, {"val_loss": state.get("val_loss"), "probe": trackers.without(rec, "k")}, step)
         print(
             f"[sft {self.plan.name}] step {step}: pass@1 {rec['pass@1']:.3f}  pass@{rec['k']} {rec['pass@k']:.3f}"
             f"  (best so far: step {chosen['step'] if chosen else '-'}; probe {dt:.1f}s)",
@@ -226,6 +228,21 @@ class _DomainRun:
                 "checkpoint_seconds": max(0.0, overhead - self.probe_time - self.val_time)}
 
 
+def specialist_card(cfg: SFTConfig, plan: DomainPlan, model_path: Path, chosen: dict, seed: int,
+                    kind: str = "lora") -> Card:
+    """The fused specialist's model card: the LoRA recipe, its data and the chosen checkpoint."""
+    lora = cfg.lora
+    settings = {"domain": plan.name, "adapter": f"{lora.fine_tune_type}, rank {lora.rank}, scale {lora.scale:g}, "
+                f"dropout {lora.dropout:g}", "layers": "all" if lora.num_layers < 0 else lora.num_layers,
+                "optimizer": cfg.optimizer, "learning rate": cfg.learning_rate, "iters": cfg.iters,
+                "batch size": cfg.batch_size, "max sequence length": cfg.max_seq_length, "seed": seed,
+                "train records": plan.stats.get("records"), "checkpoint rule": cfg.select,
+                "chosen step": chosen.get("step"), "probe pass@1": chosen.get("pass@1"),
+                f"probe pass@{cfg.probe.k}": chosen.get("pass@k")}
+    return Card(kind, (str(model_path),), settings, data_files=(str(plan.train_path),),
+                title=f"{plan.name} specialist" if kind == "lora" else "distilled student")
+
+
 def train_specialist(
     cfg: SFTConfig,
     plan: DomainPlan,
@@ -237,6 +254,7 @@ def train_specialist(
     seed: int,
     probe_fn: ProbeFn = default_probe,
     callbacks: list | None = None,
+    card_kind: str = "lora",
 ) -> dict:
     """Train, probe, choose and fuse one domain's specialist on the (shared) base ``model``.
     The model is the base model again when this returns (also on error)."""
@@ -267,7 +285,8 @@ def train_specialist(
                 run.load_adapter(ckpt)
                 # the chosen adapter beside adapter_config.json: `mlx_lm fuse --adapter-path DDIR` works
                 shutil.copyfile(ckpt / "adapters.safetensors", ddir / "adapters.safetensors")
-                fuse_and_save(model, tokenizer, model_path, spec_dir, dequantize=cfg.dequantize, overwrite=True)
+                fuse_and_save(model, tokenizer, model_path, spec_dir, dequantize=cfg.dequantize, overwrite=True,
+                              card=specialist_card(cfg, plan, model_path, chosen, seed, card_kind))
         result = _result(cfg, plan, chosen, ckpt, spec_dir, times)
         if curriculum is not None:
             result["curriculum"] = curriculum
@@ -417,9 +436,11 @@ def run_sft(
     probe_fn: ProbeFn = default_probe,
     callbacks: list | None = None,
     model_and_tokenizer: tuple | None = None,
+    card_kind: str = "lora",
 ) -> dict:
     """Train every domain's specialist, one after another, on one loaded base model.
-    All inputs are checked first. Returns the summary written to ``OUT/summary.json``."""
+    All inputs are checked first. Returns the summary written to ``OUT/summary.json``.
+    ``card_kind`` is the recipe its model cards name (:data:`mlx_ssp.card.KINDS`)."""
     from mlx_ssp.models import load_model
 
     if not cfg.domains:
@@ -442,7 +463,8 @@ def run_sft(
     results = {}
     for plan in plans:
         results[plan.name] = train_specialist(
-            cfg, plan, model, tokenizer, Path(model_path), out_dir, seed=seed, probe_fn=probe_fn, callbacks=callbacks
+            cfg, plan, model, tokenizer, Path(model_path), out_dir, seed=seed, probe_fn=probe_fn, callbacks=callbacks,
+            card_kind=card_kind,
         )
     summary_path = out_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {"domains": {}}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from mlx_ssp.config import StrictModel
 
@@ -44,6 +44,18 @@ class DomainConfig(StrictModel):
         from mlx_ssp.tasks.sources import parse_source
 
         parse_source(v)  # raises ValueError naming the valid kinds
+        return v
+
+    @field_validator("params")
+    @classmethod
+    def _params_ok(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        from mlx_ssp.tasks.sources import parse_source
+
+        if "source" not in info.data:  # the source itself was invalid: that error is reported
+            return v
+        src, _ = parse_source(info.data["source"])
+        if src.check_params is not None:
+            src.check_params(v)  # ValueError naming the valid keys / choices, at load time
         return v
 
     @field_validator("verifier")

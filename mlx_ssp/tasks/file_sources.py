@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlx_ssp.errors import UserError
-from mlx_ssp.tasks.item import ORDER, Item, no_params, read_rows
+from mlx_ssp.tasks.item import BUILDER_KEYS, ORDER, Item, no_params, read_rows
 
 if TYPE_CHECKING:
     from mlx_ssp.tasks.sources import Source
@@ -132,12 +134,64 @@ def load_bfcl(arg: str, params: dict) -> list[Item]:
     return items
 
 
-_PROMPT_FIELDS = ("prompt", "question", "problem", "input", "messages")
-_ANSWER_FIELDS = ("answer", "solution", "output", "target")
-_MAP_KEYS = {"prompt_field", "answer_field", "id_field", "answer_after", "metadata_fields", "completions_field"}
+@dataclass(frozen=True)
+class RowFormat:
+    """How a ``jsonl:``/``hf:`` row becomes a task when the params name no field (``params.format``)."""
+
+    prompt_fields: tuple[str, ...]  # the first column found is the prompt
+    answer_fields: tuple[str, ...]  # the first column found is the answer
+    extra_columns: bool  # without metadata_fields: every other column goes to the task's metadata
+    help: str
+    #: the prompt must be non-empty text or {role, content} messages when the row is read (the field
+    #: mapping keeps passing the column as it is, as it always has)
+    check_prompt: bool = False
+
+
+#: ``params.format`` -> its defaults. ``trl``: TRL's prompt-only datasets, ``prompt`` as text or as
+#: chat messages (conversational), the reference in the first answer column found, every other
+#: column kept for the verifier, as TRL's GRPOTrainer passes them to reward functions
+ROW_FORMATS: dict[str, RowFormat] = {
+    "fields": RowFormat(("prompt", "question", "problem", "input", "messages"), ("answer", "solution", "output", "target"),
+                        False, "a field mapping (the default)"),
+    "trl": RowFormat(("prompt",), ("solution", "answer", "ground_truth"), True,
+                     "TRL prompt-only / conversational rows: prompt, an answer column, extra columns -> metadata",
+                     check_prompt=True),
+}
+_MAP_KEYS = {"format", "prompt_field", "answer_field", "id_field", "answer_after", "metadata_fields", "completions_field"}
+_HF_KEYS = {"split", "name", "data_files", "revision"}
+_NAME_KEYS = ("prompt_field", "answer_field", "id_field", "answer_after", "completions_field")  # strings
 #: the task metadata key that holds a row's imported completions (``completions_field``); the
 #: rollout stage uses them instead of sampling (:mod:`mlx_ssp.rollout.imported`)
 IMPORTED = "imported_completions"
+#: the largest value (its JSON, in bytes) the TRL format's "every other column" rule copies into a
+#: task's metadata: the metadata is repeated in every task record and every rollout, and datasets
+#: often carry a `messages` or a long reference-solution column next to the prompt
+MAX_EXTRA_COLUMN_BYTES = 64 * 1024
+
+
+def check_map_params(params: dict, hf: bool = False) -> None:
+    """ValueError naming the valid keys / formats for a ``jsonl:`` (or, ``hf``, an ``hf:``) source's params."""
+    valid = _MAP_KEYS | (_HF_KEYS if hf else set())
+    bad = sorted(set(params) - valid)
+    if bad:
+        raise ValueError(f"unknown params {', '.join(bad)}; valid: {', '.join(sorted(valid))}")
+    fmt = params.get("format", "fields")
+    if fmt not in ROW_FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(ROW_FORMATS)}")
+    mf = params.get("metadata_fields")
+    if mf is not None and not (isinstance(mf, list) and all(isinstance(f, str) for f in mf)):
+        raise ValueError("metadata_fields must be a list of column names")
+    for k in _NAME_KEYS:
+        if k in params and params[k] is not None and not isinstance(params[k], str):
+            what = "a text marker" if k == "answer_after" else "a column name"
+            raise ValueError(f"{k} must be {what} (a string; got {type(params[k]).__name__} {params[k]!r})")
+
+
+def _checked_params(params: dict, where: str, hf: bool = False) -> None:
+    try:
+        check_map_params(params, hf)
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from None
 
 
 def imported_completions(value: Any, where: str) -> list:
@@ -152,10 +206,17 @@ def imported_completions(value: Any, where: str) -> list:
     return list(value)
 
 
+def _prompt(value: Any, where: str) -> Any:
+    """A row's prompt as a task takes it: non-empty text, or chat messages each with role and content."""
+    if isinstance(value, str) and value.strip():
+        return value
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return value
+    raise UserError(f"{where}: the prompt must be non-empty text or a list of {{role, content}} messages "
+                    f"(got {type(value).__name__})")
+
+
 def _map_rows(rows: list[dict], params: dict, where: str) -> list[Item]:
-    bad = sorted(set(params) - _MAP_KEYS)
-    if bad:
-        raise UserError(f"{where}: unknown params {', '.join(bad)}; valid: {', '.join(sorted(_MAP_KEYS))}")
     first = rows[0]
     cf = params.get("completions_field")
     if set(params) <= {"completions_field"} and {"id", "prompt", "verifier"} <= set(first):
@@ -167,16 +228,29 @@ def _map_rows(rows: list[dict], params: dict, where: str) -> list[Item]:
                 md[IMPORTED] = imported_completions(r.get(cf), f"{where}: row {i + 1}")
             items.append(Item(str(r["id"]), r["prompt"], r.get("answer"), md))
         return items
+    fmt = ROW_FORMATS[params.get("format", "fields")]
+    columns = ", ".join(first)
 
     def pick(name: str, options: tuple[str, ...]) -> str:
         f = params.get(name) or next((o for o in options if o in first), None)
         if f is None or f not in first:
-            raise UserError(f"{where}: no {name.split('_')[0]} field (set params.{name}; row keys: {', '.join(first)})")
+            looked = f"'{params[name]}'" if params.get(name) else ", ".join(options)
+            raise UserError(f"{where}: no {name.split('_')[0]} field (looked for {looked}; set params.{name}; "
+                            f"columns found: {columns})")
         return f
 
-    pf, af = pick("prompt_field", _PROMPT_FIELDS), pick("answer_field", _ANSWER_FIELDS)
+    pf, af = pick("prompt_field", fmt.prompt_fields), pick("answer_field", fmt.answer_fields)
     idf, after = params.get("id_field"), params.get("answer_after")
-    mfields = params.get("metadata_fields") or []
+    mfields = params.get("metadata_fields")
+    reserved = (*BUILDER_KEYS, IMPORTED)
+    if mfields is not None:
+        # 'verifier' stays allowed: the task builder takes a row's own verifier from it
+        clash = [c for c in mfields if c in reserved and c != "verifier"]
+        if clash:
+            raise UserError(f"{where}: params.metadata_fields names '{clash[0]}', a task metadata key mlx_ssp sets "
+                            f"itself ({', '.join(k for k in reserved if k != 'verifier')}); leave it out")
+    taken = {pf, af, idf, cf}
+    skipped: dict[str, None] = {}  # columns the automatic rule leaves out because the builder sets them (ordered)
     items = []
     for i, r in enumerate(rows):
         if pf not in r or af not in r:
@@ -187,23 +261,45 @@ def _map_rows(rows: list[dict], params: dict, where: str) -> list[Item]:
                 raise UserError(f"{where}: row {i + 1}: answer has no '{after}'")
             ans = str(ans).rsplit(after, 1)[1].strip()
         key = str(r[idf]) if idf else str(i)
-        md = {f: r.get(f) for f in mfields}
+        auto = mfields is None and fmt.extra_columns
+        if mfields is not None:
+            keep = mfields
+        elif auto:
+            keep = [c for c in r if c not in taken and c not in reserved]
+            skipped.update((c, None) for c in r if c in reserved and c not in taken)
+        else:
+            keep = []
+        md = {f: r.get(f) for f in keep}
+        for f, v in md.items():
+            try:  # a task file is JSON: an image or bytes column cannot be kept
+                size = len(json.dumps(v, ensure_ascii=False).encode())
+            except (TypeError, ValueError):
+                raise UserError(f"{where}: row {i + 1}: column '{f}' is not JSON data ({type(v).__name__}); "
+                                "list the columns to keep in params.metadata_fields") from None
+            if auto and size > MAX_EXTRA_COLUMN_BYTES:  # a column the user named is kept whole: their choice
+                raise UserError(f"{where}: row {i + 1}: column '{f}' holds {size / 1024:.0f} KiB, over the "
+                                f"{MAX_EXTRA_COLUMN_BYTES // 1024} KiB copied per column into every task's metadata; "
+                                "list the columns to keep in params.metadata_fields")
         if cf:
             md[IMPORTED] = imported_completions(r.get(cf), f"{where}: row {i + 1}")
-        items.append(Item(key, r[pf], ans, md))
+        prompt = _prompt(r[pf], f"{where}: row {i + 1}") if fmt.check_prompt else r[pf]
+        items.append(Item(key, prompt, ans, md))
+    if skipped:
+        hint = " (params.metadata_fields: [verifier, ...] keeps a per-row verifier column)" if "verifier" in skipped else ""
+        warnings.warn(f"{where}: column(s) {', '.join(skipped)} not copied to the task metadata: mlx_ssp sets "
+                      f"those keys itself{hint}", stacklevel=2)
     return items
 
 
 def load_jsonl(arg: str, params: dict) -> list[Item]:
+    _checked_params(params, f"jsonl:{arg}")
     return _map_rows(read_rows(arg), params, arg)
 
 
-_HF_KEYS = {"split", "name", "data_files", "revision"}
-
-
 def load_hf(arg: str, params: dict) -> list[Item]:
-    import datasets
+    import datasets  # heavy optional dependency: only when an hf: source is used
 
+    _checked_params(params, f"hf:{arg}", hf=True)
     hf = {k: params[k] for k in _HF_KEYS if k in params}
     mapping = {k: v for k, v in params.items() if k not in _HF_KEYS}
     split = hf.pop("split", "train")

@@ -12,6 +12,10 @@ from mlx_ssp.errors import UserError
 
 ORDER = ("eval", "probe", "train")  # eval is drawn first: it stays fixed when train/probe change
 
+#: the task metadata keys :func:`mlx_ssp.tasks._to_task` sets itself (``verifier``: it reads a row's
+#: own verifier from there, then drops it); the file sources keep dataset columns off them
+BUILDER_KEYS = ("verifier", "split", "source", "answer_extraction", "sandbox")
+
 
 @dataclass
 class Item:

@@ -20,7 +20,10 @@ its defaults (verifier, answer-format instruction, export size):
 - ``testbed_tools:BACKEND``: generated episodes on one of the tool testbed's toy backends
   (:mod:`mlx_ssp.testbed.tools.source`) -> ``episode``.
 - ``jsonl:PATH``: any JSONL with a field mapping in ``params`` (``prompt_field``, ``answer_field``,
-  ``id_field``, ``answer_after``, ``metadata_fields``), or rows that are already task records.
+  ``id_field``, ``answer_after``, ``metadata_fields``), or rows that are already task records; with
+  ``format: trl``, TRL's prompt-only / conversational rows (``prompt`` as text or messages, the answer
+  in ``solution`` / ``answer`` / ``ground_truth``, every other column in the task's metadata for the
+  verifier, as TRL passes extra columns to reward functions).
 - ``hf:DATASET``: ``datasets.load_dataset(DATASET, name, split=..., data_files=...)`` with the same
   field mapping: a hub id on a machine with internet, or a local builder such as ``hf:json`` with
   ``data_files``, or a local dataset directory.
@@ -45,6 +48,7 @@ from mlx_ssp.tasks.file_sources import (  # noqa: F401  (bfcl_schema, gsm8k_answ
     bfcl_catalogue,
     bfcl_categories,
     bfcl_schema,
+    check_map_params,
     file_items,
     file_stem,
     gsm8k_answer,
@@ -87,6 +91,7 @@ class Source:
     domain_name: Callable[[str], str] = lambda arg: ""  # default domain name from ARG ("": the kind)
     catalogue: Optional[Callable[[], str]] = None  # a `tasks list` line naming what ARG may be
     system: Optional[str] = None  # the domain's system prompt when it sets none
+    check_params: Optional[Callable[[dict], None]] = None  # ValueError for bad params, at config load
 
 
 def parse_source(spec: str) -> tuple[Source, str]:
@@ -123,10 +128,10 @@ SOURCES: dict[str, Source] = {
         Source("testbed_tools", "episode", "", lambda *a: _testbed_tools_items(*a), default_size=100,
                help="BACKEND (kv, ctr, files, bank)", domain_name=lambda arg: f"tt_{arg}",
                catalogue=lambda: "testbed_tools backends: kv, ctr, files, bank", system=MULTI_TURN_SYSTEM),
-        Source("jsonl", None, "", file_items, load_jsonl, help="PATH (with params: prompt_field, answer_field...)",
-               domain_name=file_stem),
+        Source("jsonl", None, "", file_items, load_jsonl, help="PATH (with params: format, prompt_field, answer_field...)",
+               domain_name=file_stem, check_params=check_map_params),
         Source("hf", None, "", file_items, load_hf, help="DATASET (hub id, local builder like json, or saved dir)",
-               domain_name=hf_name),
+               domain_name=hf_name, check_params=lambda params: check_map_params(params, hf=True)),
     )
 }
 

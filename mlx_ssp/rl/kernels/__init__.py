@@ -9,7 +9,9 @@ Layout (one module per job, the kernel sources as package data beside them):
 - :mod:`.log_softmax`: fused selective log-softmax (cut-cross-entropy's, Wijmans et al., 2024), its
   reference and the ``mx.custom_function`` with the backward kernel as its vjp;
 - :mod:`.advantages`: grouped MGPO advantages (VibeThinker-1.5B, arXiv:2511.06221, section 3.4) in one
-  launch, beside the reference :func:`mlx_ssp.rl.mgpo.mgpo_advantages`.
+  launch, beside the reference :func:`mlx_ssp.rl.mgpo.mgpo_advantages`;
+- :mod:`.selfcheck`: ``mlx_ssp doctor --kernels``, each kernel against its reference on this machine's
+  GPU back-end, forward and backward, with the worst error and the speedup (imported only there).
 
 The pattern is mlx-lm's ``tuner/losses.py`` (kernel body as source, a custom function with an explicit
 vjp, plain-MLX fallback). The chunked log-prob op :mod:`mlx_ssp.rl.logprobs` is built on top and imports
@@ -31,6 +33,7 @@ from mlx_ssp.rl.kernels.dispatch import (
     cuda_available,
     kernel_available,
     metal_available,
+    runnable_backends,
     set_mode,
     use_mode,
 )
@@ -57,6 +60,7 @@ __all__ = [
     "kernel_available",
     "load_source",
     "metal_available",
+    "runnable_backends",
     "selective_log_softmax",
     "selective_log_softmax_on",
     "selective_log_softmax_reference",

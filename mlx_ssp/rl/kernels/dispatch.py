@@ -75,6 +75,11 @@ def cuda_available() -> bool:
 _PROBES = {"metal": metal_available, "cuda": cuda_available}
 
 
+def runnable_backends() -> list[str]:
+    """The GPU back-ends that can run here, in the order ``auto`` tries them (none on a CPU-only machine)."""
+    return [name for name in BACKENDS if _PROBES[name]()]
+
+
 def backend() -> str:
     """What runs now: ``"metal"``, ``"cuda"`` or ``"reference"``."""
     mode = _mode()
@@ -84,7 +89,7 @@ def backend() -> str:
         if not _PROBES[mode]():
             raise UserError(f"{ENV}={mode} but the {mode} back-end is not available here; use auto or reference")
         return mode
-    return next((name for name in BACKENDS if _PROBES[name]()), "reference")
+    return next(iter(runnable_backends()), "reference")
 
 
 def kernel_available() -> bool:
