@@ -27,6 +27,7 @@ stage's output directory for a stage command):
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 import numbers
@@ -38,6 +39,8 @@ from contextlib import contextmanager, nullcontext, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import yaml
 
 from mlx_ssp.errors import UserError
 
@@ -63,6 +66,7 @@ class RunInfo:
     dir: Path  # tensorboard/ and wandb/ go in here
     project: str  # the run directory's name
     name: str  # the tracker run's name: the run file's ``name``, else "<command>-<date>-<time>"
+    params: dict | None = None  # the run's config, for a tracker that takes it when the run starts
 
 
 def tag(namespace: str, key: str) -> str:
@@ -78,15 +82,18 @@ class _Adapter:
 
     @classmethod
     def load(cls):
-        """The tracker's module; its absence is a one-line UserError naming the extra."""
+        """The tracker's module; its absence, or an install whose import breaks (a dependency
+        missing or at a clashing version, e.g. protobuf), is a one-line UserError naming the extra."""
         try:
             return importlib.import_module(cls.module)
-        except ModuleNotFoundError as e:
-            if e.name is not None and (cls.module == e.name or cls.module.startswith(e.name + ".")):
+        except ImportError as e:
+            name = getattr(e, "name", None)
+            if isinstance(e, ModuleNotFoundError) and name is not None and (
+                    cls.module == name or cls.module.startswith(name + ".")):
                 raise UserError(f"report_to: {cls.name} needs the {cls.package} package: "
                                 f'pip install -e ".[{EXTRA}]"') from None
-            raise UserError(f"report_to: {cls.name}: importing {cls.module} failed ({e}); reinstall it: "
-                            f'pip install -e ".[{EXTRA}]"') from None
+            raise UserError(f"report_to: {cls.name}: importing {cls.module} failed ({type(e).__name__}: {e}); "
+                            f'reinstall it: pip install -e ".[{EXTRA}]"') from None
 
 
 class TensorBoardSink(_Adapter):
@@ -114,8 +121,7 @@ class TensorBoardSink(_Adapter):
         self._write(self._summary(value=values), step)
 
     def log_params(self, params: dict) -> None:
-        import yaml
-        from tensorboard.plugins.hparams.summary_v2 import hparams_pb
+        from tensorboard.plugins.hparams.summary_v2 import hparams_pb  # lazy: the optional extra
         from tensorboard.plugins.text.summary_v2 import text_pb
 
         flat = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in flatten_params(params).items()}
@@ -167,15 +173,21 @@ class WandbSink(_Adapter):
 
 class TrackioSink(_Adapter):
     """A Trackio run in its local store. Trackio prints its banners on stdout, where some commands
-    print their JSON result: they go to stderr. The params are stored with the run's first log."""
+    print their JSON result: they go to stderr. The params go to ``trackio.init`` (``config``); no
+    GPU sampling thread (``auto_log_gpu=False``, where the installed trackio has it): the stages'
+    metrics only."""
 
     name, module, package = "trackio", "trackio", "trackio"
 
     def __init__(self, info: RunInfo):
         self.trackio = self.load()  # lazy: an optional extra with a web stack behind it
+        self._params = info.params
+        kw: dict[str, Any] = {"config": info.params}
+        if "auto_log_gpu" in inspect.signature(self.trackio.init).parameters:  # newer than trackio 0.5
+            kw["auto_log_gpu"] = False
         try:
             with redirect_stdout(sys.stderr):
-                self.run = self.trackio.init(project=info.project, name=info.name, embed=False)
+                self.run = self.trackio.init(project=info.project, name=info.name, embed=False, **kw)
         except ValueError as e:  # e.g. a project name trackio reserves
             raise UserError(f"report_to: trackio: {e}") from None
 
@@ -183,7 +195,8 @@ class TrackioSink(_Adapter):
         self.run.log({tag(namespace, k): v for k, v in metrics.items()}, step=step)
 
     def log_params(self, params: dict) -> None:
-        self.run.config.update(params)
+        if params is not self._params:  # those are already the run's config (given to init)
+            self.run.config.update(params)
 
     def close(self) -> None:
         with redirect_stdout(sys.stderr):
@@ -316,6 +329,7 @@ def session(report_to: Iterable[str], *, dir: str | Path, project: str, command:
     import), log ``params``, close them at the end. ``name``: the tracker run's name (default
     ``<command>-<date>-<time>``); ``scope_name``: the block's namespace (a stage command's stage)."""
     global _active
+    # lazy: it imports mlx.core, and every stage command imports this module for --report-to's choices
     from mlx_ssp import distributed as dist
 
     adapters = [TRACKERS[n] for n in report_to]
@@ -327,7 +341,7 @@ def session(report_to: Iterable[str], *, dir: str | Path, project: str, command:
     for a in adapters:  # on every rank: a missing package stops them all, before any work
         a.load()
     info = RunInfo(dir=Path(dir), project=project,
-                   name=str(name) if name else f"{command}-{time.strftime('%Y%m%d-%H%M%S')}")
+                   name=str(name) if name else f"{command}-{time.strftime('%Y%m%d-%H%M%S')}", params=params)
 
     def start() -> _Fanout | None:
         if not dist.is_main():

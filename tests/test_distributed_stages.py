@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import mlx_ssp  # noqa: F401
 from mlx_ssp.tasks import Task, write_tasks
 
 from test_distributed import ROOT, free_ports
+from test_trackers import one_logdir, scalars
 
 pytestmark = pytest.mark.slow
 
@@ -91,13 +93,23 @@ def test_eval_two_ranks_equal_one_process(tiny_qwen3, tmp_path):
             "--seed", "3", "--greedy", "--no-progress"]
     r1 = mlx_ssp_cmd([*args, "-o", str(tmp_path / "one.json")], None)
     assert r1.returncode == 0, r1.stderr
-    r2 = mlx_ssp_cmd([*args, "-o", str(tmp_path / "two.json")], 2)
-    assert "Traceback" not in r2.stderr and "WARN" not in r2.stderr, r2.stderr
+    # the trackers on the 2-rank run only (where the trackers extra is installed, as scripts/test.sh does):
+    # e1 == e2 below also shows that they change no output
+    tb = importlib.util.find_spec("tensorboard") is not None
+    report = ["--report-to", "tensorboard"] if tb else []
+    r2 = mlx_ssp_cmd([*args, "-o", str(tmp_path / "two" / "two.json"), *report], 2)
+    assert r2.returncode == 0 and "Traceback" not in r2.stderr and "WARN" not in r2.stderr, r2.stderr
     e1 = json.loads((tmp_path / "one.json").read_text())
-    e2 = json.loads((tmp_path / "two.json").read_text())
+    e2 = json.loads((tmp_path / "two" / "two.json").read_text())
     for key in ("k", "n", "domains", "overall", "tasks", "skipped", "gen_tokens"):
         assert e1[key] == e2[key], key
     assert r2.stdout.count("overall") == 1
+    if not tb:
+        return
+    # one tracker run, written by rank 0 alone: a single event file, holding the eval JSON's numbers
+    logdir = one_logdir(tmp_path / "two", "eval-")
+    assert len(list(logdir.iterdir())) == 1, list(logdir.iterdir())
+    assert scalars(logdir)["eval/overall/pass@1"] == [(0, pytest.approx(e2["overall"]["pass@1"]))]
 
 
 @pytest.mark.parametrize("aggregation,optimizer", [("token-mean", "sgd"), ("seq-mean-token-mean", "adam")])

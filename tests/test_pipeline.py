@@ -524,14 +524,18 @@ def test_shipped_smoke_config_keeps_every_stage_fingerprint():
     from pathlib import Path
 
     cfg = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
-    run, prev, got = pipeline.load_run(cfg), "", {}
-    for s in pipeline.active_stages(run):
-        prev = got[s] = pipeline.fingerprint(run, s, prev)
-    assert got == {
+    want = {
         "tasks": "b7587a9c699dd9bd", "rollout": "6b1a17128ef60a07", "select": "24e997def5cc588e",
         "sft": "4988e9a6d1bfe003", "merge": "3f6c85c28017ceec", "rl": "8e13e157f625e7cc",
         "eval": "9266bd535282d726",
     }
+    # the trackers and the run's name say where metrics go, not what a stage computes
+    for overrides in ((), ("report_to=[tensorboard,wandb]", "name=x")):
+        run, prev, got = pipeline.load_run(cfg, overrides), "", {}
+        assert run.report_to == (("tensorboard", "wandb") if overrides else ())
+        for s in pipeline.active_stages(run):
+            prev = got[s] = pipeline.fingerprint(run, s, prev)
+        assert got == want, overrides
 
 
 def test_distill_stage_defaults_to_the_rl_models(tmp_path, monkeypatch):
