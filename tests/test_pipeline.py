@@ -22,6 +22,7 @@ from mlx_ssp.commands import run as run_command
 from mlx_ssp.errors import UserError
 
 from test_hub import fake_hub  # noqa: F401  (the loopback Hub stand-in, a fixture)
+from test_trackers import one_logdir, scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -399,11 +400,19 @@ def test_smoke_end_to_end_and_resume(tmp_path, monkeypatch):
     monkeypatch.setattr(Trainer, "save_checkpoint", save_and_keep_first)
     run_dir = tmp_path / "smoke"
     out: list[str] = []
-    pipeline.run_pipeline(ROOT / "configs" / "smoke.yaml", (f"run_dir={run_dir}",), progress=False, echo=out.append)
+    pipeline.run_pipeline(ROOT / "configs" / "smoke.yaml", (f"run_dir={run_dir}",), progress=False, echo=out.append,
+                          report_to=("tensorboard",))
     table = json.loads((run_dir / "eval" / "table.json").read_text())
     stages = [r["stage"] for r in table["rows"]]
     assert stages[0] == "base" and "merged" in stages and stages[-1] == "rl"
-    assert any(s.startswith("specialist:") for s in stages)
+    specialists = [s.removeprefix("specialist:") for s in stages if s.startswith("specialist:")]
+    assert specialists
+    # the real stages' metrics reached the one tracker run, each under its stage's name
+    tags = scalars(one_logdir(run_dir, "run-"))
+    want = {"rollout/overall/pass@1", "rl/reward_mean", "eval/base/overall/pass@1",
+            *(f"sft/{d}/train_loss" for d in specialists)}
+    assert want <= set(tags), sorted(want - set(tags))
+    assert tags["eval/base/overall/pass@1"] == [(0, pytest.approx(table["rows"][0]["overall"]["pass@1"]))]
     assert any("| base |" in line for line in out)
     rollouts = (run_dir / "rollout" / "rollouts.jsonl").read_text().splitlines()
     assert len(rollouts) == 8 * 4  # 2 domains x 4 train prompts x K=4

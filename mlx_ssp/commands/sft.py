@@ -7,7 +7,13 @@ from pathlib import Path
 
 import click
 
-from mlx_ssp.commands.options import export_gguf_option, no_progress_option, report_to_option, set_option, upload_options
+from mlx_ssp.commands.options import (
+    export_gguf_option,
+    no_progress_option,
+    report_to_option,
+    set_option,
+    upload_options,
+)
 
 
 def load_config(config_path: str, overrides, overwrite: bool):
