@@ -223,6 +223,8 @@ def headline(res: dict) -> dict[str, float]:
         out["rl:mgpo - merged (breadth)"] = b["rl:mgpo"] - b["merged"]
         out["rl:grpo - merged (breadth)"] = b["rl:grpo"] - b["merged"]
         out["rl:mgpo - rl:grpo (breadth)"] = b["rl:mgpo"] - b["rl:grpo"]
+        # the recipe's whole path (merge, then RL) against the blend alone, which had no RL budget
+        out["rl:mgpo - blend (breadth)"] = b["rl:mgpo"] - breadth(ev["blend"]["per_backend"])
         out["rl:mgpo mean MGPO weight"] = ev["rl:mgpo"].get("mgpo_weight_mean")
     return out
 
@@ -230,7 +232,7 @@ def headline(res: dict) -> dict[str, float]:
 #: the paired differences given per task as well (seeds.py: their SE over seeds x tasks)
 TASK_DIFFS = {"merged - blend (breadth)": ("blend", "merged"), "ties - blend (breadth)": ("blend", "ties"),
               "rl:mgpo - merged (breadth)": ("merged", "rl:mgpo"), "rl:grpo - merged (breadth)": ("merged", "rl:grpo"),
-              "rl:mgpo - rl:grpo (breadth)": ("rl:grpo", "rl:mgpo")}
+              "rl:mgpo - rl:grpo (breadth)": ("rl:grpo", "rl:mgpo"), "rl:mgpo - blend (breadth)": ("blend", "rl:mgpo")}
 
 
 def task_diffs(res: dict) -> dict[str, dict[str, float]]:
