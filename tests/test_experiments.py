@@ -269,7 +269,7 @@ def test_exp3_mgpo_vs_grpo(work):
     # step 1 (the same rollouts in every arm): a larger lambda weights the groups less (w = exp(-lambda D))
     w1 = [res4["train_metrics"][a][0]["mgpo_weight_mean"] for a in ("mgpo-l0.5", "mgpo", "mgpo-l4")]
     assert w1[0] >= w1[1] >= w1[2]
-    assert set(mod.curves(work, 0)) == {"MGPO", "GRPO", "MGPO lambda=4", "MGPO lambda=0.5"}
+    assert set(mod.curves(work, 0)) == {"MGPO", "GRPO", "MGPO lambda 4", "MGPO lambda 0.5"}  # labels hold no "="
     # each setting of added arms keeps its own copy of the results beside the shared arms
     out = Path(res4["out_dir"])
     assert (out / "results.json").is_file() and len(list(out.glob("results-*.json"))) == 3  # 2 scales + the grid

@@ -81,7 +81,7 @@ def curves(seed_dir: Path, seed: int) -> dict[str, list[Path]]:
     pass rate with a band across seeds: ``mlx_ssp report``)."""
     res = json.loads((seed_dir / "exp3" / "results.json").read_text())
     labels = {"mgpo": "MGPO", "grpo": "GRPO", "grpo_lr": "GRPO (lr scaled)",
-              **{arm: f"MGPO lambda={lam:g}" for arm, lam in res.get("extra_lambdas", {}).items()}}
+              **{arm: f"MGPO lambda {lam:g}" for arm, lam in res.get("extra_lambdas", {}).items()}}  # no "=" (mlx_ssp report: LABEL=DIR)
     # results written before run_dirs existed: the two arms live under out_dir by name
     dirs = res.get("run_dirs") or {arm: str(Path(res["out_dir"]) / arm) for arm in ("mgpo", "grpo")}
     return {labels[arm]: [Path(d)] for arm, d in dirs.items()}
