@@ -173,7 +173,10 @@ def read_state(run: Run, stage: str) -> dict:
 
 
 def write_state(run: Run, stage: str, state: dict) -> None:
-    write_json_atomic(run.stage_dir(stage) / STATE_FILE, state)
+    from mlx_ssp import distributed as dist
+
+    if dist.is_main():  # one writer under mlx.launch: the other ranks follow rank 0's plan
+        write_json_atomic(run.stage_dir(stage) / STATE_FILE, state)
 
 
 def move_stale(run: Run, stage: str) -> Optional[Path]:
@@ -829,15 +832,21 @@ def active_stages(run: Run) -> list[str]:
 
 
 def run_stages(run: Run, *, from_stage: Optional[str], only: Optional[str], echo: Callable[[str], None]) -> dict:
-    """Every stage in order: plan it from its state and fingerprint, then pass, skip or run it."""
+    """Every stage in order: plan it from its state and fingerprint, then pass, skip or run it.
+    Under mlx.launch rank 0 plans and keeps the books (state records, the run's metrics.jsonl, stale
+    outputs moved aside) and every rank follows its plan: a rank reading the state rank 0 is writing
+    would plan otherwise, and one moving outputs aside would move rank 0's."""
+    from mlx_ssp import distributed as dist
+
     previous = ""
     invalidated = False  # a stage ran: every stage after it must run too
     results: dict[str, dict] = {}
-    with JsonlAppender(run.run_dir / "metrics.jsonl") as log:
+    with dist.appender(run.run_dir / "metrics.jsonl") as log:
         for stage in active_stages(run):
             fp = previous = fingerprint(run, stage, previous)
             state = read_state(run, stage)
-            action, why = plan_stage(stage, state, fp, from_stage=from_stage, only=only, invalidated=invalidated)
+            plan = plan_stage(stage, state, fp, from_stage=from_stage, only=only, invalidated=invalidated)
+            action, why = dist.broadcast_object(list(plan), what=f"the plan of stage {stage}")
             if action == "pass":
                 continue
             if action == "skip":
@@ -852,8 +861,12 @@ def run_stages(run: Run, *, from_stage: Optional[str], only: Optional[str], echo
 def act_on_stage(run: Run, stage: str, action: str, why: str, fp: str, log: JsonlAppender,
                  echo: Callable[[str], None]) -> dict:
     """Run, resume or rerun one stage (a rerun first moves the stale outputs aside); its metrics."""
+    from mlx_ssp import distributed as dist
+
     if action == "rerun":
-        echo(f"[{stage}] rerunning: {why}; old outputs moved to {move_stale(run, stage)}")
+        moved = move_stale(run, stage) if dist.is_main() else None
+        dist.barrier(f"stale outputs of {stage} moved")  # before any rank writes the stage's new ones
+        echo(f"[{stage}] rerunning: {why}; old outputs moved to {moved or '(by rank 0)'}")
     else:
         echo(f"[{stage}] " + ("resuming an interrupted run" if action == "resume" else "running"))
     done = execute_stage(run, stage, fp, log)

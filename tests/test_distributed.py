@@ -306,6 +306,7 @@ def test_run_under_two_ranks_uploads_once(tmp_path):
         server.shutdown()
         server.server_close()
     assert res.returncode == 0, res.stderr
+    assert (tmp_path / "rank0.json").exists() and (tmp_path / "rank1.json").exists(), res.stdout + res.stderr
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     assert len(r0["upload_lines"]) == 1 and r1["upload_lines"] == []
