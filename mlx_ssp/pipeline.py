@@ -844,9 +844,19 @@ def run_stages(run: Run, *, from_stage: Optional[str], only: Optional[str], echo
     with dist.appender(run.run_dir / "metrics.jsonl") as log:
         for stage in active_stages(run):
             fp = previous = fingerprint(run, stage, previous)
-            state = read_state(run, stage)
-            plan = plan_stage(stage, state, fp, from_stage=from_stage, only=only, invalidated=invalidated)
-            action, why = dist.broadcast_object(list(plan), what=f"the plan of stage {stage}")
+            msg = None
+            if dist.is_main():  # the other ranks' state files may lag (or not be shared): rank 0 decides
+                try:
+                    state = read_state(run, stage)
+                    action, why = plan_stage(stage, state, fp, from_stage=from_stage, only=only,
+                                             invalidated=invalidated)
+                    msg = {"plan": [action, why], "metrics": state.get("metrics", {})}
+                except UserError as e:  # every rank fails with it, not just rank 0
+                    msg = {"error": str(e)}
+            msg = dist.broadcast_object(msg, what=f"the plan of stage {stage}")
+            if "error" in msg:
+                raise UserError(msg["error"])
+            (action, why), state = msg["plan"], {"metrics": msg["metrics"]}
             if action == "pass":
                 continue
             if action == "skip":

@@ -59,7 +59,7 @@ def main(model, per_backend, k, max_tokens, tools, max_steps, render, seed):
     offered_by_task = {t.id: {f["name"] for f in t.metadata["functions"]} for t in tasks}
     for r in recs:
         offered = offered_by_task[r["task_id"]]
-        for x in (m for m in r["messages"] if m["role"] == "assistant"):
+        for x in (msg for msg in r["messages"] if msg["role"] == "assistant"):
             try:
                 calls = calls_from_message(x)
             except CallSyntaxError:

@@ -105,8 +105,8 @@ DEFAULTS: dict[str, Any] = {
     # samples) or "generator" (the testbed generator's own traces of every correct strategy,
     # mlx_ssp.testbed.spectrum: a spectrum that exists by construction; testbed tasks only)
     "spectrum_source": "rollouts",
-    # experiment 1: pass@k at these k (<= spectrum_eval.n) after SFT, from n samples on the first
-    # max_tasks held-out tasks per domain (the spectrum itself); null: not run
+    # experiment 1: pass@k at these k (<= spectrum_eval.n) after SFT, from n samples on every held-out
+    # task of each domain (the spectrum itself); null: not run
     "spectrum_eval": None,
     # experiment 2: controls for merge vs blend: the blend at half its LoRA scale, a soup of two
     # blend seeds, the specialists' mean task vector scaled by each alpha (1 = the linear merge),
@@ -282,9 +282,11 @@ class Ctx:
         src = cfg.get("spectrum_source", "rollouts")
         if src not in SPECTRUM_SOURCES:
             raise UserError(f"spectrum_source: {src!r} is not valid; valid: {', '.join(SPECTRUM_SOURCES)}")
-        # the generator's data do not depend on the model's rollouts; "rollouts" keeps its old key
+        # the generator's data do not depend on the model's rollouts (but on the tasks, the system prompt
+        # written into every SFT message, and the model and seed the later steps use); "rollouts" keeps its old key
+        self.k_generator = _fingerprint([self.k_tasks, "generator", cfg["rollout"].get("system")])
         self.k_select = _fingerprint([self.k_rollout, cfg["select"]] if src == "rollouts" else
-                                     [self.k_tasks, cfg["select"], src])
+                                     [self.k_generator, cfg["select"], cfg["model"], self.seed])
         self.k_sft = _fingerprint([self.k_select, cfg["sft"], cfg["model"]])
         self.k_merge = _fingerprint([self.k_sft, cfg["merge"]])
         self.k_eval = _fingerprint([self.k_tasks, cfg["eval"], self.seed])
@@ -368,7 +370,7 @@ class Ctx:
         from mlx_ssp.rollout.resume import sidecar
         from mlx_ssp.testbed.spectrum import solution_records
 
-        out = self.path("rollout", _fingerprint([self.k_tasks, "generator"]), "generator.jsonl")
+        out = self.path("rollout", self.k_generator, "generator.jsonl")
         if not out.exists():
             try:
                 recs = solution_records(self.load_tasks("train"))

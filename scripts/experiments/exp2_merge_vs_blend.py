@@ -95,10 +95,11 @@ def controls(ctx: common.Ctx, seed: int, specs: dict[str, str], blend: str, iter
                                                    ctx.sft_dir(f"mixed-s{seed}") / "blend_half", half)}
     other = ctx.sft(f"mixed-s{seed + SOUP_SEED}", {"blend": {"data": str(data), "probe_tasks": str(probe)}},
                     seed + SOUP_SEED, iters=iters, probe_max_tasks=probe_max)["blend"]
-    models["blend_soup"] = ctx.merge(f"blend-soup-s{seed}", [blend, other], method="linear")
+    plain = {"weights": None, "density": None, "parameters": {}}  # not the merge section's own options
+    models["blend_soup"] = ctx.merge(f"blend-soup-s{seed}", [blend, other], method="linear", update=plain)
     for a in alphas:
         models[f"merge_x{a:g}"] = ctx.merge(f"diverse-s{seed}-x{a:g}", list(specs.values()), method="task_arithmetic",
-                                            update={"weights": [a / n] * n})
+                                            update={**plain, "weights": [a / n] * n})
     tv = ctx.path("merge", ctx.k_merge, f"task-vectors-s{seed}.json")
     if not tv.exists():
         write_json_atomic(tv, {"models": [*specs, "blend", "blend_seed2"],

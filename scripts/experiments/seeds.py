@@ -53,8 +53,9 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def is_difference(key: str) -> bool:
-    """Whether a headline metric is a paired difference (tested against 0) rather than a level."""
-    return " - " in key or "regret" in key
+    """Whether a headline metric is a paired difference (tested against 0) rather than a level (a
+    regret, best - chosen, is >= 0 by construction: no test)."""
+    return " - " in key
 
 
 def aggregate(per_seed: dict[int, dict[str, float | None]],
@@ -99,7 +100,7 @@ def _test_cell(t: dict | None) -> str:
 def summary_md(exp: str, agg: dict[str, dict], seeds: list[int], command: str) -> str:
     rows, two = [], []
     for key, a in agg.items():
-        signed = is_difference(key) or "spearman" in key
+        signed = is_difference(key) or "regret" in key or "spearman" in key
         rows.append([key, str(a["n"]), common.fmt(a["mean"], a["se"], signed=signed), _test_cell(a.get("test")),
                      " ".join("-" if a["values"].get(s) is None else f"{a['values'][s]:.3f}" for s in seeds)])
         w = a.get("two_way")
