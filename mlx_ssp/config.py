@@ -290,3 +290,9 @@ def load_section(data: dict[str, Any], name: str, *, source: str = "", cls: type
     if name in ("model", "teacher") and isinstance(raw, str):
         raw = {"path": raw}
     return validate(cls, raw, source=source, prefix=name)  # type: ignore[arg-type]
+
+
+def plain(cfg: Any) -> Any:
+    """A validated section as JSON-ready data (a model's ``model_dump``; anything else as it is):
+    what fingerprints hash and what trackers log as parameters."""
+    return cfg.model_dump(mode="json") if hasattr(cfg, "model_dump") else cfg

@@ -57,7 +57,7 @@ import yaml
 
 from mlx_ssp import trackers
 from mlx_ssp.card import add_eval_table
-from mlx_ssp.config import load_section
+from mlx_ssp.config import load_section, plain
 from mlx_ssp.errors import UserError
 from mlx_ssp.hub import require_token, upload_model
 from mlx_ssp.io import JsonlAppender, exclusive_lock, output_lock, write_json_atomic, write_text_atomic
@@ -143,21 +143,13 @@ class Run:
 # -- fingerprints and state ----------------------------------------------------------------------
 
 
-def _dump(cfg: Any) -> Any:
-    if cfg is None:
-        return None
-    if hasattr(cfg, "model_dump"):
-        return cfg.model_dump(mode="json")
-    return cfg
-
-
 def fingerprint(run: Run, stage: str, previous: str) -> str:
     """Hash of the stage's resolved sections, the seed and the previous stage's fingerprint."""
     payload = {
         "stage": stage,
         "previous": previous,
         "seed": run.seed,
-        "sections": {s: _dump(run.section(s)) for s in STAGE_REGISTRY[stage].sections
+        "sections": {s: plain(run.section(s)) for s in STAGE_REGISTRY[stage].sections
                      if not SECTIONS[s].optional or run.data.get(s) is not None},
     }
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
@@ -610,7 +602,7 @@ def _section(name: str) -> Callable[[Run], Any]:
 
 
 def _resolved(name: str) -> Callable[[Run], Any]:
-    return lambda run: _dump(run.section(name))
+    return lambda run: plain(run.section(name))
 
 
 def _check_teacher(run: Run) -> Any:
@@ -645,7 +637,7 @@ SECTIONS: dict[str, Section] = {
         Section("sandbox", _section("sandbox"), optional=True),
         Section("distill", lambda run: run.section("distill") if run.data.get("distill") is not None else None,
                 _resolved("distill"), optional=True),
-        Section("sft", _check_sft, lambda run: _dump(sft_config(run))),
+        Section("sft", _check_sft, lambda run: plain(sft_config(run))),
         # where the final model goes after the run; no stage's fingerprint covers it
         Section("upload", _section("upload"), optional=True),
     )

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from mlx_ssp.config import plain
 from mlx_ssp.errors import UserError
 
 #: the pip extra that installs every tracker package
@@ -385,9 +386,9 @@ def for_stage(st, cli: tuple[str, ...] | None, *, command: str, dir: str | Path,
     if names:
         params = {**st.data, "run_dir": str(st.run_dir), "seed": st.seed}
         if section is not None and st.cfg is not None:
-            params[section] = _dump(st.cfg)
+            params[section] = plain(st.cfg)
         if st.model is not None:
-            params["model"] = _dump(st.model)
+            params["model"] = plain(st.model)
     return session(names, dir=dir, project=project_of(st.run_dir), command=command, name=st.data.get("name"),
                    params=params, scope_name=command)
 
@@ -395,10 +396,6 @@ def for_stage(st, cli: tuple[str, ...] | None, *, command: str, dir: str | Path,
 def project_of(run_dir: str | Path) -> str:
     """The tracker project: the run directory's name."""
     return Path(run_dir).expanduser().resolve().name or "mlx_ssp"
-
-
-def _dump(cfg: Any) -> Any:
-    return cfg.model_dump(mode="json") if hasattr(cfg, "model_dump") else cfg
 
 
 __all__ = [

@@ -7,7 +7,7 @@ each skill by 1/N); vectors that point the same way teach overlapping skills, an
 behaves like a model soup (Wortsman et al. 2022) more than like a union of skills.
 
 Streams one tensor at a time through :mod:`mlx_ssp.merge.sources` (headers scanned, LoRA adapters
-fused on read), accumulating dot products in float64, so memory stays at a few tensors.
+fused on read), accumulating dot products in float64 block by block, so memory stays at one tensor per model.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import mlx.core as mx
 
 from mlx_ssp.errors import UserError
 from mlx_ssp.merge.sources import open_source
+
+#: elements per float64 block of the offsets (8 MiB per model)
+BLOCK = 1 << 20
 
 
 def task_vectors(base: str, models: list[str]) -> dict:
@@ -39,9 +42,11 @@ def task_vectors(base: str, models: list[str]) -> dict:
                 "F32", "F16", "BF16"):
             skipped += 1
             continue
-        x0 = np.asarray(b.load(name).astype(mx.float32), dtype=np.float64).ravel()
-        ts = np.stack([np.asarray(m.load(name).astype(mx.float32), dtype=np.float64).ravel() - x0 for m in ms])
-        gram += ts @ ts.T
+        x0 = np.asarray(b.load(name).astype(mx.float32)).ravel()
+        xs = [np.asarray(m.load(name).astype(mx.float32)).ravel() for m in ms]
+        for lo in range(0, x0.size, BLOCK):  # float64 offsets a block at a time: memory stays at one tensor per model
+            ts = np.stack([x[lo:lo + BLOCK].astype(np.float64) for x in xs]) - x0[lo:lo + BLOCK]
+            gram += ts @ ts.T
         used += 1
         elements += x0.size
     norms = np.sqrt(np.diag(gram))

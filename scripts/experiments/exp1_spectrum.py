@@ -53,7 +53,8 @@ def spectrum_stats(ctx: common.Ctx) -> dict:
         if not row.get("dir"):
             out[dom] = {"n_prompts": row["n_prompts"], "prompts_with_correct": 0}
             continue
-        n = {arm: len(read_jsonl(data[arm] / row["dir"] / "train.jsonl")) for arm in ARMS}
+        recs = {arm: read_jsonl(data[arm] / row["dir"] / "train.jsonl") for arm in ARMS}
+        n = {arm: len(r) for arm, r in recs.items()}
         out[dom] = {
             "n_prompts": row["n_prompts"],
             "prompts_with_correct": row["prompts_with_correct"],
@@ -62,7 +63,7 @@ def spectrum_stats(ctx: common.Ctx) -> dict:
             "mean_selected_per_prompt": row["mean_selected_per_prompt"],
             "mean_pairwise_distance_selected": row["mean_pairwise_distance"],
             "train_examples": n,
-            **arms_differ({arm: read_jsonl(data[arm] / row["dir"] / "train.jsonl") for arm in ARMS}),
+            **arms_differ(recs),
         }
     return out
 
