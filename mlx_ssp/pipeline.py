@@ -716,6 +716,25 @@ def write_resolved_config(run: Run) -> dict:
     return resolved
 
 
+def prepare_run_dir(run: Run) -> dict:
+    """Check the run directory (:func:`check_run_dir`) and write config.resolved.yaml; the resolved
+    config. Under mlx.launch rank 0 alone does both and a refusal reaches every rank as one line: a
+    rank checking while rank 0 writes the marker would see a directory that holds a file but no run."""
+    from mlx_ssp import distributed as dist
+
+    error = None
+    if dist.is_main():
+        try:
+            check_run_dir(run.run_dir)
+            write_resolved_config(run)
+        except UserError as e:
+            error = str(e)
+    error = dist.broadcast_object(error, what="the check of the run directory")
+    if error is not None:
+        raise UserError(error)
+    return resolved_config(run)
+
+
 def execute_stage(run: Run, stage: str, fp: str, log: JsonlAppender) -> dict:
     """Run one stage between an incomplete and a complete state record (a kill leaves it incomplete)."""
     t0 = time.time()
@@ -760,8 +779,7 @@ def run_pipeline(
         raise UserError(f"run_dir {run.run_dir} is a file, not a directory; set run_dir to a new or empty directory")
     run.run_dir.mkdir(parents=True, exist_ok=True)
     with lock_run(run):
-        check_run_dir(run.run_dir)
-        resolved = write_resolved_config(run)
+        resolved = prepare_run_dir(run)
         with trackers.session(run.report_to if report_to is None else report_to, dir=run.run_dir,
                               project=trackers.project_of(run.run_dir), command="run", name=run.data.get("name"),
                               params=resolved):
