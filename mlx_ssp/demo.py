@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import atomic_dir, cache_dir
 
 #: Bump when the conversion output changes: cached directories with another version are rebuilt.
 CONVERTER_VERSION = 1
@@ -359,8 +360,6 @@ def _dtype(dtype: str | None) -> str:
 
 def demo_dir(dtype: str | None = None) -> Path:
     """Where the converted demo model is (or will be) cached."""
-    from mlx_ssp.models import cache_dir
-
     return cache_dir() / f"demo-smollm2-135m-instruct-{_dtype(dtype)}"
 
 
@@ -403,8 +402,6 @@ def _file_lock(path: Path) -> Iterator[None]:
 def build_cached(final: Path, expected: dict, build: Callable[[Path], None]) -> Path:
     """Return ``final`` if its marker matches ``expected``; else ``build`` it in a temporary sibling
     under a lock and rename it into place (replacing a stale copy). Concurrent callers build once."""
-    from mlx_ssp.io import atomic_dir
-
     if _marker_ok(final, expected):
         return final
     with _file_lock(final.with_name(f".{final.name}.lock")):

@@ -32,6 +32,15 @@ log = logging.getLogger(__name__)
 _HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
 
 
+def cache_dir() -> Path:
+    """Where converted and downloaded models live: $MLX_SSP_CACHE, else $XDG_CACHE_HOME/mlx_ssp."""
+    env = os.environ.get("MLX_SSP_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mlx_ssp"
+
+
 def current_umask() -> int:
     """The process umask. Read from /proc where possible: ``os.umask`` can only read it by setting
     it, and a file another thread creates in between would get the temporary value."""

@@ -28,15 +28,6 @@ class ModelConfig(StrictModel):
     revision: Optional[str] = None  # for hub ids
 
 
-def cache_dir() -> Path:
-    """Where converted and downloaded models live: $MLX_SSP_CACHE, else $XDG_CACHE_HOME/mlx_ssp."""
-    env = os.environ.get("MLX_SSP_CACHE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "mlx_ssp"
-
-
 def check_model_dir(path: Path) -> Path:
     """A directory that ``mlx_lm.load`` can read: config.json (valid JSON with model_type) and weights."""
     if not path.is_dir():

@@ -9,7 +9,7 @@ import pytest
 
 from mlx_ssp.config import validate
 from mlx_ssp.errors import UserError
-from mlx_ssp.quality import (
+from mlx_ssp.select.quality import (
     find_contaminated,
     majority_vote,
     overlap_ngrams,
@@ -194,7 +194,7 @@ def test_pseudo_labels_are_written_with_agreement(tmp_path):
 
 def test_decontamination_keeps_operators():
     """Short arithmetic prompts differ only in their operator: they are different problems."""
-    from mlx_ssp.quality import overlap_ngrams
+    from mlx_ssp.select.quality import overlap_ngrams
 
     assert overlap_ngrams("Calculate 6 + 3.", 8) != overlap_ngrams("Calculate 6 - 3.", 8)
     assert overlap_ngrams("Calculate 6 + 3.", 8) == overlap_ngrams("calculate  6+3", 8)

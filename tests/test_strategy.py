@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mlx_ssp import strategy as S
+from mlx_ssp.select import strategy as S
 from mlx_ssp.select import DISTANCES, ngram_distance_fn
 
 MATH = {  # (3 + 5) * 2

@@ -36,6 +36,7 @@ import types
 from pathlib import Path
 from typing import Optional
 
+from mlx_ssp.io import cache_dir
 from mlx_ssp.progress import is_on, mlx_lm_train_ui
 from mlx_ssp.testbed.problems import DOMAINS, LEVELS, draw, held_out, strategies, trace
 
@@ -126,8 +127,6 @@ def _episode_item(tok, rec: dict, max_seq: int) -> tuple[list[int], list[int]]:
 
 
 def testbed_dir(size: str, seed: int) -> Path:
-    from mlx_ssp.models import cache_dir
-
     return cache_dir() / "testbed" / f"{size}-s{seed}-v{VERSION}"
 
 

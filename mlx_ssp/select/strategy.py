@@ -41,6 +41,8 @@ from typing import Callable
 
 import numpy as np
 
+from mlx_ssp.agents.calls import CallSyntaxError, calls_from_message
+from mlx_ssp.select.text import jaccard_distance, ngrams
 from mlx_ssp.text.work import charge
 
 EMPTY_VS_SOME = 0.5
@@ -169,8 +171,6 @@ def code_statements(text: str) -> frozenset[str]:
 
 def call_shapes(text: str) -> frozenset[str]:
     """``name(keys)#i`` for each call in the completion (i: its rank among calls of that name)."""
-    from mlx_ssp.agents.calls import CallSyntaxError, calls_from_message
-
     try:
         calls = calls_from_message({"role": "assistant", "content": text[:50000]})
     except CallSyntaxError:
@@ -196,10 +196,6 @@ def feature_distance(a: frozenset, b: frozenset) -> float:
     return 1.0 - len(a & b) / len(a | b)
 
 
-def _jaccard(a: frozenset, b: frozenset) -> float:
-    return 0.0 if not a and not b else 1.0 - len(a & b) / len(a | b)
-
-
 FEATURES: dict[str, Callable[[str], frozenset]] = {"steps": math_steps, "ast": code_statements, "calls": call_shapes}
 
 #: verifier kind -> strategy distance (``distance: auto``); other verifiers use word n-grams
@@ -219,10 +215,8 @@ def distance_fn(kind: str) -> Callable[[int], Callable[[list[str]], np.ndarray]]
             for i, j in combinations(range(len(fs)), 2):
                 if not fs[i] and not fs[j]:  # neither shows steps: only their wording can tell them apart
                     if words is None:
-                        from mlx_ssp.select import ngrams
-
                         words = [ngrams(t, 3) for t in texts]
-                    m[i, j] = m[j, i] = _jaccard(words[i], words[j])
+                    m[i, j] = m[j, i] = jaccard_distance(words[i], words[j])
                 else:
                     m[i, j] = m[j, i] = feature_distance(fs[i], fs[j])
             return m

@@ -21,7 +21,7 @@ Deviations (the report gives no numbers or procedure beyond the above; all are c
 :class:`mlx_ssp.select.SelectConfig`, defaults documented in docs/rollout.md):
 
 - Thresholds are ours: a trace is degenerate when more than half its 8-grams repeat earlier ones, or
-  when one copied stretch reaches 200 words. Words are :func:`mlx_ssp.select.words` tokens
+  when one copied stretch reaches 200 words. Words are :func:`mlx_ssp.select.text.words` tokens
   (punctuation counts as a word), so that equations that differ only in their numbers differ.
 - Template text: every task of a domain carries the same instruction ("Give your final answer on
   the last line ..."), long enough to share 13-grams with every held-out prompt. An n-gram found in
@@ -47,10 +47,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from mlx_ssp.select.text import words
+from mlx_ssp.verify.extract import DEFAULT_MODE, extract
+
 #: the default least number of prompts an n-gram must be in to count as template text
 MIN_BOILERPLATE_PROMPTS = 2
 
-_WORD = re.compile(r"\w+|[^\w\s]")  # the tokenisation of mlx_ssp.select.words
 # words, and the arithmetic operators: "6 + 3" and "6 - 3" are different problems
 _DECON_WORD = re.compile(r"\w+|[-+*/^=<>×÷]")
 
@@ -67,7 +69,7 @@ class RepetitionStats:
 
 def repetition_stats(text: str, n: int = 8) -> RepetitionStats:
     """How much of ``text`` repeats itself, over word n-grams (one pass, linear in its length)."""
-    w = _WORD.findall(text)
+    w = words(text)
     total = len(w) - n + 1
     if total <= 0:
         return RepetitionStats(len(w), 0.0, 0)
@@ -228,7 +230,7 @@ def _norm(s: str) -> str:
 
 
 def _math_answer(completion: str, metadata: dict) -> Optional[str]:
-    from mlx_ssp.verify.extract import DEFAULT_MODE, extract
+    # lazy: mlx_ssp.verify.math loads math_verify (sympy, seconds); only pseudo-labels of math need it
     from mlx_ssp.verify.math import MAX_ANSWER_CHARS, reduce_grouping, too_complex
 
     ex = extract(completion or "", metadata.get("answer_extraction", DEFAULT_MODE), last_resort="last_number")
@@ -244,14 +246,12 @@ _INT = re.compile(r"[+-]?[0-9]{1,15}\Z")
 def _math_same(a: str, b: str) -> bool:
     if _INT.match(a) and _INT.match(b):  # the math verifier's verdict on two plain integers, without sympy
         return int(a) == int(b)
-    from mlx_ssp.verify.math import equivalent
+    from mlx_ssp.verify.math import equivalent  # lazy: math_verify (sympy) loads in seconds
 
     return equivalent(a, b)
 
 
 def _rgym_answer(completion: str, metadata: dict) -> Optional[str]:
-    from mlx_ssp.verify.extract import DEFAULT_MODE, extract
-
     ex = extract(completion or "", metadata.get("answer_extraction", DEFAULT_MODE), last_resort="last_line")
     return _norm(ex.text) if ex is not None and ex.text.strip() else None
 
