@@ -137,6 +137,19 @@ def _aligned_rows(name: str, ours: mx.array, theirs: mx.array, v_ours: dict, v_t
     return theirs[mx.array(perm)]
 
 
+def _check_ids(case: str, v_ours: dict, v_theirs: dict) -> None:
+    """The same tokens (the row comparison checks that) with the same ids, except in a union: there
+    mergekit numbers the new tokens in a hash map's order, which changes between runs, and some runs
+    renumber some of the first model's tokens too; ours keeps the first model's ids."""
+    cfg = yaml.safe_load((GOLD / "cases" / f"{case}.yml").read_text())
+    source = cfg.get("tokenizer_source") or cfg["tokenizer"]["source"]
+    if source == "union":
+        first = _vocab(GOLD / (cfg.get("base_model") or cfg["models"][0]["model"]))
+        assert {t: v_ours[t] for t in first} == first
+    else:
+        assert v_ours == v_theirs
+
+
 def _pairs(case: str, ours_dir: Path):
     """(name, ours, mergekit's) for every tensor, mergekit's vocabulary rows in our token order and
     (PROMOTED_TO_FLOAT32) rounded to our dtype."""
@@ -146,6 +159,7 @@ def _pairs(case: str, ours_dir: Path):
     tok_case = (theirs_dir / "tokenizer.json").is_file()
     if tok_case:
         v_ours, v_theirs = _vocab(ours_dir), _vocab(theirs_dir)
+        _check_ids(case, v_ours, v_theirs)
     for name in sorted(ours):
         a, b = ours[name], theirs[name]
         if case in PROMOTED_TO_FLOAT32:
@@ -211,6 +225,32 @@ def test_float32_whole_tensor_sums_within_rounding(case, tmp_path, monkeypatch):
     for name, a, b, _ in _pairs(case, _merge(case, tmp_path / "out", monkeypatch)):
         fa, fb = np.array(a), np.array(b)
         assert np.abs(fa - fb).max() <= 1e-6 * np.abs(fb).max(), name
+
+
+def test_compare_sees_two_ulps_and_a_tenth_of_a_percent(tmp_path, monkeypatch):
+    """The checker itself: one element two ulps off fails; one in 0.1% of the elements one ulp off
+    passes, twice that fails."""
+    case = "linear-bfloat16"
+    out = _merge(case, tmp_path / "out", monkeypatch)
+    compare(case, out)
+    (f,) = out.glob("*.safetensors")
+    good = mx.load(str(f))
+    total = sum(x.size for x in good.values())
+    name = "model.embed_tokens.weight"
+    bits = np.array(good[name].view(mx.uint16)).reshape(-1)
+
+    def bumped(n, step):
+        b = bits.copy()
+        b[:n] += np.uint16(step)  # positive or negative alike: n elements `step` ulps off
+        mx.save_safetensors(str(f), {**good, name: mx.array(b).view(mx.bfloat16).reshape(good[name].shape)})
+        return out
+
+    compare(case, bumped(1, 1))
+    with pytest.raises(AssertionError, match="max 2 ulp"):
+        compare(case, bumped(1, 2))
+    compare(case, bumped(int(0.001 * total), 1))
+    with pytest.raises(AssertionError, match="identical"):
+        compare(case, bumped(int(0.002 * total), 1))
 
 
 def test_allowances_name_real_cases():
