@@ -53,7 +53,7 @@ _SUM_ORDER = ("whole-tensor float32 sums: mergekit's come from torch's float32 r
               "(and so last bits) depends on the CPU's vector width; a one-ulp change of a norm or dot "
               "moves the interpolation coefficients by many ulps. Ours are summed accurately (float64). "
               "Bounded by test_float32_whole_tensor_sums_within_rounding. Measured: ")
-_OTHER_HELPER = "not exact yet (sliced float64 sums and the sce fix pending). Measured: "
+_NOT_YET = "not exact yet: whole-tensor sums (karcher, nuslerp, multislerp) and sce's selection differ. Measured: "
 
 #: cases that do not meet the criteria, with what was measured (strict: an unexpected pass fails
 #: the run, so a mark is removed as soon as its case passes)
@@ -62,14 +62,14 @@ XFAIL: dict[str, str] = {
     "slerp_filter-float32": _SUM_ORDER + "59.0% identical, max 256 ulp",
     "model_stock-float32": _SUM_ORDER + "84.2% identical, max 128 ulp",
     "model_stock_filter_wise-float32": _SUM_ORDER + "79.2% identical, max 512 ulp",
-    "karcher-float32": _OTHER_HELPER + "18.8% identical, max 697 ulp",
-    "karcher-bfloat16": _OTHER_HELPER + "75.9% identical, max 14475 ulp (8.1e-3 of the largest value)",
-    "nuslerp-float32": _OTHER_HELPER + "32.0% identical, max 1947 ulp",
-    "nuslerp_row_wise-float32": _OTHER_HELPER + "50.6% identical, max 217 ulp",
-    "multislerp-float32": _OTHER_HELPER + "11.5% identical, max 1649 ulp",
-    "sce-float32": _OTHER_HELPER + "76.6% identical, max 2048 ulp",
-    "sce_topk-float32": _OTHER_HELPER + "94.4% identical, max 512 ulp",
-    "sce_topk-bfloat16": _OTHER_HELPER + "99.66% identical (49 elements), max 123 ulp: torch.topk among tied variances",
+    "karcher-float32": _NOT_YET + "18.8% identical, max 697 ulp",
+    "karcher-bfloat16": _NOT_YET + "75.9% identical, max 14475 ulp (8.1e-3 of the largest value)",
+    "nuslerp-float32": _NOT_YET + "32.0% identical, max 1947 ulp",
+    "nuslerp_row_wise-float32": _NOT_YET + "50.6% identical, max 217 ulp",
+    "multislerp-float32": _NOT_YET + "11.5% identical, max 1649 ulp",
+    "sce-float32": _NOT_YET + "76.6% identical, max 2048 ulp",
+    "sce_topk-float32": _NOT_YET + "94.4% identical, max 512 ulp",
+    "sce_topk-bfloat16": _NOT_YET + "99.66% identical (49 elements), max 123 ulp: torch.topk among tied variances",
 }
 
 #: float32 cases whose result depends on whole-tensor sums: within 1e-6 of each tensor's largest
