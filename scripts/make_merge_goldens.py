@@ -24,9 +24,13 @@ statistical comparison. The TIES-family cases in bfloat16 are also run with merg
 stable (``*_stable``): bf16 task vectors have exactly tied magnitudes, which torch's unstable CPU
 sort breaks its own way, and the stable twin shows that ties are the only difference.
 
-A rerun writes the same bytes, except for the ``tokenizer_union`` and ``tokenizer_section`` outputs:
-mergekit numbers a union's new tokens in the order of a hash map that differs between processes
-(the tests match rows by token string, so any run's output serves).
+A rerun with the same versions writes the same bytes, except for the manifest's date and the
+``tokenizer_union`` and ``tokenizer_section`` outputs: mergekit numbers a union's new tokens in the
+order of a hash map that differs between processes (the tests match rows by token string, so any
+run's output serves). ``pip install mergekit==0.1.5`` takes the newest torch and transformers it
+allows; the manifest records the versions used (``versions``), and installing those reproduces the
+stored float32 outputs of the whole-tensor-sum methods, whose last bits depend on torch (and the
+CPU it runs on).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from tokenizers import AddedToken, Tokenizer
 
 import mlx_ssp  # noqa: F401  (loads OpenBLAS before mlx.core)
 import mlx.core as mx
@@ -145,8 +150,6 @@ def build_inputs(root: Path, scratch: Path) -> None:
     # another tokenizer: trained on other text plus an added special token (shared tokens mostly
     # get other ids); the same layer shapes, its own random weights
     tb = train_tokenizer(scratch / "tb", vocab_size=300, corpus=["zebra xylophone quantum jazz"] * 50)
-    from tokenizers import AddedToken, Tokenizer
-
     t = Tokenizer.from_file(str(tb / "tokenizer.json"))
     t.add_special_tokens([AddedToken(TOOL, special=True, normalized=False)])
     t.save(str(tb / "tokenizer.json"))

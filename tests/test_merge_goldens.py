@@ -7,17 +7,19 @@ at least 99.9% of all elements bit-identical and none more than one ulp apart (u
 output dtype's bit pattern). Exemptions are named per case with their element counts: the
 elements decided by torch's unstable sort among exactly tied magnitudes (shown by a stable-sort
 twin), and pad rows (a float32 mean). Cases that cannot meet the criteria yet are strict xfails
-with the measured numbers.
+with the measured numbers, each still held to a looser bound by its own test.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from tokenizers import Tokenizer
 
 import mlx_ssp  # noqa: F401
 import mlx.core as mx
@@ -82,7 +84,8 @@ SUM_ORDER_CASES = [c for c in MANIFEST["cases"] if c.endswith("-float32")
 def _params():
     out = []
     for case in MANIFEST["cases"]:
-        marks = [pytest.mark.xfail(strict=True, reason=XFAIL[case])] if case in XFAIL else []
+        # raises=AssertionError: a marked case that crashes instead of comparing badly fails the run
+        marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=XFAIL[case])] if case in XFAIL else []
         out.append(pytest.param(case, marks=marks, id=case))
     return out
 
@@ -95,8 +98,6 @@ def _tensors(d: Path) -> dict[str, mx.array]:
 
 
 def _vocab(d: Path) -> dict[str, int]:
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab(with_added_tokens=True)
 
 
@@ -170,13 +171,16 @@ def _pairs(case: str, ours_dir: Path):
         yield name, a, b, (len(v_ours) if tok_case and any(k in name for k in VOCAB_TENSORS) else None)
 
 
-def _exempt(case: str, name: str, b: mx.array, n_vocab) -> np.ndarray:
-    """The elements of tensor ``name`` exempt from the criteria (TIE_ALLOWANCE, PAD_ROW_ALLOWANCE)."""
+def _exempt(case: str, name: str, a: mx.array, b: mx.array, n_vocab) -> np.ndarray:
+    """The elements of tensor ``name`` exempt from the criteria (TIE_ALLOWANCE, PAD_ROW_ALLOWANCE).
+    A tie element is exempt from mergekit's value, not from the stable twin's: ours (``a``) must be
+    within one ulp of the twin there, or the exemption would hide any error on those elements."""
     ex = np.zeros(b.size, bool)
     if case in TIE_ALLOWANCE:
         stem, dt = case.split("-")
         twin = _tensors(GOLD / "expected" / f"{stem}_stable-{dt}")[name]
         ex |= ulp_distance(b, twin) > 0
+        assert not ex.any() or ulp_distance(a, twin)[ex].max() <= 1, f"{name}: tie elements differ from the stable twin"
     if case in PAD_ROW_ALLOWANCE and n_vocab is not None:
         ex.reshape(b.shape[0], -1)[n_vocab:] = True
     return ex
@@ -186,7 +190,7 @@ def compare(case: str, ours_dir: Path) -> None:
     dist, report, n_exempt = [], [], 0
     for name, a, b, n_vocab in _pairs(case, ours_dir):
         d = ulp_distance(a, b)
-        ex = _exempt(case, name, b, n_vocab)
+        ex = _exempt(case, name, a, b, n_vocab)
         n_exempt += int(ex.sum())
         if case in PAD_ROW_ALLOWANCE and ex.any():
             fa, fb = (np.array(x.astype(mx.float32)).reshape(-1)[ex] for x in (a, b))
@@ -227,6 +231,26 @@ def test_float32_whole_tensor_sums_within_rounding(case, tmp_path, monkeypatch):
         assert np.abs(fa - fb).max() <= 1e-6 * np.abs(fb).max(), name
 
 
+#: bf16 expected failures, each with the bound it must still meet (measured: karcher 8.1e-3 of the
+#: largest value; sce_topk 49 of 14,320 elements, the rows torch.topk picks among tied variances),
+#: so that a wrong formula there does not pass as the known difference
+BF16_XFAIL_BOUNDS = {"karcher-bfloat16": ("of the largest value", 2 ** -6),
+                     "sce_topk-bfloat16": ("of the elements differ", 0.01)}
+
+
+@pytest.mark.parametrize("case", sorted(BF16_XFAIL_BOUNDS))
+def test_inexact_bfloat16_cases_bounded(case, tmp_path, monkeypatch):
+    what, bound = BF16_XFAIL_BOUNDS[case]
+    pairs = list(_pairs(case, _merge(case, tmp_path / "out", monkeypatch)))
+    if what == "of the largest value":
+        for name, a, b, _ in pairs:
+            fa, fb = (np.array(x.astype(mx.float32)) for x in (a, b))
+            assert np.abs(fa - fb).max() <= bound * np.abs(fb).max(), name
+    else:
+        differ = sum(int((ulp_distance(a, b) > 0).sum()) for _, a, b, _ in pairs)
+        assert differ <= bound * sum(a.size for _, a, _, _ in pairs), differ
+
+
 def test_compare_sees_two_ulps_and_a_tenth_of_a_percent(tmp_path, monkeypatch):
     """The checker itself: one element two ulps off fails; one in 0.1% of the elements one ulp off
     passes, twice that fails."""
@@ -259,6 +283,9 @@ def test_allowances_name_real_cases():
     cases = set(MANIFEST["cases"])
     named = [*TIE_ALLOWANCE, *PAD_ROW_ALLOWANCE, *PROMOTED_TO_FLOAT32, *XFAIL]
     assert set(named) <= cases and len(SUM_ORDER_CASES) == 10
+    # every expected failure is bounded somewhere: float32 by the sums test, bf16 by its own bound
+    assert {c for c in XFAIL if c.endswith("-bfloat16")} == set(BF16_XFAIL_BOUNDS)
+    assert {c for c in XFAIL if c.endswith("-float32")} <= set(SUM_ORDER_CASES)
     for case in TIE_ALLOWANCE:
         name, dt = case.split("-")
         assert f"{name}_stable-{dt}" in cases, case
@@ -289,8 +316,6 @@ def test_della_keep_rates_match_mergekit(dt):
 def test_manifest_hashes_match_the_files():
     """The goldens are the files the generator wrote (an edited input or output would otherwise
     silently redefine parity)."""
-    import hashlib
-
     listed = MANIFEST["sha256"]
     on_disk = {str(p.relative_to(GOLD)) for p in GOLD.rglob("*") if p.is_file() and p.name != "manifest.json"}
     assert on_disk == set(listed)
