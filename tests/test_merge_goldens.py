@@ -126,6 +126,11 @@ def test_ulp_distance_counts_representable_steps():
     near = mx.array([1 + 2 ** -7, -1 - 2 ** -6, 1 - 2 ** -8], dtype=mx.bfloat16)
     assert ulp_distance(bf, near).tolist() == [1, 2, 1]
     assert ulp_distance(mx.array([-2 ** -126], mx.float32), mx.array([2 ** -126], mx.float32)).tolist() == [2 ** 24]
+    # a NaN is far from every number (and from a NaN of the other sign), so it never passes as close
+    nan = mx.array([np.nan, np.nan, np.nan], mx.float32)
+    assert min(ulp_distance(nan, mx.array([1.0, np.inf, np.nan], mx.float32)).tolist()[:2]) > 2 ** 20
+    assert ulp_distance(nan, -nan).tolist()[0] > 2 ** 30
+    assert ulp_distance(nan.astype(mx.bfloat16), mx.array([0.0, -np.inf, 1.0], mx.bfloat16)).min() > 2 ** 14
 
 
 def _aligned_rows(name: str, ours: mx.array, theirs: mx.array, v_ours: dict, v_theirs: dict) -> mx.array:
