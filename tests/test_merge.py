@@ -567,56 +567,6 @@ def test_config_errors(trio, tmp_path):
                 load_merge_config(p)
 
 
-# ------------------------------------------------------------------ optional parity with mergekit 0.1.5
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
-def test_parity_with_mergekit(tiny_llama, tmp_path, dt, monkeypatch):
-    pytest.importorskip("mergekit")
-    import torch
-    import mergekit.sparsify as sp
-    from mergekit.config import MergeConfiguration
-    from mergekit.merge import MergeOptions, run_merge as mk_run
-
-    # torch's CPU sort is not stable; among exactly tied magnitudes (frequent in bf16) its choice is
-    # implementation-defined. We keep the lowest indices (a stable sort), so compare under a stable sort.
-    shim = type(sys)("torch_stable")
-    shim.__dict__.update(torch.__dict__)
-    shim.argsort = lambda w, descending=False, **k: torch.sort(w, descending=descending, stable=True).indices
-    shim.sort = lambda w, descending=False, **k: torch.sort(w, descending=descending, stable=True)
-    monkeypatch.setattr(sp, "torch", shim)
-    conf = json.loads((tiny_llama / "config.json").read_text())
-    conf["architectures"] = ["LlamaForCausalLM"]
-    base = load_out(tiny_llama)
-    rng = np.random.default_rng(0)
-    arrays = [base] + [{k: v + rng.standard_normal(v.shape).astype(np.float32) * 0.01 for k, v in base.items()}
-                       for _ in range(2)]
-    m = [str(write_model(tmp_path / f"in{i}", a, dt, conf=conf)) for i, a in enumerate(arrays)]
-    cases = {
-        "linear": {"models": [{"model": m[0], "parameters": {"weight": 1.0}}, {"model": m[1], "parameters": {"weight": [0.2, 0.7]}}]},
-        "task_arithmetic": {"base_model": m[0], "parameters": {"lambda": 0.9},
-                            "models": [{"model": m[1], "parameters": {"weight": 0.6}}, {"model": m[2], "parameters": {"weight": 0.4}}]},
-        "ties": {"base_model": m[0], "models": [{"model": m[1], "parameters": {"weight": 0.6, "density": 0.5}},
-                                                {"model": m[2], "parameters": {"weight": [{"filter": "mlp", "value": 0.3}, {"value": 0.9}], "density": 0.3}}]},
-        "dare_ties": {"base_model": m[0], "models": [{"model": m[1], "parameters": {"weight": 0.6, "density": 1.0}},
-                                                     {"model": m[2], "parameters": {"weight": -0.4, "density": 1.0}}]},
-        "dare_linear": {"base_model": m[0], "models": [{"model": m[1], "parameters": {"weight": 0.6, "density": 1.0}}]},
-        "breadcrumbs": {"base_model": m[0], "models": [{"model": m[1], "parameters": {"weight": 0.6, "density": 0.6, "gamma": 0.05}},
-                                                       {"model": m[2], "parameters": {"weight": 0.4, "density": 0.5}}]},
-    }
-    for method, c in cases.items():
-        c = {"merge_method": method, **c}
-        ours = merge(tmp_path, name=f"ours_{method}", **c)
-        mk_run(MergeConfiguration.model_validate(c), str(tmp_path / f"mk_{method}"), options=MergeOptions())
-        theirs = load_out(tmp_path / f"mk_{method}")
-        assert set(ours) == set(theirs)
-        for n in ours:
-            # float32: torch's addcmul / sum order can differ in the last bit
-            np.testing.assert_allclose(ours[n], theirs[n], rtol=0, atol=1e-6 if dt == "float32" else 0,
-                                       err_msg=f"{method} {n}")
-
-
 # ------------------------------------------------------------------ threads and the positional writer
 
 

@@ -1,5 +1,6 @@
 """mergekit 0.1.5's other merge methods: each against an independent NumPy reference (float32 and
-bfloat16), their properties, end-to-end merges of tiny models, parameter errors, optional parity."""
+bfloat16), their properties, end-to-end merges of tiny models, parameter errors. Parity with
+mergekit itself: test_merge_goldens.py."""
 
 from __future__ import annotations
 
@@ -514,88 +515,6 @@ def test_methods_registry_names_mergekit_parameters():
         assert set(params) <= set(spec.model_params) | set(spec.shared_params), name
         for p in params:  # each in the scope mergekit gives it (per model or shared)
             assert (p in spec.model_params) == (p in ("weight", "density", "epsilon") and name != "ramplus_tl"), (name, p)
-
-
-# ------------------------------------------------------------------ optional parity with mergekit 0.1.5
-
-#: (method, inputs, base index, mergekit parameters, exact in bf16). Not exact in bf16: karcher (its
-#: ~10 iterations amplify last-bit float32 norm differences through bf16 roundings) and SCE's top-k
-#: (ties among bf16 variances, which torch.topk breaks in its own way).
-PARITY = [
-    ("slerp", 2, 0, {"t": 0.3}, True), ("slerp", 2, 0, {"t": 0.8}, False),
-    ("nuslerp", 2, None, {"weight": [0.3, 0.7]}, True),
-    ("nuslerp", 2, None, {"weight": [0.4, 0.6], "nuslerp_flatten": False, "nuslerp_row_wise": True}, True),
-    ("multislerp", 3, None, {"weight": [0.2, 0.5, 0.3]}, True),
-    ("karcher", 3, None, {}, False),
-    ("model_stock", 3, 0, {}, True), ("model_stock", 4, 0, {"filter_wise": True}, True),
-    ("nearswap", 2, 0, {"t": 0.01}, True), ("arcee_fusion", 2, 0, {}, True),
-    ("sce", 3, 0, {}, True), ("sce", 3, 0, {"select_topk": 0.3}, False),
-    ("ram", 3, 0, {}, True), ("ramplus_tl", 3, 0, {"r": 0.3, "alpha": 0.5}, True),
-    ("della", 3, 0, {"weight": [0.6, 0.4], "density": 1.0}, True),
-]
-
-
-def _ours(method, xs, bi, params, dt, shape):
-    from mlx_ssp.merge.methods import TensorInputs
-
-    spec, cd = METHODS[method], getattr(mx, dt)
-    arrs = [mxa(x, dt).reshape(-1) for x in xs]
-    base = arrs[bi] if spec.needs_base else None
-    others = [x for i, x in enumerate(arrs) if not (spec.needs_base and i == bi)]
-    shared = {**dict(spec.defaults), "normalize": spec.default_normalize, "rescale": spec.default_rescale,
-              **{k: v for k, v in params.items() if k in spec.shared_params}}
-    per = [{**{k: v for k, v in spec.defaults if k in spec.model_params},
-            **{k: (v[j] if isinstance(v, list) else v) for k, v in params.items() if k in spec.model_params}}
-           for j in range(len(others))]
-    t = TensorInputs([lambda x=x: x for x in others], (lambda: base) if base is not None else None, per, shared,
-                     list(range(len(others))), cd, cd, shape=shape)
-    return npy(mx.concatenate(METHODS[method].run(t))).reshape(shape)
-
-
-@pytest.mark.parametrize("dt", DTS)
-def test_parity_with_mergekit(dt):
-    """Per tensor, against mergekit 0.1.5's own kernels (``merge_tensors``); skipped without it."""
-    torch = pytest.importorskip("torch")
-    api = pytest.importorskip("mergekit.merge_methods.api")
-    tdt = getattr(torch, dt)
-    rng = np.random.default_rng(0)
-    for method, n, bi, params, exact in PARITY:
-        b = rng.standard_normal((64, 96)).astype(np.float32)
-        if method.startswith("ram"):  # sparse task vectors
-            xs = [b] + [b + 0.1 * rng.standard_normal(b.shape).astype(np.float32) * (rng.random(b.shape) < p)
-                        for p in (0.3, 0.5)]
-        else:
-            xs = [b] + [b + 0.1 * rng.standard_normal(b.shape).astype(np.float32) + 0.02 for _ in range(n - 1)]
-        xs = [R(x, dt) for x in xs]
-        theirs = api.merge_tensors([torch.from_numpy(x).to(tdt) for x in xs], method, parameters=params,
-                                   base_index=bi, dtype=tdt).to(tdt).float().numpy()
-        ours = _ours(method, xs, bi, params, dt, b.shape)
-        what = f"{method} {params}"
-        if dt == "bfloat16" and exact:
-            np.testing.assert_array_equal(ours, theirs, err_msg=what)
-        elif dt == "bfloat16" and method == "sce":
-            assert np.mean(ours != theirs) < 0.02, what
-        else:
-            np.testing.assert_allclose(ours, theirs, rtol=1e-5 if dt == "float32" else 2 ** -6,
-                                       atol=5e-6 if dt == "float32" else 2 ** -6, err_msg=what)
-
-
-@pytest.mark.parametrize("dt", DTS)
-def test_della_keep_rates_match_mergekit(dt):
-    """DELLA's draw cannot match mergekit's (torch's global generator), its distribution must: the
-    keep rate per magnitude-rank quartile of each row. Skipped without mergekit."""
-    torch = pytest.importorskip("torch")
-    mk_sparsify = pytest.importorskip("mergekit.sparsify")
-    rng = np.random.default_rng(8)
-    d = R(rng.standard_normal((256, 400)).astype(np.float32), dt)
-    torch.manual_seed(0)
-    theirs = mk_sparsify.della_magprune(torch.from_numpy(d).to(getattr(torch, dt)), 0.4, 0.2).float().numpy() != 0
-    work = mx.bfloat16 if dt == "bfloat16" else mx.float32
-    ours = np.array(magprune_mask(mxa(d, dt).reshape(-1), 0.4, 0.2, 5, d.shape, work)).reshape(d.shape)
-    ranks = np.argsort(np.argsort(np.abs(d), axis=1, kind="stable"), axis=1)
-    for q in range(4):
-        sel = (ranks >= q * 100) & (ranks < (q + 1) * 100)
-        assert abs(ours[sel].mean() - theirs[sel].mean()) < 0.02, q  # 25,600 draws per quartile
 
 
 def test_pipeline_merge_section_takes_weightless_methods():
