@@ -52,6 +52,17 @@ def check_model_dir(path: Path) -> Path:
     return path
 
 
+def names_a_model(spec: str) -> bool:
+    """Whether :func:`resolve_model` could take ``spec`` (an existing path, ``demo``, the testbed or
+    a hub repo id), checked without resolving it: nothing is built or downloaded."""
+    spec = str(spec).strip()
+    if not spec:
+        return False
+    if spec in DEMO_NAMES or spec == "testbed" or spec.startswith("testbed:") or Path(spec).expanduser().exists():
+        return True
+    return bool(_REPO_ID.match(spec))
+
+
 def resolve_model(spec: str, revision: str | None = None) -> Path:
     """Turn a model spec into a local directory in HF layout (downloading or converting if needed)."""
     spec = str(spec).strip()
