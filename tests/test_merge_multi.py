@@ -251,6 +251,8 @@ def test_set_and_intermediate_dir_are_refused_where_they_do_not_apply(models, tm
 def test_intermediate_dir_inside_out_is_refused(models, tmp_path):
     cfg = write(tmp_path / "multi.yml", docs_yaml(*two_level(models)))
     refused(run_cli(cfg, tmp_path / "out", "-I", tmp_path / "out" / "inter"), "intermediate directory")
+    refused(run_cli(cfg, tmp_path / "out", "-I", tmp_path), "intermediate directory")  # OUT inside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multi.yml"]
 
 
 # ------------------------------------------------------------------ mergekit's own format
@@ -306,3 +308,15 @@ def test_all_named_config_writes_the_merge_nothing_uses_to_out(models, tmp_path)
     assert actions(res) == {"first": "merged", "second": "merged", "last": "merged"}
     assert (tmp_path / "out" / "model.safetensors").is_file()
     assert sorted(p.name for p in (tmp_path / "out.intermediates").iterdir()) == ["first", "second"]
+
+
+def test_an_intermediate_that_would_replace_an_input_model_is_refused(models, tmp_path):
+    """-I at the models' folder with a merge named like a model there: refused before any merge."""
+    root = models["a"].parent
+    docs = two_level(models)
+    docs[0]["name"] = "c"  # root/c is an input of 'second'
+    docs[1]["base_model"] = "c"
+    cfg = write(tmp_path / "multi.yml", docs_yaml(*docs))
+    before = mtimes(models["c"])
+    refused(run_cli(cfg, tmp_path / "out", "-I", root), "input model")
+    assert mtimes(models["c"]) == before and not (tmp_path / "out").exists()

@@ -91,6 +91,7 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
         check = (lambda job: check_exportable(output_config(job), f"--export-gguf ({config})")) if export_gguf else None
         params = {"config": mm.source, "merges": [s.name for s in mm.steps], "out_dir": str(out_dir), "seed": seed,
                   "out_shard_size": out_shard_size, "vocab_mismatch": vocab_mismatch} if cli_trackers else None
+        layout.check(mm)  # before the locks: a lock file beside -I inside OUT_DIR would create OUT_DIR
         where = Path(out_dir).expanduser().resolve().parent
         with output_lock(out_dir), output_lock(layout.intermediate_dir), \
                 trackers.session(cli_trackers, dir=where, project=trackers.project_of(where), command="merge",

@@ -27,6 +27,7 @@ names must be usable as directory names.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import tempfile
@@ -93,7 +94,7 @@ def is_multimerge(docs: list[Any]) -> bool:
 
 def map_refs(data: dict, fn: Callable[[str], str]) -> dict:
     """A copy of a (validated) merge document with every model reference ``r`` replaced by ``fn(r)``."""
-    out = json.loads(json.dumps(data))  # a deep copy of plain YAML data
+    out = copy.deepcopy(data)
 
     def sub(node: dict, key: str, skip: tuple[str, ...] = ()) -> None:
         if isinstance(node.get(key), str) and node[key] not in skip:
@@ -277,10 +278,24 @@ class Layout:
         return self.out_dir if step is mm.final else self.intermediate_dir / step.name
 
     def check(self, mm: MultiMerge) -> None:
-        """OUT_DIR may not be, hold or lie inside the intermediate directory (replacing OUT_DIR would
-        delete the intermediates, or an intermediate would replace OUT_DIR)."""
+        """Before any merge: OUT_DIR may not be, hold or lie inside the intermediate directory
+        (replacing OUT_DIR would delete the intermediates, or an intermediate would replace it), and
+        no merge's output may be, hold or lie inside a model directory any merge of the config reads
+        (each merge checks its own inputs again when it is written)."""
         check_clear_of_inputs(self.out_dir, [Protected(self.intermediate_dir, "the intermediate directory")])
-        check_clear_of_inputs(self.intermediate_dir, [Protected(Path(mm.source), "the merge config", is_dir=False)])
+        names = {s.name for s in mm.steps}
+        models: list[Protected] = []
+
+        def note(ref: str) -> str:
+            for spec in (ref, _split(ref)[0]):
+                if spec not in names and Path(spec).expanduser().exists():
+                    models.append(Protected(Path(spec).expanduser(), f"input model {spec}"))
+            return ref
+
+        for s in mm.steps:
+            map_refs(s.data, note)
+        for s in mm.steps:
+            check_clear_of_inputs(self.target(mm, s), models)
 
 
 def run_multimerge(mm: MultiMerge, layout: Layout, *, lazy: bool = True, overwrite: bool = False,
