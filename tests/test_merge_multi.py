@@ -12,6 +12,7 @@ import yaml
 from click.testing import CliRunner
 
 from mlx_ssp.cli import main
+from mlx_ssp.errors import UserError
 from mlx_ssp.merge.multi import STAMP, load_multimerge
 from mlx_ssp.testing import make_tiny_model
 
@@ -320,3 +321,13 @@ def test_an_intermediate_that_would_replace_an_input_model_is_refused(models, tm
     before = mtimes(models["c"])
     refused(run_cli(cfg, tmp_path / "out", "-I", root), "input model")
     assert mtimes(models["c"]) == before and not (tmp_path / "out").exists()
+
+
+def test_the_shipped_example_loads_and_its_models_are_checked(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    mm = load_multimerge(root / "configs" / "multimerge.yml", check_models=False)
+    assert [(s.name, s.deps) for s in mm.steps] == [("arith", ()), (None, ("arith",))]
+    # with the models checked, a model that is not there is named (here: no quickstart run)
+    if not (root / "runs" / "quickstart").exists():
+        with pytest.raises(UserError, match="runs/quickstart/sft/specialists/addition"):
+            load_multimerge(root / "configs" / "multimerge.yml")

@@ -123,8 +123,10 @@ def _split(ref: str) -> tuple[str, str]:
     return (head, plus + tail) if plus else (ref, "")
 
 
-def load_multimerge(path: str | Path, docs: Optional[list[Any]] = None) -> MultiMerge:
-    """Validate every merge, find what each reads and order them; any problem is one line."""
+def load_multimerge(path: str | Path, docs: Optional[list[Any]] = None, *, check_models: bool = True) -> MultiMerge:
+    """Validate every merge, find what each reads and order them; any problem is one line.
+    ``check_models=False`` leaves out the check that every other reference names a model (an
+    existing directory or a hub id): the config alone is checked, without its models."""
     source = str(path)
     docs = read_merge_documents(path) if docs is None else docs
     if not docs:
@@ -160,7 +162,7 @@ def load_multimerge(path: str | Path, docs: Optional[list[Any]] = None) -> Multi
                 dep = ref if ref in names else head
                 if dep not in deps:
                     deps.append(dep)
-            elif not names_a_model(ref) and not names_a_model(head):
+            elif check_models and not names_a_model(ref) and not names_a_model(head):
                 raise UserError(f"{label}: model '{ref}' is neither a merge of this config "
                                 f"({', '.join(names) or 'none named'}) nor an existing directory nor a hub repo id")
             return ref
@@ -225,7 +227,8 @@ def resolved(step: Step, outputs: dict[str, Path]) -> tuple[MergeConfig, str]:
     def path_of(ref: str) -> str:
         head, tail = _split(ref)
         name = ref if ref in outputs else head if head in outputs else None
-        return ref if name is None else str(outputs[name]) + ("" if name == ref else tail)
+        # absolute: the saved config (mergekit_config.yml) must not depend on the working directory
+        return ref if name is None else str(Path(outputs[name]).expanduser().absolute()) + ("" if name == ref else tail)
 
     data = map_refs(step.data, path_of)
     return validate(MergeConfig, data, source=step.label), yaml.safe_dump(data, sort_keys=False)
