@@ -1,4 +1,5 @@
-"""``mlx_ssp merge CONFIG.yml OUT_DIR``: merge models described by a mergekit YAML file.
+"""``mlx_ssp merge CONFIG.yml OUT_DIR``: merge models described by a mergekit YAML file, or run the
+merges of a multimerge config (several YAML documents; :mod:`mlx_ssp.merge.multi`).
 
 A mergekit YAML is not a run file, so it is not read through :func:`mlx_ssp.stage_config.load_stage`:
 it has no run directory (OUT_DIR is an argument), no sandbox and no top-level seed; ``--seed``
@@ -56,9 +57,10 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
     OUT_DIR gets a model card (README.md: method, inputs, the config). --report-to: the timing goes to
     the trackers (files beside OUT_DIR), the config is their params.
 
-    A CONFIG of several YAML documents, each named (``name: X``) but the final one, is a multimerge
-    (mergekit-multimerge's format): the named merges are written to --intermediate-dir and read by
-    name; a rerun keeps each merge whose config and inputs are unchanged."""
+    A CONFIG of several YAML documents, each named (name: X) but the final one, is a multimerge
+    (the format of mergekit's mergekit-multi): the named merges are written to --intermediate-dir and
+    read by name, the final one to OUT_DIR; a rerun keeps each merge whose config and inputs are
+    unchanged."""
     import yaml
 
     from mlx_ssp import trackers
