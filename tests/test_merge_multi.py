@@ -331,3 +331,32 @@ def test_the_shipped_example_loads_and_its_models_are_checked(tmp_path):
     if not (root / "runs" / "quickstart").exists():
         with pytest.raises(UserError, match="runs/quickstart/sft/specialists/addition"):
             load_multimerge(root / "configs" / "multimerge.yml")
+
+
+def test_a_merge_read_with_a_lora_adapter(models, tmp_path):
+    """``first+ADAPTER``: the intermediate with an mlx-lm LoRA adapter fused on read, as by hand."""
+    ad = tmp_path / "adapter"
+    r = CliRunner().invoke(main, ["extract-lora", str(models["a"]), str(models["c"]), str(ad), "--rank", "4"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    first = two_level(models)[0]
+    final = {"merge_method": "linear", "models": [{"model": f"first+{ad}", "parameters": {"weight": 0.5}},
+                                                  {"model": str(models["b"]), "parameters": {"weight": 0.5}}]}
+    cfg = write(tmp_path / "multi.yml", docs_yaml(first, final))
+    assert [s.deps for s in load_multimerge(cfg).steps] == [(), ("first",)]
+    ok(run_cli(cfg, tmp_path / "out"))
+    # the dry run (on a skeleton of 'first', with the adapter) computes the run's fingerprints
+    assert {m["action"] for m in ok(run_cli(cfg, tmp_path / "out", "--dry-run"))["merges"]} == {"keep"}
+    ok(run_cli(write(tmp_path / "f.yml", yaml.safe_dump({k: v for k, v in first.items() if k != "name"})),
+               tmp_path / "hand_first"))
+    final["models"][0]["model"] = f"{tmp_path / 'hand_first'}+{ad}"
+    ok(run_cli(write(tmp_path / "g.yml", yaml.safe_dump(final)), tmp_path / "hand_final"))
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "hand_final" / "model.safetensors").read_bytes()
+    # a changed adapter (same config) redoes the merge that reads it, and only that one
+    cfg_ad = json.loads((ad / "adapter_config.json").read_text())
+    cfg_ad["lora_parameters"]["scale"] *= 2
+    (ad / "adapter_config.json").write_text(json.dumps(cfg_ad))
+    assert actions(ok(run_cli(cfg, tmp_path / "out"))) == {"first": "kept", "(final)": "merged"}
+    # and the adapter differs from no adapter at all
+    final["models"][0]["model"] = str(tmp_path / "hand_first")
+    ok(run_cli(write(tmp_path / "h.yml", yaml.safe_dump(final)), tmp_path / "plain_final"))
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() != (tmp_path / "plain_final" / "model.safetensors").read_bytes()

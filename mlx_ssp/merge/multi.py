@@ -234,10 +234,13 @@ def resolved(step: Step, outputs: dict[str, Path]) -> tuple[MergeConfig, str]:
     return validate(MergeConfig, data, source=step.label), yaml.safe_dump(data, sort_keys=False)
 
 
-def file_identity(src: Source) -> list[list]:
-    """The files a source is read from (tensors, config, tokenizer, adapter) with size and mtime."""
-    files = {t.file for t in src.tensors.values()} | {src.path / f for f in ("config.json", *TOKENIZER_FILES)}
-    files |= {t.file for q in (src.quant or {}).values() for t in (q.scales, q.biases) if t is not None}
+def file_identity(src: Source, model: bool = True) -> list[list]:
+    """The files a source is read from (tensors, config, tokenizer; with ``model`` False only its
+    LoRA adapter's) with size and mtime."""
+    files: set[Path] = set()
+    if model:
+        files = {t.file for t in src.tensors.values()} | {src.path / f for f in ("config.json", *TOKENIZER_FILES)}
+        files |= {t.file for q in (src.quant or {}).values() for t in (q.scales, q.biases) if t is not None}
     if src.adapter_path is not None:
         files |= {t.file for t in (src.adapter or {}).values()} | {src.adapter_path / "adapter_config.json"}
     out = []
@@ -252,8 +255,13 @@ def fingerprint(step: Step, job: MergeJob, upstream: dict[str, str], merged_dirs
                 options: dict) -> str:
     """Hash of the merge as written, its upstream merges' fingerprints, its other inputs' files and
     the options; ``merged_dirs``: the directories of this config's merges (identified by their
-    fingerprints, not their files)."""
-    inputs = {s.ref: file_identity(s) for s in job.sources if s.path.resolve() not in merged_dirs}
+    fingerprints, not their files; an adapter read on one of them by its files)."""
+    inputs = {}
+    for s in job.sources:
+        if s.path.resolve() not in merged_dirs:
+            inputs[s.ref] = file_identity(s)
+        elif s.adapter_path is not None:  # keyed without the merge's directory (a dry run's is temporary)
+            inputs[f"+{s.adapter_path}"] = file_identity(s, model=False)
     return digest({"merger": mlx_ssp.__version__, "config": step.data, "upstream": {d: upstream[d] for d in step.deps},
                    "inputs": inputs, "options": options})
 
