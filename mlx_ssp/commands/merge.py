@@ -61,6 +61,8 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
     (the format of mergekit's mergekit-multi): the named merges are written to --intermediate-dir and
     read by name, the final one to OUT_DIR; a rerun keeps each merge whose config and inputs are
     unchanged."""
+    from pathlib import Path
+
     import yaml
 
     from mlx_ssp import trackers
@@ -75,7 +77,6 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
                                      read_merge_documents, run_multimerge)
     from mlx_ssp.merge.multi import dry_run as multi_dry_run
     from mlx_ssp.merge.outdir import check_clear_of_inputs
-    from pathlib import Path
 
     cli_trackers = trackers.from_cli(report_to) or ()
     check_upload(upload_repo, public)  # a bad repo id or no token stops here, before the merge
@@ -85,8 +86,8 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
             raise UserError(f"{config}: --set does not apply to a multimerge config (several merges); edit the file")
         mm = load_multimerge(config, docs)
         layout = Layout(Path(out_dir), Path(intermediate_dir) if intermediate_dir else default_intermediate_dir(out_dir))
-        opts = dict(out_shard_size=out_shard_size, copy_tokenizer=copy_tokenizer, seed=seed,
-                    vocab_mismatch=vocab_mismatch, lazy=lazy)
+        opts = {"out_shard_size": out_shard_size, "copy_tokenizer": copy_tokenizer, "seed": seed,
+                "vocab_mismatch": vocab_mismatch, "lazy": lazy}
         if dry_run:
             click.echo(json.dumps(multi_dry_run(mm, layout, **opts), indent=2))
             return
