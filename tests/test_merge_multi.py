@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
 from click.testing import CliRunner
 
+import mlx_ssp  # noqa: F401  (loads OpenBLAS before mlx.core)
+import mlx.core as mx
+
 from mlx_ssp.cli import main
 from mlx_ssp.errors import UserError
-from mlx_ssp.merge.multi import STAMP, load_multimerge
+from mlx_ssp.merge import multi
+from mlx_ssp.merge.config import load_merge_config
+from mlx_ssp.merge.engine import plan_merge, write_skeleton
+from mlx_ssp.merge.multi import STAMP, load_multimerge, read_stamp
+from mlx_ssp.merge.outdir import is_merge_output
+from mlx_ssp.merge.safetensors_io import read_header
 from mlx_ssp.testing import make_tiny_model
 
 #: the files that hold the model (the card and the saved config name the paths, so they differ)
@@ -360,3 +369,54 @@ def test_a_merge_read_with_a_lora_adapter(models, tmp_path):
     final["models"][0]["model"] = str(tmp_path / "hand_first")
     ok(run_cli(write(tmp_path / "h.yml", yaml.safe_dump(final)), tmp_path / "plain_final"))
     assert (tmp_path / "out" / "model.safetensors").read_bytes() != (tmp_path / "plain_final" / "model.safetensors").read_bytes()
+
+
+# ------------------------------------------------------------------ the merger's version and the dry run's stand-ins
+
+
+def test_a_new_merger_version_redoes_every_merge(models, tmp_path, monkeypatch):
+    """An engine change that alters outputs raises MERGER_VERSION: no intermediate is kept across it."""
+    cfg = write(tmp_path / "multi.yml", docs_yaml(*two_level(models)))
+    out = tmp_path / "out"
+    ok(run_cli(cfg, out))
+    assert set(actions(ok(run_cli(cfg, out))).values()) == {"kept"}
+    monkeypatch.setattr(multi, "MERGER_VERSION", multi.MERGER_VERSION + 1)
+    assert set(actions(ok(run_cli(cfg, out))).values()) == {"merged"}
+
+
+def test_stand_ins_are_never_merge_outputs_and_always_removed(models, tmp_path, monkeypatch):
+    """A dry run's skeleton has the planned layout but not the merge mark nor a fingerprint, and its
+    temporary directory is gone after the dry run, whether it succeeds or fails."""
+    job = plan_merge(load_merge_config(write(tmp_path / "one.yml", yaml.safe_dump(
+        {k: v for k, v in two_level(models)[0].items() if k != "name"})))[0])
+    sk = tmp_path / "sk"
+    write_skeleton(job, sk)
+    assert not is_merge_output(sk) and read_stamp(sk) is None
+    header, _ = read_header(sk / "model.safetensors")
+    assert sorted(k for k in header if k != "__metadata__") == sorted(p.name for p in job.plans)
+    assert not any(mx.load(str(sk / "model.safetensors"))[p.name].any().item() for p in job.plans)
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    docs = two_level(models)
+    cfg = write(tmp_path / "multi.yml", docs_yaml(*docs))
+    ok(run_cli(cfg, tmp_path / "out", "--dry-run"))
+    assert list(scratch.iterdir()) == []
+    docs[2]["models"][1]["model"] = str(models["wide"])  # fails in the final merge, after two stand-ins
+    refused(run_cli(write(cfg, docs_yaml(*docs)), tmp_path / "out", "--dry-run"), "final merge")
+    assert list(scratch.iterdir()) == []
+
+
+def test_out_dir_of_another_config_needs_overwrite(models, tmp_path):
+    """A rerun of the same config file replaces its OUT_DIR; another config's needs --overwrite."""
+    out = tmp_path / "out"
+    one = write(tmp_path / "one.yml", docs_yaml(*two_level(models, t=0.3)))
+    ok(run_cli(one, out))
+    before = (out / "model.safetensors").read_bytes()
+    other = write(tmp_path / "other.yml", docs_yaml(*two_level(models, t=0.8)))
+    refused(run_cli(other, out, "-I", tmp_path / "i2"), "--overwrite")
+    assert (out / "model.safetensors").read_bytes() == before and not (tmp_path / "i2").exists()
+    assert actions(ok(run_cli(other, out, "-I", tmp_path / "i2", "--overwrite")))["(final)"] == "merged"
+    write(one, docs_yaml(*two_level(models, t=0.5)))  # not the config that wrote OUT_DIR last
+    refused(run_cli(one, out), "--overwrite")

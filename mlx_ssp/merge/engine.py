@@ -43,6 +43,13 @@ from mlx_ssp.merge.sparsify import dare_seed
 
 from mlx_ssp.merge.tokenizer import TOKENIZER_FILES, aligned_fetch, copy_tokenizer_files, write_tokenizer
 
+#: Bump when the same config, inputs and options give other output bytes (a method's arithmetic,
+#: rounding, tensor order, side files): a multimerge keeps an intermediate only while its
+#: fingerprint, which holds this, is unchanged, and mlx_ssp's own version does not move per change.
+MERGER_VERSION = 1
+#: the shard metadata of a dry run's stand-in (:func:`write_skeleton`) instead of the merge mark,
+#: so that a stand-in never passes for a merge output (:func:`.outdir.is_merge_output`)
+SKELETON_KEY, SKELETON_VALUE = "mlx_ssp_stand_in", "headers only, no tensor data"
 
 def _fit_rows(x: mx.array, rows: int, fill) -> mx.array:
     """Truncate or pad (with the reference's rows) along the vocabulary axis."""
@@ -122,14 +129,24 @@ def source_paths(sources, extra: tuple[Path, ...] = ()) -> list[Protected]:
         items.append(Protected(s.path, f"input model {s.ref}"))
         if s.given is not None:
             items.append(Protected(s.given, f"input model {s.ref}"))
-        files = {t.file for t in s.tensors.values()} | {s.path / f for f in ("config.json", *TOKENIZER_FILES)}
-        files |= {t.file for q in (s.quant or {}).values() for t in (q.scales, q.biases) if t is not None}
         if s.adapter_path is not None:
             items.append(Protected(s.adapter_path, f"the LoRA adapter of model {s.ref}"))
-            files |= {t.file for t in (s.adapter or {}).values()}
-        dirs = {f.resolve().parent for f in files if f.exists()}
+        dirs = {f.resolve().parent for f in source_files(s) if f.exists()}
         items += [Protected(d, f"a directory holding files of model {s.ref}") for d in sorted(dirs)]
     return items
+
+
+def source_files(s, *, model: bool = True) -> set[Path]:
+    """The files a :class:`.sources.Source` is read from: with ``model`` its tensors' (quantized
+    parts too), config and tokenizer files; its LoRA adapter's tensors and config. Some may not exist
+    (a model without a tokenizer)."""
+    files: set[Path] = set()
+    if model:
+        files = {t.file for t in s.tensors.values()} | {s.path / f for f in ("config.json", *TOKENIZER_FILES)}
+        files |= {t.file for q in (s.quant or {}).values() for t in (q.scales, q.biases) if t is not None}
+    if s.adapter_path is not None:
+        files |= {t.file for t in (s.adapter or {}).values()} | {s.adapter_path / "adapter_config.json"}
+    return files
 
 
 def tokenizer_dir(job: MergeJob) -> Path:
@@ -271,11 +288,12 @@ def write_skeleton(job: MergeJob, out_dir: Path, *, out_shard_size: int | str = 
                    copy_tokenizer: bool = True) -> None:
     """What :func:`write_merge` would write, with every tensor left as zeros (the shards are sized
     by ``ftruncate``: sparse, no data written): a later merge can be planned on it before this one
-    has run (a multimerge's ``--dry-run``)."""
+    has run (a multimerge's ``--dry-run``). Its shards carry :data:`SKELETON_KEY`, not the merge
+    mark, so it is never taken for a merge output."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True)
     writer = sio.ShardedWriter(out_dir, planned_tensors(job), sio.parse_size(out_shard_size),
-                               metadata={MARK_KEY: MARK_VALUE})
+                               metadata={SKELETON_KEY: SKELETON_VALUE})
     writer.abort()
     writer.write_index()
     tok_src = tokenizer_dir(job) if copy_tokenizer and job.vocab is None else None

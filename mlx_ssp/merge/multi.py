@@ -13,11 +13,13 @@ one model).
 Each merge is the ordinary streaming merge (:func:`.engine.write_merge`, atomic). Its fingerprint
 hashes the merge as written, the fingerprints of the merges it reads, the identity (path, size,
 mtime) of every other input file, the shared options (seed, vocab_mismatch, shard size, tokenizer
-copy) and mlx_ssp's version; it is stored in the output (:data:`STAMP`, written with it, so only a
-finished merge has one). A rerun keeps a merge whose stored fingerprint matches and redoes one whose
-fingerprint changed; a changed merge changes the fingerprint of every merge downstream, so they are
-redone too. A killed run leaves no finished-looking output (the atomic directory), so a rerun
-resumes after the last finished merge.
+copy) and the merger's version (mlx_ssp's, :data:`.engine.MERGER_VERSION`, mlx's); it is stored in
+the output (:data:`STAMP`, written with it, so only a finished merge has one), with the config
+file's path: OUT_DIR is replaced without ``--overwrite`` only when this config file wrote it. A
+rerun keeps a merge whose stored fingerprint matches and redoes one whose fingerprint changed; a
+changed merge changes the fingerprint of every merge downstream, so they are redone too. A killed
+run leaves no finished-looking output (the atomic directory), so a rerun resumes after the last
+finished merge.
 
 Deviations from mergekit: the intermediate directory defaults to ``OUT_DIR.intermediates`` beside
 OUT_DIR (mergekit requires ``--intermediate-dir``); a cached merge is recognised by its fingerprint,
@@ -39,14 +41,15 @@ from typing import Any, Callable, Iterator, Optional
 import yaml
 
 import mlx_ssp
+import mlx.core as mx
+
 from mlx_ssp.config import digest, load_yaml_documents, read_config_text, validate
 from mlx_ssp.errors import UserError
 from mlx_ssp.merge.config import MergeConfig, check_parameter_names
-from mlx_ssp.merge.engine import plan_merge, source_paths, write_merge, write_skeleton
+from mlx_ssp.merge.engine import MERGER_VERSION, plan_merge, source_files, source_paths, write_merge, write_skeleton
 from mlx_ssp.merge.outdir import Protected, check_clear_of_inputs, check_replaceable
 from mlx_ssp.merge.plan import MergeJob
 from mlx_ssp.merge.sources import Source
-from mlx_ssp.merge.tokenizer import TOKENIZER_FILES
 from mlx_ssp.models import names_a_model
 
 #: the file in each merge's output holding its fingerprint
@@ -235,16 +238,10 @@ def resolved(step: Step, outputs: dict[str, Path]) -> tuple[MergeConfig, str]:
 
 
 def file_identity(src: Source, model: bool = True) -> list[list]:
-    """The files a source is read from (tensors, config, tokenizer; with ``model`` False only its
+    """The files a source is read from (:func:`.engine.source_files`; with ``model`` False only its
     LoRA adapter's) with size and mtime."""
-    files: set[Path] = set()
-    if model:
-        files = {t.file for t in src.tensors.values()} | {src.path / f for f in ("config.json", *TOKENIZER_FILES)}
-        files |= {t.file for q in (src.quant or {}).values() for t in (q.scales, q.biases) if t is not None}
-    if src.adapter_path is not None:
-        files |= {t.file for t in (src.adapter or {}).values()} | {src.adapter_path / "adapter_config.json"}
     out = []
-    for f in sorted(files):
+    for f in sorted(source_files(src, model=model)):
         if f.is_file():
             st = f.stat()
             out.append([str(f), st.st_size, st.st_mtime_ns])
@@ -262,17 +259,35 @@ def fingerprint(step: Step, job: MergeJob, upstream: dict[str, str], merged_dirs
             inputs[s.ref] = file_identity(s)
         elif s.adapter_path is not None:  # keyed without the merge's directory (a dry run's is temporary)
             inputs[f"+{s.adapter_path}"] = file_identity(s, model=False)
-    return digest({"merger": mlx_ssp.__version__, "config": step.data, "upstream": {d: upstream[d] for d in step.deps},
+    # the merger's identity: MERGER_VERSION moves with every output change of the engine, mlx's
+    # version with its kernels' rounding
+    merger = {"mlx_ssp": mlx_ssp.__version__, "engine": MERGER_VERSION, "mlx": mx.__version__}
+    return digest({"merger": merger, "config": step.data, "upstream": {d: upstream[d] for d in step.deps},
                    "inputs": inputs, "options": options})
+
+
+def _stamp(out_dir: Path) -> dict:
+    """The :data:`STAMP` of a merge output ({}: none, or unreadable)."""
+    try:
+        data = json.loads((Path(out_dir) / STAMP).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def read_stamp(out_dir: Path) -> Optional[str]:
     """The fingerprint stored in a merge output (None: none, or unreadable)."""
-    try:
-        data = json.loads((Path(out_dir) / STAMP).read_text())
-    except (OSError, ValueError):
-        return None
-    return data.get("fingerprint") if isinstance(data, dict) else None
+    return _stamp(out_dir).get("fingerprint")
+
+
+def _config_id(mm: MultiMerge) -> str:
+    return str(Path(mm.source).expanduser().resolve())
+
+
+def written_by(out_dir: Path, mm: MultiMerge) -> bool:
+    """Whether ``out_dir`` is a finished merge of this config file (a rerun after an edit replaces
+    it without ``--overwrite``; another config's output, as any other directory, needs it)."""
+    return _stamp(out_dir).get("config") == _config_id(mm)
 
 
 # ------------------------------------------------------------ running
@@ -320,7 +335,7 @@ def run_multimerge(mm: MultiMerge, layout: Layout, *, lazy: bool = True, overwri
     previous merge output. ``before_final`` sees the final merge's plan before it is written."""
     layout.check(mm)
     # a foreign OUT_DIR is refused now, not after the intermediates were built
-    check_replaceable(layout.out_dir, overwrite=overwrite or read_stamp(layout.out_dir) is not None,
+    check_replaceable(layout.out_dir, overwrite=overwrite or written_by(layout.out_dir, mm),
                       overwrite_any=overwrite_any)
     options = {"seed": seed, "vocab_mismatch": vocab_mismatch, "out_shard_size": out_shard_size,
                "copy_tokenizer": copy_tokenizer}  # what every merge shares, in each one's fingerprint
@@ -354,8 +369,8 @@ def _run_step(mm: MultiMerge, step: Step, layout: Layout, fps: dict, merged_dirs
         before_final(job)
     why = "not built yet" if stamp is None else "changed" if stamp != fp else "--no-lazy"
     echo(f"merge {name}: {why}, merging into {target}")
-    side = {STAMP: json.dumps({"name": step.name, "fingerprint": fp, "config": mm.source}, indent=2) + "\n"}
-    res = write_merge(job, target, overwrite=(overwrite or stamp is not None) if final else True,
+    side = {STAMP: json.dumps({"name": step.name, "fingerprint": fp, "config": _config_id(mm)}, indent=2) + "\n"}
+    res = write_merge(job, target, overwrite=(overwrite or written_by(target, mm)) if final else True,
                       overwrite_any=overwrite_any if final else False, out_shard_size=options["out_shard_size"],
                       copy_tokenizer=options["copy_tokenizer"], seed=options["seed"], config_text=text,
                       progress=progress, workers=workers, protect=(Path(mm.source),), side_files=side)
