@@ -256,6 +256,8 @@ def test_set_and_intermediate_dir_are_refused_where_they_do_not_apply(models, tm
     single = write(tmp_path / "one.yml", yaml.safe_dump(two_level(models)[2] | {"base_model": str(models["a"]),
                                                                              "models": [{"model": str(models["b"])}]}))
     refused(run_cli(single, tmp_path / "o", "-I", tmp_path / "i"), "--intermediate-dir")
+    refused(run_cli(single, tmp_path / "o", "--no-lazy"), "--no-lazy")
+    assert not (tmp_path / "o").exists()
 
 
 def test_intermediate_dir_inside_out_is_refused(models, tmp_path):

@@ -108,8 +108,9 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
             res["uploaded"] = upload_model(out_dir, upload_repo, public=public)
         click.echo(json.dumps(res))
         return
-    if intermediate_dir:
-        raise UserError(f"{config}: --intermediate-dir applies to a multimerge config (several merges) only")
+    for given, opt in ((intermediate_dir, "--intermediate-dir"), (not lazy, "--no-lazy")):
+        if given:
+            raise UserError(f"{config}: {opt} applies to a multimerge config (several merges) only")
     cfg, text = load_merge_config(config, tuple(overrides))
     if Path(out_dir).exists() and not (overwrite or overwrite_any) and not dry_run:
         raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
