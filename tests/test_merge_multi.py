@@ -16,6 +16,7 @@ import mlx_ssp  # noqa: F401  (loads OpenBLAS before mlx.core)
 import mlx.core as mx
 
 from mlx_ssp.cli import main
+from mlx_ssp.config import load_yaml_documents, load_yaml_text
 from mlx_ssp.errors import UserError
 from mlx_ssp.merge import multi
 from mlx_ssp.merge.config import load_merge_config
@@ -422,3 +423,14 @@ def test_out_dir_of_another_config_needs_overwrite(models, tmp_path):
     assert actions(ok(run_cli(other, out, "-I", tmp_path / "i2", "--overwrite")))["(final)"] == "merged"
     write(one, docs_yaml(*two_level(models, t=0.5)))  # not the config that wrote OUT_DIR last
     refused(run_cli(one, out), "--overwrite")
+
+
+def test_alias_bound_counts_every_document_together():
+    """The alias-expansion bound of one YAML document holds for the whole stream: documents each
+    under it are refused together once their sum is over (otherwise N documents give N times it)."""
+    doc = "a: &a [" + ", ".join(["1"] * 1000) + "]\nb: [" + ", ".join(["*a"] * 60) + "]\n"  # ~61,000 values
+    assert len(load_yaml_documents(doc, "one")) == 1
+    with pytest.raises(UserError, match="expands to more than"):
+        load_yaml_documents(doc + "---\n" + doc, "two")
+    with pytest.raises(UserError, match="not valid YAML|expected a single document"):
+        load_yaml_text(doc + "---\n" + doc, "two")  # one-document readers still take one
