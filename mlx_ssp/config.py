@@ -11,7 +11,9 @@ fail at load time with a message naming the file, the dotted key and the valid c
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 import re
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -132,19 +134,41 @@ class NotYAMLError(UserError):
 def load_yaml_text(text: str, source: str) -> Any:
     """Parse one YAML document (safe tags only) with the size and alias-expansion bounds above;
     malformed or oversized input is a UserError naming ``source``."""
+    return _load_yaml(text, source, every=False)[0]
+
+
+def load_yaml_documents(text: str, source: str) -> list[Any]:
+    """Every document of a YAML stream (``---`` separated; empty ones left out), each under the
+    bounds of :func:`load_yaml_text` (the alias bound counts all of them together)."""
+    return [d for d in _load_yaml(text, source, every=True) if d is not None]
+
+
+def _load_yaml(text: str, source: str, *, every: bool) -> list[Any]:
     if len(text) > MAX_YAML_BYTES:
         raise UserError(f"{source}: {len(text)} characters is more than a config may hold ({MAX_YAML_BYTES})")
     loader = yaml.SafeLoader(text)
     try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        if _expanded_size(node, MAX_YAML_NODES) > MAX_YAML_NODES:
-            raise UserError(
-                f"{source}: the YAML expands to more than {MAX_YAML_NODES} values through its aliases (*name); "
-                "write the values out or use fewer aliases"
-            )
-        return loader.construct_document(node)
+        if not every:
+            nodes = [loader.get_single_node()]
+        else:
+            nodes = []
+            while loader.check_node():
+                nodes.append(loader.get_node())
+        budget = MAX_YAML_NODES
+        docs = []
+        for node in nodes:
+            if node is None:
+                docs.append(None)
+                continue
+            size = _expanded_size(node, budget)
+            if size > budget:
+                raise UserError(
+                    f"{source}: the YAML expands to more than {MAX_YAML_NODES} values through its aliases (*name); "
+                    "write the values out or use fewer aliases"
+                )
+            budget -= size
+            docs.append(loader.construct_document(node))
+        return docs
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -155,19 +179,24 @@ def load_yaml_text(text: str, source: str) -> Any:
         loader.dispose()
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping; a missing, malformed, oversized or non-UTF-8 file is a UserError naming
-    the file."""
+def read_config_text(path: str | Path) -> str:
+    """A config file's text; a missing, oversized or non-UTF-8 file is a UserError naming it."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"config file not found: {p}")
     if p.stat().st_size > MAX_YAML_BYTES:
         raise UserError(f"{p}: {p.stat().st_size} bytes is more than a config file may hold ({MAX_YAML_BYTES})")
     try:
-        text = p.read_text(encoding="utf-8")
+        return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"{p}: not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
-    data = load_yaml_text(text, str(p))
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; a missing, malformed, oversized or non-UTF-8 file is a UserError naming
+    the file."""
+    p = Path(path)
+    data = load_yaml_text(read_config_text(p), str(p))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -296,3 +325,10 @@ def plain(cfg: Any) -> Any:
     """A validated section as JSON-ready data (a model's ``model_dump``; anything else as it is):
     what fingerprints hash and what trackers log as parameters."""
     return cfg.model_dump(mode="json") if hasattr(cfg, "model_dump") else cfg
+
+
+def digest(payload: Any) -> str:
+    """A short stable hash of JSON-ready data (keys sorted; anything else by ``str``): the
+    fingerprint of a pipeline stage or of a multimerge's merge."""
+    blob = json.dumps(payload, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -43,24 +43,43 @@ def check_model_dir(path: Path) -> Path:
     return path
 
 
+def _spec_kind(spec: str) -> Optional[str]:
+    """What a (stripped, non-empty) model spec names: "demo", "testbed", "path" (it exists), "hub" (a repo id
+    like 'Qwen/Qwen3-0.6B'), or None. Only looks: nothing is built, read or downloaded."""
+    if spec in DEMO_NAMES:
+        return "demo"
+    if spec == "testbed" or spec.startswith("testbed:"):
+        return "testbed"
+    if Path(spec).expanduser().exists():
+        return "path"
+    # a repo id starts with a letter or digit, so './x/y', '/x/y' and '~/x' are never one
+    return "hub" if _REPO_ID.match(spec) else None
+
+
+def names_a_model(spec: str) -> bool:
+    """Whether :func:`resolve_model` could take ``spec`` (an existing path, ``demo``, the testbed or
+    a hub repo id), checked without resolving it: nothing is built or downloaded."""
+    spec = str(spec).strip()
+    return bool(spec) and _spec_kind(spec) is not None  # '' would be the working directory
+
+
 def resolve_model(spec: str, revision: str | None = None) -> Path:
     """Turn a model spec into a local directory in HF layout (downloading or converting if needed)."""
     spec = str(spec).strip()
     if not spec:
         raise UserError("empty model spec; give a directory, a Hugging Face repo id, 'demo' or 'testbed[:SIZE[:SEED]]'")
-    if spec in DEMO_NAMES:
+    kind = _spec_kind(spec)
+    if kind == "demo":
         from mlx_ssp.demo import ensure_demo_model
 
         return ensure_demo_model()
-    if spec == "testbed" or spec.startswith("testbed:"):  # the testbed: pretrained here, cached
+    if kind == "testbed":  # the testbed: pretrained here, cached
         from mlx_ssp.testbed.build import ensure_testbed
 
         return ensure_testbed(spec)
-    p = Path(spec).expanduser()
-    if p.exists():
-        return check_model_dir(p.resolve())
-    looks_like_path = spec.startswith((".", "/", "~")) or os.sep in spec.rstrip(os.sep) and not _REPO_ID.match(spec)
-    if looks_like_path or not _REPO_ID.match(spec):
+    if kind == "path":
+        return check_model_dir(Path(spec).expanduser().resolve())
+    if kind is None:
         raise UserError(f"model path {spec} does not exist (and it is not a Hugging Face repo id like 'Qwen/Qwen3-0.6B')")
     return _download(spec, revision)
 

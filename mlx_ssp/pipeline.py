@@ -41,7 +41,6 @@ itself (rejection sampling from its own K-rollouts) and the sizes fit a laptop.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -57,7 +56,7 @@ import yaml
 
 from mlx_ssp import trackers
 from mlx_ssp.card import add_eval_table
-from mlx_ssp.config import load_section, plain
+from mlx_ssp.config import digest, load_section, plain
 from mlx_ssp.errors import UserError
 from mlx_ssp.hub import require_token, upload_model
 from mlx_ssp.io import JsonlAppender, exclusive_lock, output_lock, write_json_atomic, write_text_atomic
@@ -152,8 +151,7 @@ def fingerprint(run: Run, stage: str, previous: str) -> str:
         "sections": {s: plain(run.section(s)) for s in STAGE_REGISTRY[stage].sections
                      if not SECTIONS[s].optional or run.data.get(s) is not None},
     }
-    blob = json.dumps(payload, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    return digest(payload)
 
 
 def read_state(run: Run, stage: str) -> dict:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from mlx_ssp.cli import main
 from mlx_ssp.errors import UserError
-from mlx_ssp.models import ModelConfig, load_model, resolve_model
+from mlx_ssp.models import ModelConfig, load_model, names_a_model, resolve_model
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -125,6 +125,17 @@ def test_hub_id_offline_is_one_line_exit_2(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}  # an empty hub cache
     r = _cli("models", "resolve", "mlx-ssp-test/does-not-exist", env=env)
     _assert_one_line_error(r, "mlx-ssp-test/does-not-exist", "HF_HUB_OFFLINE")
+
+
+def test_names_a_model_agrees_with_resolve_model(tiny_qwen3, tmp_path):
+    """The check without resolving (a multimerge's misspelt names) says yes exactly to what
+    resolve_model takes: what it refuses as no path and no repo id is refused here too."""
+    for spec in (str(tiny_qwen3), "demo", "testbed:tiny", "Qwen/Qwen3-0.6B"):
+        assert names_a_model(spec), spec
+    for spec in ("", "frist", str(tmp_path / "nope"), "./nope/x", "~/nope-mlx-ssp/x"):
+        assert not names_a_model(spec), spec
+        with pytest.raises(UserError, match="does not exist|empty model spec"):
+            resolve_model(spec)
 
 
 def test_empty_spec_is_a_user_error():

@@ -12,6 +12,7 @@ that reads mergekit YAML configs. See ``docs/merge.md``.
 - :mod:`mlx_ssp.merge.safetensors_io`: lazy header-based reads, shards written as tensors arrive.
 - :mod:`mlx_ssp.merge.outdir`: OUT_DIR safety (never an input; only a previous output replaced).
 - :mod:`mlx_ssp.merge.engine`: merge and write tensor by tensor; ``run_merge`` and ``merge_models``.
+- :mod:`mlx_ssp.merge.multi`: several merges in one config (mergekit's multimerge), ordered and cached.
 
 The command ``mlx_ssp merge CONFIG.yml OUT_DIR`` is :mod:`mlx_ssp.commands.merge`.
 """

@@ -43,6 +43,13 @@ from mlx_ssp.merge.sparsify import dare_seed
 
 from mlx_ssp.merge.tokenizer import TOKENIZER_FILES, aligned_fetch, copy_tokenizer_files, write_tokenizer
 
+#: Bump when the same config, inputs and options give other output bytes (a method's arithmetic,
+#: rounding, tensor order, side files): a multimerge keeps an intermediate only while its
+#: fingerprint, which holds this, is unchanged, and mlx_ssp's own version does not move per change.
+MERGER_VERSION = 1
+#: the shard metadata of a dry run's stand-in (:func:`write_skeleton`) instead of the merge mark,
+#: so that a stand-in never passes for a merge output (:func:`.outdir.is_merge_output`)
+SKELETON_KEY, SKELETON_VALUE = "mlx_ssp_stand_in", "headers only, no tensor data"
 
 def _fit_rows(x: mx.array, rows: int, fill) -> mx.array:
     """Truncate or pad (with the reference's rows) along the vocabulary axis."""
@@ -122,14 +129,24 @@ def source_paths(sources, extra: tuple[Path, ...] = ()) -> list[Protected]:
         items.append(Protected(s.path, f"input model {s.ref}"))
         if s.given is not None:
             items.append(Protected(s.given, f"input model {s.ref}"))
-        files = {t.file for t in s.tensors.values()} | {s.path / f for f in ("config.json", *TOKENIZER_FILES)}
-        files |= {t.file for q in (s.quant or {}).values() for t in (q.scales, q.biases) if t is not None}
         if s.adapter_path is not None:
             items.append(Protected(s.adapter_path, f"the LoRA adapter of model {s.ref}"))
-            files |= {t.file for t in (s.adapter or {}).values()}
-        dirs = {f.resolve().parent for f in files if f.exists()}
+        dirs = {f.resolve().parent for f in source_files(s) if f.exists()}
         items += [Protected(d, f"a directory holding files of model {s.ref}") for d in sorted(dirs)]
     return items
+
+
+def source_files(s, *, model: bool = True) -> set[Path]:
+    """The files a :class:`.sources.Source` is read from: with ``model`` its tensors' (quantized
+    parts too), config and tokenizer files; its LoRA adapter's tensors and config. Some may not exist
+    (a model without a tokenizer)."""
+    files: set[Path] = set()
+    if model:
+        files = {t.file for t in s.tensors.values()} | {s.path / f for f in ("config.json", *TOKENIZER_FILES)}
+        files |= {t.file for q in (s.quant or {}).values() for t in (q.scales, q.biases) if t is not None}
+    if s.adapter_path is not None:
+        files |= {t.file for t in (s.adapter or {}).values()} | {s.adapter_path / "adapter_config.json"}
+    return files
 
 
 def tokenizer_dir(job: MergeJob) -> Path:
@@ -207,9 +224,13 @@ def merge_card(job: MergeJob, config_text: str, seed: int) -> Card:
                 title=f"{cfg.merge_method} merge of {len(job.sources)} models")
 
 
-def _write_side_files(job: MergeJob, tmp: Path, tok_src: Optional[Path], config_text: str, seed: int) -> None:
+def _write_side_files(job: MergeJob, tmp: Path, tok_src: Optional[Path], config_text: str, seed: int,
+                      extra: Optional[dict[str, str]] = None) -> None:
     """config.json, the tokenizer files (from ``tok_src``, unless None; with tokenizer surgery the
-    output vocabulary's, always, as mergekit saves it), the merge config and the model card."""
+    output vocabulary's, always, as mergekit saves it), the merge config, the model card and the
+    caller's ``extra`` files (name -> text)."""
+    for name, text in (extra or {}).items():
+        (tmp / name).write_text(text)
     (tmp / "config.json").write_text(json.dumps(output_config(job), indent=2) + "\n")
     if job.vocab is not None:
         write_tokenizer(job.vocab, tmp)
@@ -222,23 +243,22 @@ def _write_side_files(job: MergeJob, tmp: Path, tok_src: Optional[Path], config_
 def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_shard_size: int | str = "5GB",
                 copy_tokenizer: bool = True, seed: int = 0, config_text: str = "",
                 progress: bool = True, workers: Optional[int] = None, overwrite_any: bool = False,
-                protect: tuple[Path, ...] = ()) -> dict:
+                protect: tuple[Path, ...] = (), side_files: Optional[dict[str, str]] = None) -> dict:
     """Merge every planned tensor into ``out_dir`` (atomic: built beside it, renamed at the end).
     ``workers`` tensors are merged side by side (:func:`.parallel.resolve_workers`); the output
     does not depend on it. ``out_dir`` is checked first (:func:`check_out_dir`) against every input
-    and ``protect`` (other files the caller read, e.g. the merge config)."""
+    and ``protect`` (other files the caller read, e.g. the merge config). ``side_files`` (name ->
+    text) are written into the output with it (a multimerge's fingerprint: there only if the merge
+    finished)."""
     check_out_dir(Path(out_dir), input_paths(job, tuple(protect)), overwrite=overwrite, overwrite_any=overwrite_any)
     tok_src = tokenizer_dir(job) if copy_tokenizer and job.vocab is None else None
     out_dir = Path(out_dir)
     # lexically absolute: a trailing '..' has no name to build the temporary sibling from
     target = Path(os.path.abspath(out_dir))
     shard_bytes = sio.parse_size(out_shard_size)
-    plan = [t for p in job.plans for t in  # a copy's out: the reference's dtype
-            ([sio.PlannedTensor(p.name, p.out, p.shape)] if p.quant is None
-             else Q.packed_tensors(p.name, p.shape, p.out, *p.quant))]
     t0 = time.perf_counter()
     with atomic_dir(target, overwrite=overwrite or overwrite_any) as tmp:
-        writer = sio.ShardedWriter(tmp, plan, shard_bytes, metadata={MARK_KEY: MARK_VALUE})
+        writer = sio.ShardedWriter(tmp, planned_tensors(job), shard_bytes, metadata={MARK_KEY: MARK_VALUE})
         n_workers = resolve_workers(workers)
         try:
             _merge_tensors(job, writer, seed, n_workers, progress)
@@ -246,7 +266,7 @@ def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_sh
         except BaseException:
             writer.abort()
             raise
-        _write_side_files(job, tmp, tok_src, config_text, seed)
+        _write_side_files(job, tmp, tok_src, config_text, seed, side_files)
     elapsed = time.perf_counter() - t0
     res = {"out_dir": str(out_dir), "tensors": len(job.plans), "bytes": writer.total_bytes,
            "shards": len(writer.names), "workers": n_workers, "seconds": round(elapsed, 3)}
@@ -254,6 +274,30 @@ def write_merge(job: MergeJob, out_dir: Path, *, overwrite: bool = False, out_sh
         res["quantized"] = sum(p.quant is not None for p in job.plans)  # 0 would mean mlx-lm's names did not match
     trackers.log("", res, step=0)  # merge/seconds, merge/bytes, ... (mlx_ssp.trackers)
     return res
+
+
+def planned_tensors(job: MergeJob) -> list[sio.PlannedTensor]:
+    """The output's stored tensors in order (a quantized weight as its packed parts; a copy in the
+    reference's dtype)."""
+    return [t for p in job.plans for t in
+            ([sio.PlannedTensor(p.name, p.out, p.shape)] if p.quant is None
+             else Q.packed_tensors(p.name, p.shape, p.out, *p.quant))]
+
+
+def write_skeleton(job: MergeJob, out_dir: Path, *, out_shard_size: int | str = "5GB",
+                   copy_tokenizer: bool = True) -> None:
+    """What :func:`write_merge` would write, with every tensor left as zeros (the shards are sized
+    by ``ftruncate``: sparse, no data written): a later merge can be planned on it before this one
+    has run (a multimerge's ``--dry-run``). Its shards carry :data:`SKELETON_KEY`, not the merge
+    mark, so it is never taken for a merge output."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True)
+    writer = sio.ShardedWriter(out_dir, planned_tensors(job), sio.parse_size(out_shard_size),
+                               metadata={SKELETON_KEY: SKELETON_VALUE})
+    writer.abort()
+    writer.write_index()
+    tok_src = tokenizer_dir(job) if copy_tokenizer and job.vocab is None else None
+    _write_side_files(job, out_dir, tok_src, "", 0)
 
 
 def run_merge(cfg: MergeConfig, out_dir: Path, *, overwrite: bool = False, out_shard_size: int | str = "5GB",

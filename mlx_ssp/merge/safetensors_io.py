@@ -342,6 +342,11 @@ class ShardedWriter:
             raise RuntimeError(f"writer closed with {len(missing)} of {len(self._where)} tensors unwritten "
                                f"(first: {missing[0]})")
         self.abort()
+        self.write_index()
+
+    def write_index(self) -> None:
+        """``model.safetensors.index.json`` (also for a skeleton: shards whose headers are written
+        and whose tensors are left as zeros, as a dry run plans a later merge on them)."""
         weight_map = {t.name: self.names[si] for si, s in enumerate(self.shards) for t in s}
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
