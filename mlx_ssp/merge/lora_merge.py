@@ -52,7 +52,8 @@ from mlx_ssp.merge.extract_lora import low_rank, sketch_seed
 from mlx_ssp.merge.methods import (METHODS, MethodSpec, TaskVectorParams, TensorInputs, merge_task_vectors,
                                    task_vector_merge)
 from mlx_ssp.merge.outdir import Protected, check_clear_of_inputs
-from mlx_ssp.merge.plan import layer_position, resolve_per_model, resolve_shared
+from mlx_ssp.merge.plan import layer_count, layer_position, resolve_per_model, resolve_shared
+from mlx_ssp.merge.sources import open_source, read_model_config
 from mlx_ssp.merge.sparsify import dare_seed
 
 F32 = mx.float32
@@ -417,9 +418,6 @@ def run_lora_merge(cfg: LoraMergeConfig, out_dir: Path, *, seed: int = 0, overwr
     protected += [Protected(a.path, f"input adapter {r}") for a, r in zip(adapters, refs)]
     base_tensors, n_layers, base_path = None, None, None
     if cfg.base_model is not None:
-        from mlx_ssp.merge.plan import layer_count
-        from mlx_ssp.merge.sources import open_source, read_model_config
-
         base = open_source(cfg.base_model)
         base_tensors, base_path = base.tensors, base.path
         n_layers = layer_count(base, read_model_config(base))
