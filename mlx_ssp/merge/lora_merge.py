@@ -9,9 +9,11 @@ adapters, never reading the base's weights:
 
 - ``linear`` is exact on the factors: ``sum c_i D_i`` (``c_i = w_i / sum w`` with ``normalize``)
   is the product of the factors concatenated along the rank axis, ``lora_a = [A_1 .. A_n]``,
-  ``lora_b = [c_1 s_1 B_1; ..; c_n s_n B_n] / s_out``: rank ``r_1 + .. + r_n``. Truncated to a
+  ``lora_b = [c_1 s_1 B_1; ..; c_n s_n B_n] / s_out``: rank ``R = r_1 + .. + r_n``. Truncated to a
   smaller ``rank``, the factors' exact SVD (QR of both stacked factors, then the SVD of the small
-  ``R x R`` core) gives the best rank-r approximation (Eckart-Young), with no ``out x in`` matrix.
+  ``R x R`` core) gives the best rank-r approximation in the Frobenius norm (Eckart-Young), with
+  no ``out x in`` matrix (unless ``R`` exceeds the layer's smaller dimension: that matrix is then
+  no larger than the factors).
 - The other task-vector methods (``task_arithmetic``, ``ties``, ``dare_*``, ``breadcrumbs*``,
   ``della*``: every entry of :data:`.methods.METHODS` that merges task vectors) cannot be done on
   factors (trimming, random drops and sign votes act on the elements of ``D_i``): each layer's
@@ -21,16 +23,16 @@ adapters, never reading the base's weights:
   ``rank + oversample`` reaches the layer's smaller dimension). One layer at a time: the memory is
   one layer's products.
 
-Every module's relative Frobenius error ``||D - D_r|| / ||D||`` is reported (0 where nothing was
-truncated). A module one adapter lacks counts as a zero delta there. Adapters of different base
-models (different shapes of a module, or different recorded base directories), DoRA or full
-fine-tunes are refused; ``linear`` with ``normalize: false`` and weights that do not sum to 1 is
-refused too (it scales the base, which no adapter can express).
+Every module's relative Frobenius error ``||D - D_r|| / ||D||`` against the untruncated merged
+update ``D`` is reported (0 where nothing was truncated; float32, before the cast to ``dtype``).
+A module one adapter lacks counts as a zero delta there. Adapters of different base models
+(different shapes of a module, or different recorded base directories), DoRA or full fine-tunes
+are refused; ``linear`` with ``normalize: false`` and weights that do not sum to 1 is refused too
+(it scales the base, which no adapter can express).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -45,19 +47,20 @@ import mlx.core as mx
 
 from mlx_ssp.config import StrictModel, apply_overrides, format_validation_error, read_yaml
 from mlx_ssp.errors import UserError
-from mlx_ssp.io import atomic_dir, read_json, write_json_atomic
+from mlx_ssp.io import atomic_dir, write_json_atomic
 from mlx_ssp.merge import safetensors_io as sio
-from mlx_ssp.merge.config import DType, ModelEntry, Setting, layer_index
-from mlx_ssp.merge.extract_lora import low_rank, sketch_seed
+from mlx_ssp.merge.config import DType, ModelEntry, Setting, check_parameter_names, layer_index
+from mlx_ssp.merge.engine import source_paths
+from mlx_ssp.merge.extract_lora import (check_adapter_out_dir, layer_key, low_rank, relative_error, round_sig,
+                                        sketch_seed)
 from mlx_ssp.merge.methods import (METHODS, MethodSpec, TaskVectorParams, TensorInputs, merge_task_vectors,
                                    task_vector_merge)
 from mlx_ssp.merge.outdir import Protected, check_clear_of_inputs
 from mlx_ssp.merge.plan import layer_count, layer_position, resolve_per_model, resolve_shared
-from mlx_ssp.merge.sources import open_source, read_model_config
+from mlx_ssp.merge.sources import open_source, read_adapter_dir, read_model_config
 from mlx_ssp.merge.sparsify import dare_seed
 
 F32 = mx.float32
-ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")
 REPORT_NAME = "lora_merge.json"
 #: marks an adapter directory this module wrote (``--overwrite`` replaces only such a directory)
 MARK = ("merged_by", "mlx_ssp")
@@ -99,16 +102,7 @@ def load_lora_merge_config(path: str | Path, overrides: tuple[str, ...] = ()) ->
         cfg = LoraMergeConfig.model_validate(data)
     except ValidationError as e:
         raise UserError(format_validation_error(e, LoraMergeConfig, str(path))) from None
-    spec = LORA_METHODS[cfg.merge_method]
-    valid_top = set(spec.shared_params) | set(spec.model_params)
-    for k in cfg.parameters or {}:
-        if k not in valid_top:
-            raise UserError(f"{path}: unknown parameter '{k}' for {spec.name}; valid: {', '.join(sorted(valid_top))}")
-    for m in cfg.models:
-        for k in m.parameters or {}:
-            if k not in spec.model_params:
-                raise UserError(f"{path}: model {m.model}: unknown parameter '{k}' for {spec.name}; "
-                                f"valid here: {', '.join(spec.model_params)}")
+    check_parameter_names(cfg, str(path))
     refs = [m.model for m in cfg.models]
     dup = next((r for r in refs if refs.count(r) > 1), None)
     if dup is not None:
@@ -150,29 +144,13 @@ def read_adapter(ref: str) -> Adapter:
     """An adapter directory, checked: LoRA (not DoRA / full), ``lora_a``/``lora_b`` pairs of 2-D
     matrices of one rank; anything else is one line naming the adapter."""
     d = Path(ref).expanduser()
-    cfg_file, weights = d / "adapter_config.json", d / "adapters.safetensors"
-    if not cfg_file.is_file() or not weights.is_file():
-        raise UserError(f"{ref} is not an mlx-lm LoRA adapter directory (needs adapter_config.json and "
-                        "adapters.safetensors)")
-    conf = read_json(cfg_file)
-    if not isinstance(conf, dict):
-        raise UserError(f"{cfg_file}: expected a JSON object")
-    kind = conf.get("fine_tune_type", "lora")
-    if kind != "lora":
-        raise UserError(f"adapter {ref}: fine_tune_type '{kind}' cannot be merged in LoRA space (only 'lora'); "
-                        "fuse it and use `mlx_ssp merge`")
+    conf, tensors = read_adapter_dir(d, f"adapter {ref}", "fuse it and merge the fused models with `mlx_ssp merge`")
     lp = conf.get("lora_parameters")
     if not isinstance(lp, dict) or not isinstance(lp.get("scale"), (int, float)) or isinstance(lp.get("scale"), bool):
-        raise UserError(f"{cfg_file}: lora_parameters.scale is missing or not a number")
-    tensors = sio.scan_file(weights)
+        raise UserError(f"{d / 'adapter_config.json'}: lora_parameters.scale is missing or not a number")
     modules: dict[str, tuple[sio.TensorInfo, sio.TensorInfo]] = {}
     for k in tensors:
-        stem, _, kind = k.rpartition(".")
-        if kind not in ("lora_a", "lora_b"):
-            raise UserError(f"adapter {ref}: tensor '{k}' is not a LoRA matrix (lora_a / lora_b)")
-        other = stem + (".lora_b" if kind == "lora_a" else ".lora_a")
-        if other not in tensors:
-            raise UserError(f"adapter {ref}: tensor '{k}' has no '{other}' to pair with")
+        stem = k.rpartition(".")[0]
         a, b = tensors[stem + ".lora_a"], tensors[stem + ".lora_b"]
         if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[0] or a.dtype not in sio.FLOAT_CODES:
             raise UserError(f"adapter {ref}: module '{stem}' is not a linear LoRA pair (lora_a {list(a.shape)}, "
@@ -183,7 +161,10 @@ def read_adapter(ref: str) -> Adapter:
     ranks = {a.shape[1] for a, _ in modules.values()}
     if len(ranks) > 1:
         raise UserError(f"adapter {ref}: its modules have different ranks {sorted(ranks)}")
-    return Adapter(d, conf, float(lp["scale"]), ranks.pop(), int(conf.get("num_layers", -1)), modules)
+    n_layers = conf.get("num_layers", -1)  # mlx-lm adapts the last num_layers layers (-1: all)
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int):
+        raise UserError(f"{d / 'adapter_config.json'}: num_layers is {n_layers!r}, not an integer")
+    return Adapter(d, conf, float(lp["scale"]), ranks.pop(), n_layers, modules)
 
 
 def _recorded_base(ad: Adapter) -> Optional[Path]:
@@ -211,8 +192,9 @@ def check_one_base(adapters: list[Adapter], refs: list[str], base_tensors: Optio
         for stem in ad.modules:
             d = ad.dims(stem)
             if stem in dims and dims[stem] != d:
-                raise UserError(f"module '{stem}' is {d[0]}x{d[1]} in adapter {ref} but {dims[stem][0]}x{dims[stem][1]} "
-                                f"in {owner[stem]}: the adapters belong to different base models")
+                o_n, i_n = dims[stem]
+                raise UserError(f"module '{stem}' is {d[0]}x{d[1]} in adapter {ref} but {o_n}x{i_n} in {owner[stem]}: "
+                                "the adapters belong to different base models")
             dims.setdefault(stem, d)
             owner.setdefault(stem, ref)
     if base_tensors is not None:
@@ -279,15 +261,6 @@ def merge_products(deltas: list[mx.array], spec: MethodSpec, p: TaskVectorParams
     return merged.reshape(shape)
 
 
-def relative_error(d: mx.array, a: mx.array, b: mx.array) -> float:
-    """``||d - b^T a^T||_F / ||d||_F`` (0 for a zero ``d``)."""
-    den = float(mx.sqrt(mx.sum(d * d)).item())
-    if den == 0:
-        return 0.0
-    r = d - b.T @ a.T
-    return float(mx.sqrt(mx.sum(r * r)).item()) / den
-
-
 # ------------------------------------------------------------------ the merge
 
 
@@ -300,17 +273,14 @@ class ModuleResult:
     rel_error: float
 
 
-def module_key(stem: str) -> str:
-    """``model.layers.3.self_attn.q_proj`` -> ``self_attn.q_proj`` (mlx-lm's LoRA ``keys``); a
-    module outside the layers keeps its full path."""
+def _module_order(stem: str) -> tuple[int, str]:
+    """Modules outside the layers first, then layer by layer."""
     i = layer_index(stem + ".")
-    if i is None:
-        return stem
-    marker = f".{i}."
-    return stem[stem.index(marker) + len(marker):]
+    return (-1 if i is None else i, stem)
 
 
-def _params(spec: MethodSpec, cfg: LoraMergeConfig, stem: str, n_layers: int, seed: int) -> tuple[list[dict], dict, list[int]]:
+def _params(spec: MethodSpec, cfg: LoraMergeConfig, stem: str, n_layers: int,
+            seed: int) -> tuple[list[dict], dict, list[int]]:
     """(per-model, shared) parameters of one module, resolved like the dense merge's for the
     module's ``.weight`` (filters and gradients apply to that name), and each model's DARE seed."""
     name = stem + ".weight"
@@ -329,8 +299,8 @@ def _linear_coeffs(per_model: list[dict], shared: dict, stem: str, refs: list[st
     total = sum(w)
     if shared["normalize"]:
         if abs(total) < 1e-8:
-            raise UserError(f"module '{stem}': the weights of {', '.join(refs)} sum to zero, so normalize cannot divide "
-                            "by them")
+            raise UserError(f"module '{stem}': the weights of {', '.join(refs)} sum to zero, so normalize cannot "
+                            "divide by them")
         return [x / total for x in w]
     if abs(total - 1) > 1e-6:
         raise UserError(f"module '{stem}': linear with normalize: false and weights summing to {total:g} scales the "
@@ -353,7 +323,7 @@ def merge_adapters(cfg: LoraMergeConfig, adapters: list[Adapter], dims: dict[str
                                                          else getattr(mx, sio.DTYPES[codes.pop()][2]))
     weights: dict[str, mx.array] = {}
     results = []
-    for stem in sorted(dims, key=lambda s: (layer_index(s + ".") or -1, s)):
+    for stem in sorted(dims, key=_module_order):
         per_model, shared, seeds = _params(spec, cfg, stem, n_layers, seed)
         have = [i for i, a in enumerate(adapters) if stem in a.modules]
         if spec.name == "linear":
@@ -374,8 +344,8 @@ def merge_adapters(cfg: LoraMergeConfig, adapters: list[Adapter], dims: dict[str
             del deltas
             u, sv = low_rank(d, rank, oversample=cfg.oversample, power_iters=cfg.power_iters,
                              seed=sketch_seed(seed, stem))
+            err = relative_error(d, u, sv)
             la, lb = sv.T, u.T / s_out  # d ~ u sv = s_out * lb^T la^T
-            err = relative_error(d, la, s_out * lb)
         weights[stem + ".lora_a"] = la.astype(out_dt)
         weights[stem + ".lora_b"] = lb.astype(out_dt)
         mx.eval(weights[stem + ".lora_a"], weights[stem + ".lora_b"])
@@ -386,22 +356,8 @@ def merge_adapters(cfg: LoraMergeConfig, adapters: list[Adapter], dims: dict[str
     nl = [a.num_layers for a in adapters]
     config = {"fine_tune_type": "lora", "num_layers": -1 if -1 in nl else max(nl),
               "lora_parameters": {"rank": rank, "scale": s_out, "dropout": 0.0,
-                                  "keys": sorted({module_key(s) for s in dims})}}
+                                  "keys": sorted({layer_key(s + ".weight") for s in dims})}}
     return weights, config, results
-
-
-def is_lora_merge_output(d: Path) -> bool:
-    """``d`` holds only what :func:`run_lora_merge` writes, marked as ours."""
-    try:
-        names = {e.name for e in d.iterdir()}
-        conf = json.loads((d / "adapter_config.json").read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return names <= {*ADAPTER_FILES, REPORT_NAME} and isinstance(conf, dict) and conf.get(MARK[0]) == MARK[1]
-
-
-def _sig(x: float) -> float:
-    return float(f"{float(x):.4g}")
 
 
 def run_lora_merge(cfg: LoraMergeConfig, out_dir: Path, *, seed: int = 0, overwrite: bool = False,
@@ -421,7 +377,7 @@ def run_lora_merge(cfg: LoraMergeConfig, out_dir: Path, *, seed: int = 0, overwr
         base = open_source(cfg.base_model)
         base_tensors, base_path = base.tensors, base.path
         n_layers = layer_count(base, read_model_config(base))
-        protected.append(Protected(base.path, f"base model {cfg.base_model}"))
+        protected += source_paths([base])
         recorded = {_recorded_base(a) for a in adapters} - {None}
         if recorded and recorded != {base.path.resolve()}:
             raise UserError(f"the adapters were trained on {', '.join(map(str, sorted(recorded)))}, not on base_model "
@@ -430,22 +386,19 @@ def run_lora_merge(cfg: LoraMergeConfig, out_dir: Path, *, seed: int = 0, overwr
     if n_layers is None:  # gradients need a layer count: one more than the deepest adapted layer
         n_layers = 1 + max((layer_index(s + ".") or 0) for s in dims)
     check_clear_of_inputs(out_dir, protected)
-    if out_dir.exists():
-        if not overwrite:
-            raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
-        if not (out_dir.is_dir() and (not any(out_dir.iterdir()) or is_lora_merge_output(out_dir))):
-            raise UserError(f"{out_dir} is not an adapter directory this command wrote; choose another OUT_DIR")
+    check_adapter_out_dir(out_dir, overwrite=overwrite, mark=MARK, extra_files=(REPORT_NAME,))
     t0 = time.perf_counter()
     weights, config, results = merge_adapters(cfg, adapters, dims, n_layers=n_layers, seed=seed, on_module=on_module)
     seconds = round(time.perf_counter() - t0, 3)
     config.update({"base_model": str(base_path) if base_path else _common_base(adapters), MARK[0]: MARK[1]})
     errs = [r.rel_error for r in results]
-    summary = {"out_dir": str(out_dir), "method": spec.name, "adapters": refs, "rank": config["lora_parameters"]["rank"],
-               "scale": config["lora_parameters"]["scale"], "modules": len(results),
-               "mean_rel_error": _sig(np.mean(errs)), "max_rel_error": _sig(np.max(errs)), "seed": seed,
+    lp = config["lora_parameters"]
+    summary = {"out_dir": str(out_dir), "method": spec.name, "adapters": refs, "rank": lp["rank"],
+               "scale": lp["scale"], "modules": len(results),
+               "mean_rel_error": round_sig(np.mean(errs)), "max_rel_error": round_sig(np.max(errs)), "seed": seed,
                "seconds": seconds}
     report = {**summary, "config": config_data if config_data is not None else cfg.model_dump(mode="json"),
-              "rel_error": {r.module: _sig(r.rel_error) for r in results}}
+              "rel_error": {r.module: round_sig(r.rel_error) for r in results}}
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         mx.save_safetensors(str(tmp / "adapters.safetensors"), weights,
                             metadata={"format": "mlx", MARK[0]: MARK[1], "merge_method": spec.name})
