@@ -8,9 +8,12 @@ evaluated on the same held-out tasks with the same sampling seed (pass@1 per dom
 eval): the dense merged model itself (the reference the adapters approximate), the LoRA-space
 adapter and the extracted adapter, each adapter loaded with ``mlx_lm.load(BASE, adapter_path=...)``.
 The LoRA-space row also gives the merge's own time inside the process (``lora_merge.json``'s
-``seconds``: the rest of its wall time is starting Python and importing mlx). ``delta err`` is the mean over the adapted layers of ``||D_adapter - D_dense||_F / ||D_dense||_F``,
-where ``D_dense`` is the dense merged model minus the base. The load average is printed with every
-timing.
+``seconds``: the rest of its wall time is starting Python and importing mlx). ``delta err`` is the
+mean over the adapted layers of ``||D_adapter - D_dense||_F / ||D_dense||_F``, where ``D_dense`` is
+the dense merged model minus the base. With a bfloat16 base the dense path fuses each adapter into
+bfloat16 weights, so ``D_dense`` (and the TIES / DARE trimming behind it) carries that rounding:
+part of ``delta err`` is the reference's own rounding, not the adapter's error. The load average is
+printed with every timing.
 
     python scripts/bench_merge_lora.py --adapters RUN/sft/KEY/diverse-s0/addition RUN/sft/KEY/diverse-s0/subtraction \\
         --tasks RUN/tasks/KEY/eval.jsonl --methods linear,ties --rank 16
@@ -35,6 +38,8 @@ import bench_merge as bm  # noqa: E402
 import mlx_ssp  # noqa: F401,E402
 import mlx.core as mx  # noqa: E402
 
+from mlx_ssp.merge.methods import METHODS  # noqa: E402
+
 CLI = [sys.executable, "-m", "mlx_ssp.cli"]
 
 
@@ -43,10 +48,10 @@ def load_avg() -> str:
 
 
 def params(method: str, density: float) -> tuple[list[dict], dict]:
-    """(per-model, top-level) parameters, the same for both paths: equal weights."""
-    if method == "linear":
-        return [{"weight": 1.0}, {"weight": 1.0}], {}
-    return [{"weight": 1.0, "density": density}] * 2, {"normalize": True} if method == "task_arithmetic" else {}
+    """(per-model, top-level) parameters, the same for both paths: equal weights, and ``density``
+    where the method takes one."""
+    per_model = {"weight": 1.0, **({"density": density} if "density" in METHODS[method].model_params else {})}
+    return [per_model, dict(per_model)], {"normalize": True} if method == "task_arithmetic" else {}
 
 
 def layer_weights(model_dir: Path, names: list[str]) -> dict[str, np.ndarray]:
@@ -157,8 +162,9 @@ def main() -> None:
     print("\n" + head + "\n|" + "---|" * (6 + len(domains)))
     for r in rows:
         wall = f"{r['wall_s']:.2f}" + (f" ({r['in_process_s']:.2f} merging)" if "in_process_s" in r else "")
+        passes = " | ".join(f"{r['pass@1'].get(d, float('nan')):.3f}" for d in domains)
         print(f"| {r['method']} | {r['path']} | {wall} | {r['rss_mib']:.0f} | {r['load']} | "
-              f"{r['delta_err']:.3g} | " + " | ".join(f"{r['pass@1'].get(d, float('nan')):.3f}" for d in domains) + " |")
+              f"{r['delta_err']:.3g} | {passes} |")
     print(json.dumps(rows))
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
