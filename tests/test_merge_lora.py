@@ -216,6 +216,15 @@ def test_product_method_truncated_reports_its_error(base, adapters, tmp_path):
     assert all(0 < r.rel_error < 1 for r in lines)  # TIES's trimmed sum is full rank: rank 4 loses some
     ad = weights(tmp_path / "out")
     assert all(v.shape[1 if k.endswith("lora_a") else 0] == 4 for k, v in ad.items())
+    # the reported error is ||D - D_4|| / ||D|| against the untruncated merge D (the same merge at a
+    # rank covering the layer), and the randomized SVD is within 2% of the best rank-4 error
+    run_lora_merge(lora_cfg("ties", adapters, top={"density": 0.5}, rank=128), tmp_path / "full")
+    for r in lines:
+        d, d4 = delta_of(tmp_path / "full", r.module), delta_of(tmp_path / "out", r.module)
+        assert r.rel_error == pytest.approx(np.linalg.norm(d - d4) / np.linalg.norm(d), rel=1e-3), r.module
+        s = np.linalg.svd(d.astype(np.float64), compute_uv=False)
+        best = np.sqrt((s[4:] ** 2).sum() / (s ** 2).sum())
+        assert best * (1 - 1e-4) <= r.rel_error <= best * 1.02, r.module
 
 
 # ------------------------------------------------------------------ loading and the command
