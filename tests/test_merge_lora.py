@@ -304,6 +304,12 @@ def test_bad_inputs_are_one_line(base, adapters, tmp_path):
     (foreign / "adapter_config.json").write_text(json.dumps(conf))
     assert "not an adapter of this base" in one_line_error(
         tmp_path, write_yaml(tmp_path, "linear", [foreign], base_model=str(base)))
+    emb = make_adapter(tmp_path / "emb", base, [Q], rank=2, scale=1.0, seed=7)  # + mlx-lm's embedding LoRA layout
+    vocab, hidden = sio.scan_model(base)["model.embed_tokens.weight"].shape
+    t = dict(mx.load(str(emb / "adapters.safetensors")))
+    t["model.embed_tokens.lora_a"], t["model.embed_tokens.lora_b"] = mx.zeros((vocab, 2)), mx.zeros((2, hidden))
+    mx.save_safetensors(str(emb / "adapters.safetensors"), t)
+    assert "is an embedding LoRA" in one_line_error(tmp_path, write_yaml(tmp_path, "ties", [emb], base_model=str(base)))
     assert "scales the base model" in one_line_error(
         tmp_path, write_yaml(tmp_path, "linear", adapters, parameters={"normalize": False}))
     assert "is not an mlx-lm adapter directory" in one_line_error(

@@ -203,6 +203,9 @@ def check_one_base(adapters: list[Adapter], refs: list[str], base_tensors: Optio
             if info is None:
                 raise UserError(f"adapter {owner[stem]}: module '{stem}' has no weight '{stem}.weight' in base model "
                                 f"{base_ref}")
+            if tuple(info.shape) == d[::-1] and d[0] != d[1]:  # mlx-lm's LoRAEmbedding: delta = lora_a @ lora_b
+                raise UserError(f"adapter {owner[stem]}: module '{stem}' is an embedding LoRA (lora_a {d[1]}x{d[0]} "
+                                "indexes the vocabulary); only linear layers merge in LoRA space")
             if tuple(info.shape) != d:
                 raise UserError(f"adapter {owner[stem]}: module '{stem}' is {d[0]}x{d[1]} but the weight in base model "
                                 f"{base_ref} is {list(info.shape)}: not an adapter of this base")
