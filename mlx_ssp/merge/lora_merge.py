@@ -318,8 +318,8 @@ def merge_adapters(cfg: LoraMergeConfig, adapters: list[Adapter], dims: dict[str
     """(adapter tensors, adapter_config, one result per module); one module at a time."""
     spec = LORA_METHODS[cfg.merge_method]
     refs = [m.model for m in cfg.models]
-    # a common scale is kept (lora_b then stays each input's own); else, or for scale 0, 1.0 and
-    # every scale folded into lora_b
+    # the output's scale: the inputs' common one (so lora_b keeps their magnitude), else 1.0 (also
+    # for a common 0, which nothing could be divided by); the rest is folded into each lora_b block
     scales = {a.scale for a in adapters}
     s_out = scales.pop() if len(scales) == 1 and 0 not in scales else 1.0
     rank = cfg.rank or sum(a.rank for a in adapters)
