@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("mlx_ssp.commands.eval:cli", "pass@1 / pass@k per domain with the unbiased estimator."),
     "sft": ("mlx_ssp.commands.sft:cli", "Train one LoRA specialist per domain, keep the best Pass@K checkpoint, fuse."),
     "merge": ("mlx_ssp.commands.merge:cli", "Merge models from a mergekit YAML (linear, TIES, DARE, della, slerp, model_stock, passthrough, ...)."),
+    "merge-lora": ("mlx_ssp.commands.merge_lora:cli", "Merge LoRA adapters of one base into one adapter (linear exact; TIES/DARE via SVD)."),
     "extract-lora": ("mlx_ssp.commands.extract_lora:cli", "A fine-tuned model as a LoRA adapter of its base (truncated SVD)."),
     "rl": ("mlx_ssp.commands.rl:cli", "MGPO-weighted GRPO with verifiable rewards."),
     "run": ("mlx_ssp.commands.run:cli", "Run the whole SSP loop from one config, resumably."),

@@ -294,15 +294,16 @@ def evaluate(name: str, setting: Any, tensor: str, t: float, where: str) -> Any:
     raise UserError(f"{where}: unexpected value for {name}: {setting!r}")
 
 
-def check_parameter_names(cfg: MergeConfig, source: str) -> None:
-    """Unknown parameter names (top level or per model) are errors listing the valid ones."""
+def check_parameter_names(cfg, source: str) -> None:
+    """Unknown parameter names (top level or per model) are errors listing the valid ones (``cfg``:
+    a :class:`MergeConfig`, or any config with ``merge_method``, ``parameters`` and ``models``)."""
     spec = METHODS[cfg.merge_method]
     valid_top = set(spec.shared_params) | set(spec.model_params)
     for k in cfg.parameters or {}:
         if k not in valid_top:
             raise UserError(f"{source}: unknown parameter '{k}' for {spec.name}; valid: {', '.join(sorted(valid_top))}")
     entries = [(f"model {m.model}", m.parameters, spec.model_params) for m in cfg.models or []]
-    for i, sl in enumerate(cfg.slices or []):
+    for i, sl in enumerate(getattr(cfg, "slices", None) or []):
         entries.append((f"slices[{i}]", sl.parameters, tuple(sorted(valid_top))))
         entries += [(f"slices[{i}] model {s.model}", s.parameters, spec.model_params) for s in sl.sources]
     for where, params, valid in entries:

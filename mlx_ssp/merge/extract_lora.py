@@ -115,9 +115,12 @@ def lora_targets(base: Source, tuned: Source) -> tuple[list[str], list[str]]:
 
 
 def layer_key(name: str) -> str:
-    """``model.layers.3.self_attn.q_proj.weight`` -> ``self_attn.q_proj`` (mlx-lm's LoRA ``keys``)."""
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``self_attn.q_proj`` (mlx-lm's LoRA ``keys``:
+    relative to a layer; a module outside the layers keeps its full path, as mlx-lm matches it)."""
     stem = name[: -len(".weight")]
     i = layer_index(name)
+    if i is None:
+        return stem
     marker = f".{i}."
     return stem[stem.index(marker) + len(marker):]
 
@@ -162,18 +165,32 @@ def extract_lora(base: Source, tuned: Source, rank: int, *, n_layers: int, overs
     return weights, config, fits, skipped
 
 
-def _sig(x) -> float:
+def round_sig(x) -> float:
+    """``x`` to 4 significant digits (the reports' errors)."""
     return float(f"{float(x):.4g}")
 
 
-def is_adapter_output(d: Path) -> bool:
-    """``d`` holds only what :func:`write_adapter` writes, marked as ours."""
+def is_adapter_output(d: Path, mark: tuple[str, str] = MARK, extra_files: tuple[str, ...] = ()) -> bool:
+    """``d`` holds only an adapter directory (plus ``extra_files``) whose config carries ``mark``:
+    one a command of ours wrote."""
     try:
         names = {e.name for e in d.iterdir()}
         conf = json.loads((d / "adapter_config.json").read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return False
-    return names <= set(ADAPTER_FILES) and isinstance(conf, dict) and conf.get(MARK[0]) == MARK[1]
+    return names <= {*ADAPTER_FILES, *extra_files} and isinstance(conf, dict) and conf.get(mark[0]) == mark[1]
+
+
+def check_adapter_out_dir(out_dir: Path, *, overwrite: bool, mark: tuple[str, str] = MARK,
+                          extra_files: tuple[str, ...] = ()) -> None:
+    """An existing OUT_DIR is replaced only with ``overwrite``, and only when it is empty or an
+    adapter directory the same command wrote (:func:`is_adapter_output`)."""
+    if not out_dir.exists():
+        return
+    if not overwrite:
+        raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
+    if not (out_dir.is_dir() and (not any(out_dir.iterdir()) or is_adapter_output(out_dir, mark, extra_files))):
+        raise UserError(f"{out_dir} is not an adapter directory this command wrote; choose another OUT_DIR")
 
 
 def run_extract(base_ref: str, tuned_ref: str, out_dir: Path, rank: int, *, oversample: int = 8,
@@ -189,11 +206,7 @@ def run_extract(base_ref: str, tuned_ref: str, out_dir: Path, rank: int, *, over
     out_dir = Path(out_dir)
     base, tuned = open_source(base_ref), open_source(tuned_ref)
     check_clear_of_inputs(out_dir, source_paths([base, tuned]))
-    if out_dir.exists():
-        if not overwrite:
-            raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
-        if not (out_dir.is_dir() and (not any(out_dir.iterdir()) or is_adapter_output(out_dir))):
-            raise UserError(f"{out_dir} is not an adapter directory this command wrote; choose another OUT")
+    check_adapter_out_dir(out_dir, overwrite=overwrite)
     t0 = time.perf_counter()
     n_layers = layer_count(base, read_model_config(base))
     weights, config, fits, skipped = extract_lora(base, tuned, rank, n_layers=n_layers, oversample=oversample,
@@ -204,6 +217,6 @@ def run_extract(base_ref: str, tuned_ref: str, out_dir: Path, rank: int, *, over
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     errs = [f.rel_error for f in fits]
     return {"out_dir": str(out_dir), "rank": rank, "modules": len(fits),
-            "mean_rel_error": _sig(np.mean(errs)), "max_rel_error": _sig(np.max(errs)),
-            "not_captured": {k: _sig(v) for k, v in skipped.items()},
+            "mean_rel_error": round_sig(np.mean(errs)), "max_rel_error": round_sig(np.max(errs)),
+            "not_captured": {k: round_sig(v) for k, v in skipped.items()},
             "seconds": round(time.perf_counter() - t0, 3)}

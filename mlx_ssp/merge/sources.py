@@ -78,40 +78,43 @@ def check_not_quantized(src: Source) -> None:
                             f"{src.path / 'config.json'} has no 'quantization' entry to dequantize it with")
 
 
-def attach_adapter(src: Source, ad: Path) -> None:
-    """Read an mlx-lm LoRA adapter directory into ``src`` (fused when a tensor is read); anything
-    that cannot be fused on the fly is an error naming the model."""
-    ref = src.ref
+def read_adapter_dir(ad: Path, who: str, instead: str) -> tuple[dict, dict[str, sio.TensorInfo]]:
+    """An mlx-lm LoRA adapter directory's ``adapter_config.json`` and tensor headers, checked: both
+    files there, a JSON object, ``fine_tune_type`` lora, and every tensor one of a ``lora_a`` /
+    ``lora_b`` pair. Errors are one line starting with ``who``; ``instead`` says what to do with an
+    adapter that is not plain LoRA."""
     cfg_file, weights = ad / "adapter_config.json", ad / "adapters.safetensors"
     if not cfg_file.is_file() or not weights.is_file():
-        raise UserError(f"model {ref}: {ad} is not an mlx-lm adapter directory "
+        raise UserError(f"{who}: {ad} is not an mlx-lm adapter directory "
                         "(needs adapter_config.json and adapters.safetensors)")
     acfg = read_json(cfg_file)
     if not isinstance(acfg, dict):
         raise UserError(f"{cfg_file}: expected a JSON object")
     kind = acfg.get("fine_tune_type", "lora")
     if kind != "lora":
-        raise UserError(f"model {ref}: adapter type '{kind}' cannot be fused on the fly; "
-                        "only 'lora' (run `mlx_lm fuse` first)")
-    src.adapter = sio.scan_file(weights)
+        raise UserError(f"{who}: fine_tune_type '{kind}' is not plain LoRA; {instead}")
+    tensors = sio.scan_file(weights)
+    for k in tensors:
+        stem, _, leaf = k.rpartition(".")
+        if leaf not in ("lora_a", "lora_b"):
+            raise UserError(f"{who}: adapter tensor '{k}' is not a LoRA matrix (lora_a / lora_b); {instead}")
+        pair = stem + (".lora_b" if leaf == "lora_a" else ".lora_a")
+        if pair not in tensors:
+            raise UserError(f"{who}: adapter tensor '{k}' has no '{pair}' to pair with")
+    return acfg, tensors
+
+
+def attach_adapter(src: Source, ad: Path) -> None:
+    """Read an mlx-lm LoRA adapter directory into ``src`` (fused when a tensor is read); anything
+    that cannot be fused on the fly is an error naming the model."""
+    acfg, src.adapter = read_adapter_dir(ad, f"model {src.ref}",
+                                         "it cannot be fused on the fly (run `mlx_lm fuse` first)")
     src.adapter_path = ad
     src.lora_scale = float(acfg.get("lora_parameters", {}).get("scale", 20.0))
-    check_adapter_tensors(ref, src.adapter, src.tensors)
-
-
-def check_adapter_tensors(ref: str, adapter: dict, weights: dict) -> None:
-    """Every adapter tensor is used: a ``lora_a``/``lora_b`` pair on an existing ``.weight``
-    (anything else would be silently left out of the fused model)."""
-    for k in adapter:
-        stem, _, kind = k.rpartition(".")
-        if kind not in ("lora_a", "lora_b"):
-            raise UserError(f"model {ref}: adapter tensor '{k}' is not a LoRA matrix (lora_a / lora_b), so it "
-                            "cannot be fused on the fly (run `mlx_lm fuse` first)")
-        if stem + ".weight" not in weights:
-            raise UserError(f"model {ref}: adapter tensor '{k}' has no matching weight '{stem}.weight'")
-        pair = stem + (".lora_b" if kind == "lora_a" else ".lora_a")
-        if pair not in adapter:
-            raise UserError(f"model {ref}: adapter tensor '{k}' has no '{pair}' to pair with")
+    for k in src.adapter:  # every adapter tensor is used: anything else would be silently left out
+        stem = k.rpartition(".")[0]
+        if stem + ".weight" not in src.tensors:
+            raise UserError(f"model {src.ref}: adapter tensor '{k}' has no matching weight '{stem}.weight'")
 
 
 def read_model_config(src: Source) -> dict:
