@@ -1,7 +1,7 @@
 """The streaming merge: plan and validate every tensor (:mod:`.plan`), then merge and write tensor
 by tensor.
 
-1. Plan (:func:`.plan.plan_merge`): open every input (:mod:`.sources`), check it and resolve every
+1. Plan (:func:`plan_merge`): open every input (:mod:`.sources`), check it and resolve every
    tensor's dtypes and parameters; any bad input stops here, before a byte is written.
 2. Before anything is written, OUT_DIR is checked against every input (:mod:`.outdir`: never an
    input, inside one or holding one; an existing OUT_DIR only replaced when it is a previous
@@ -37,8 +37,8 @@ from mlx_ssp.merge.methods import DTYPES, METHODS, TensorInputs
 from mlx_ssp.merge.outdir import MARK_KEY, MARK_VALUE, Protected, check_out_dir
 from mlx_ssp.merge.parallel import resolve_workers, run_parallel
 from mlx_ssp.merge import quant as Q
-from mlx_ssp.merge.plan import (MergeJob, TensorPlan, base_output_config, code_name,  # noqa: F401
-                                plan_merge)  # (plan_merge: re-export)
+from mlx_ssp.merge.plan import MergeJob, TensorPlan, base_output_config, check_merge_config, code_name, plan_models
+from mlx_ssp.merge.slices import plan_slices
 from mlx_ssp.merge.sparsify import dare_seed
 
 from mlx_ssp.merge.tokenizer import TOKENIZER_FILES, aligned_fetch, copy_tokenizer_files, write_tokenizer
@@ -50,6 +50,14 @@ MERGER_VERSION = 1
 #: the shard metadata of a dry run's stand-in (:func:`write_skeleton`) instead of the merge mark,
 #: so that a stand-in never passes for a merge output (:func:`.outdir.is_merge_output`)
 SKELETON_KEY, SKELETON_VALUE = "mlx_ssp_stand_in", "headers only, no tensor data"
+
+
+def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label: str = "config") -> MergeJob:
+    """Open every model, check every tensor and resolve every parameter; writes nothing: the
+    ``slices:`` form by :func:`.slices.plan_slices`, the ``models:`` form by :func:`.plan.plan_models`."""
+    check_merge_config(cfg, vocab_mismatch=vocab_mismatch, source_label=source_label)
+    plan = plan_slices if cfg.slices is not None else plan_models
+    return plan(cfg, vocab_mismatch=vocab_mismatch, source_label=source_label)
 
 def _fit_rows(x: mx.array, rows: int, fill) -> mx.array:
     """Truncate or pad (with the reference's rows) along the vocabulary axis."""

@@ -23,6 +23,7 @@ from mlx_ssp.merge.config import MergeConfig, check_parameter_names, layer_index
 from mlx_ssp.merge.methods import METHODS, MethodSpec
 from mlx_ssp.merge.passthrough import MAX_INPUTS
 from mlx_ssp.merge.sources import Source, open_source, read_model_config
+from mlx_ssp.merge.tokenizer import plan_vocab
 
 VOCAB_HINTS = ("embed_tokens", "lm_head", "wte", "embed_out", "word_embeddings", "output.weight")
 _WIDTH = {"F16": 1, "BF16": 1, "F32": 2, "F64": 3}
@@ -286,9 +287,9 @@ def plan_tensor(job: MergeJob, spec: MethodSpec, name: str, n_layers: int, vocab
     return TensorPlan(name, job.inputs, base, shape, cd, out, shared, per_model, vocab=vocab)
 
 
-def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label: str = "config") -> MergeJob:
-    """Open every model, check every tensor and resolve every parameter; writes nothing. The
-    ``slices:`` form is planned by :func:`.slices.plan_slices`."""
+def check_merge_config(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label: str = "config") -> None:
+    """What a config must satisfy before either form is planned (parameter names, tokenizer
+    options against ``slices:`` and ``--vocab-mismatch``): one line naming the problem."""
     check_parameter_names(cfg, source_label)
     tok_cfg = cfg.tokenizer_settings()
     if cfg.slices is not None and (cfg.tokenizer is not None or cfg.tokenizer_source == "union"):
@@ -297,10 +298,13 @@ def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label:
     if tok_cfg is not None and cfg.slices is None and vocab_mismatch != "error":
         raise UserError(f"{source_label}: --vocab-mismatch {vocab_mismatch} does not apply with tokenizer_source / "
                         "tokenizer: (the rows follow the output vocabulary)")
-    if cfg.slices is not None:
-        from mlx_ssp.merge.slices import plan_slices
 
-        return plan_slices(cfg, vocab_mismatch=vocab_mismatch, source_label=source_label)
+
+def plan_models(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label: str = "config") -> MergeJob:
+    """The ``models:`` form (the ``slices:`` form is :func:`.slices.plan_slices`; both checked by
+    :func:`check_merge_config` first, dispatched by :func:`.engine.plan_merge`): open every model,
+    check every tensor and resolve every parameter; writes nothing."""
+    tok_cfg = cfg.tokenizer_settings()
     spec = METHODS[cfg.merge_method]
     refs, base = _model_refs(cfg, spec, source_label)
     limit = MAX_INPUTS.get(spec.name)
@@ -315,8 +319,6 @@ def plan_merge(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label:
     check_same_tensors(sources, configs, reference)
     job = MergeJob(cfg, sources, base, inputs, reference, [], configs[reference])
     if tok_cfg is not None:
-        from mlx_ssp.merge.tokenizer import plan_vocab
-
         job.vocab = plan_vocab(tok_cfg, sources, configs, base, reference)
     n_layers = layer_count(sources[reference], configs[reference])
     job.plans = [plan_tensor(job, spec, name, n_layers, vocab_mismatch)
