@@ -16,7 +16,7 @@ from mlx_ssp.finetune import checkpoints as ckpts
 from mlx_ssp.finetune.lora import LoRAConfig
 from mlx_ssp.finetune.seed import step_seed
 from mlx_ssp.rl.config import RLConfig
-from mlx_ssp.rl.loss import AGGREGATIONS, aggregation_units
+from mlx_ssp.rl.objectives import AGGREGATIONS, aggregation_units
 from mlx_ssp.sft import SFTConfig
 
 

@@ -15,7 +15,8 @@ from mlx.utils import tree_flatten
 from mlx_ssp.rl import objectives
 from mlx_ssp.rl.logprobs import _engine, _Fused, _Impl, token_logprobs
 from mlx_ssp.rl.loop import Trainer, build_batch, make_loss
-from mlx_ssp.rl.loss import aggregate, aggregation_units, policy_loss
+from mlx_ssp.rl.loss import policy_loss
+from mlx_ssp.rl.objectives import aggregate, aggregation_units
 from test_rl_loop import _cfg, _nested, _policy, _tasks
 from test_rl_menu import _records
 

@@ -11,6 +11,7 @@ import mlx_ssp  # noqa: F401
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlx_ssp.finetune.optim import OPTIMIZERS
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.loop import Trainer, build_batch
 from test_rl_loop import _cfg, _nested, _policy, _tasks
@@ -51,6 +52,18 @@ def test_each_objective_trains(tiny_llama, kw):
         assert 0 < stats["tis_weight"] <= 2.0
     if "top_entropy_quantile" in kw:
         assert 0.45 <= stats["entropy_kept_frac"] <= 0.6  # ceil(q * n) of the batch's tokens
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_every_registered_optimizer_trains(tiny_llama, optimizer):
+    """``rl.optimizer`` takes every entry of the optimizer registry, and each one moves the LoRA."""
+    cfg = _cfg(optimizer=optimizer, learning_rate=1e-2)
+    model, tok = _policy(tiny_llama, cfg)
+    before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+    ok, _ = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)._update(
+        build_batch(_records(), np.random.default_rng(1).normal(size=8).astype(np.float32)))
+    after = dict(tree_flatten(model.trainable_parameters()))
+    assert ok and any(np.abs(np.array(after[k]) - v).max() > 0 for k, v in before.items())
 
 
 def test_entropy_selection_is_micro_batch_invariant(tiny_llama):

@@ -10,14 +10,17 @@ from mlx_ssp.errors import UserError
 class OptimizerEntry(NamedTuple):
     cls_name: str  # the class in mlx.optimizers
     weight_decay: bool  # takes a ``weight_decay`` argument (RL's ``weight_decay`` key goes there)
+    moments: int  # full-size state arrays per trainable parameter (the memory model's count; at most)
 
 
 #: optimizer name -> its mlx.optimizers class (a registry, not an if/elif chain)
 OPTIMIZERS: dict[str, OptimizerEntry] = {
-    "adam": OptimizerEntry("Adam", False),
-    "adamw": OptimizerEntry("AdamW", True),
-    "sgd": OptimizerEntry("SGD", True),
-    "adafactor": OptimizerEntry("Adafactor", True),
+    "adam": OptimizerEntry("Adam", False, 2),  # m and v
+    "adamw": OptimizerEntry("AdamW", True, 2),
+    "sgd": OptimizerEntry("SGD", True, 1),  # v (momentum)
+    # factored second moments (a row and a column vector per matrix) and no first moment by default:
+    # one full-size array bounds it
+    "adafactor": OptimizerEntry("Adafactor", True, 1),
 }
 
 

@@ -1,7 +1,8 @@
 """MGPO-GRPO: the Signal phase (RL with verifiable rewards and MaxEnt-guided prompt weighting).
 
 Pure functions (importable without a model): :mod:`mlx_ssp.rl.mgpo` (group accuracy, D_ME, MGPO
-weight, advantages), :mod:`mlx_ssp.rl.loss` (clipped objective, aggregation registry, k3 KL,
+weight, advantages), :mod:`mlx_ssp.rl.objectives` (every piece of the objective, each variant a
+registry entry with its settings), :mod:`mlx_ssp.rl.loss` (the policy loss that composes them, its
 statistics), :mod:`mlx_ssp.rl.logprobs` (the chunked selective log-softmax op). The training loop
 is :mod:`mlx_ssp.rl.loop`; the stage on its own is :mod:`mlx_ssp.rl.stage`; the command ``mlx_ssp rl`` is
 :mod:`mlx_ssp.commands.rl`.
@@ -13,7 +14,8 @@ from mlx_ssp.rl.logprobs import (
     selective_log_softmax_reference,
     token_logprobs,
 )
-from mlx_ssp.rl.loss import AGGREGATIONS, aggregate, clipped_surrogate, k3_kl, policy_loss
+from mlx_ssp.rl.loss import policy_loss
+from mlx_ssp.rl.objectives import AGGREGATIONS, aggregate, clipped_surrogate, k3_kl
 from mlx_ssp.rl.mgpo import (
     SCALE_REWARDS,
     MGPOAdvantages,

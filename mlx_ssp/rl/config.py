@@ -19,6 +19,9 @@ from pydantic import ConfigDict, Field, ValidationError, create_model, field_val
 
 from mlx_ssp.config import StrictModel
 from mlx_ssp.finetune.lora import LoRAConfig
+from mlx_ssp.finetune.optim import OPTIMIZERS
+from mlx_ssp.rl.mgpo import SCALE_REWARDS
+from mlx_ssp.rl.objectives import AGGREGATIONS, RATIOS, SURROGATES, TIS_MODES
 from mlx_ssp.rollout import SamplingConfig
 
 
@@ -90,7 +93,7 @@ class RLConfig(StrictModel):
 
     # MGPO / advantages
     mgpo_lambda: float = Field(1.0, ge=0.0)  # 0 = plain GRPO
-    scale_rewards: Literal["group", "batch", "none"] = "group"
+    scale_rewards: Literal[SCALE_REWARDS] = "group"
     adv_eps: float = Field(1e-6, gt=0)
     dynamic_sampling: bool = False  # drop groups with p in {0, 1} and refill
     max_refill_rounds: int = Field(2, ge=0)  # extra generation rounds per step to refill the batch
@@ -99,11 +102,11 @@ class RLConfig(StrictModel):
     eps_low: float = Field(0.2, ge=0.0, lt=1.0)
     eps_high: float = Field(0.2, ge=0.0)
     dual_clip: Optional[float] = Field(None, gt=1.0)
-    aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    aggregation: Literal[tuple(AGGREGATIONS)] = "seq-mean-token-mean"
     beta: float = Field(0.0, ge=0.0)  # k3 KL coefficient; reference = adapters off (LoRA)
     # the policy-gradient menu (mlx_ssp.rl.objectives; docs/rl.md): surrogate, ratio level and their clip ranges
-    loss: Literal["clip", "cispo"] = "clip"
-    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+    loss: Literal[tuple(SURROGATES)] = "clip"
+    importance_sampling_level: Literal[tuple(RATIOS)] = "token"  # sequence: GSPO
     seq_eps_low: float = Field(3e-4, ge=0.0, lt=1.0)  # GSPO's clip range (its section 5.1)
     seq_eps_high: float = Field(4e-4, ge=0.0)
     cispo_eps_low: float = Field(1.0, ge=0.0, le=1.0)  # MiniMax-M1: no lower bound on the weight
@@ -112,14 +115,14 @@ class RLConfig(StrictModel):
     mask_truncated_completions: bool = False  # DAPO: samples cut at max_tokens carry no gradient
     top_entropy_quantile: Optional[float] = Field(None, gt=0.0, le=1.0)  # only the top-entropy fraction trains
     tis_cap: Optional[float] = Field(None, gt=0.0)  # IS correction for another engine's rollouts
-    tis_mode: Literal["truncate", "mask"] = "truncate"
+    tis_mode: Literal[TIS_MODES] = "truncate"
     # entropy bonus (verl's entropy_coeff): loss -= coef * aggregated entropy; None or 0 = off
     entropy_coef: Optional[float] = Field(None, ge=0.0)
 
     # model and optimizer
     fine_tune_type: Literal["lora", "full"] = "lora"
     lora: RLLoRAConfig = Field(default_factory=RLLoRAConfig)
-    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"  # entries of mlx_ssp.finetune.optim.OPTIMIZERS
+    optimizer: Literal[tuple(OPTIMIZERS)] = "adamw"
     learning_rate: float = Field(1e-5, gt=0)
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0.0)

@@ -60,7 +60,8 @@ from mlx_ssp.finetune.seed import step_seed
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.logprobs import chunk_tokens, head_of, head_trainable, token_logprobs
 from mlx_ssp.rl.prefix import blocks, hidden_after, prefix_kv, shareable, suffix_hidden
-from mlx_ssp.rl.loss import aggregation_units, finalize_totals, merge_totals, policy_loss, token_totals
+from mlx_ssp.rl.loss import finalize_totals, merge_totals, policy_loss, token_totals
+from mlx_ssp.rl.objectives import aggregation_units
 from mlx_ssp.rl.kernels import grouped_advantages
 from mlx_ssp.rl import objectives
 from mlx_ssp.rl.shaping import apply_shapings, correct_length_metrics, shaping_on
@@ -282,22 +283,12 @@ def prefix_grads(model: nn.Module, tokens: mx.array, dkv: list, names, arrays) -
     return list(g)
 
 
-def clip_range(cfg: RLConfig) -> tuple[float, float]:
-    """(eps_low, eps_high) of the configured objective: CISPO's weight bounds, GSPO's sequence-ratio
-    range, or PPO's token-ratio range."""
-    if cfg.loss == "cispo":
-        return cfg.cispo_eps_low, cfg.cispo_eps_high
-    if cfg.importance_sampling_level == "sequence":
-        return cfg.seq_eps_low, cfg.seq_eps_high
-    return cfg.eps_low, cfg.eps_high
-
-
 def make_loss(cfg: RLConfig, units_total: float) -> Callable:
     """loss(model, mb, hidden=None) for one micro-batch, scaled by its share of the batch's
     aggregation units so that summed micro-batch gradients equal the full batch's; ``hidden``: the
     body's output when the caller computed it (:func:`piece_value_and_grad`)."""
     T = cfg.sampling.temperature
-    eps_low, eps_high = clip_range(cfg)
+    eps_low, eps_high = objectives.clip_range(cfg)
     bonus = bool(cfg.entropy_coef)  # off (None or 0): the op's entropy stays a statistic, the loss as before
 
     def loss_fn(model, mb, hidden=None):

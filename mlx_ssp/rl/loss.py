@@ -1,4 +1,5 @@
-"""The MGPO-GRPO policy loss: clipped surrogate, aggregation modes, k3 KL, statistics.
+"""The MGPO-GRPO policy loss (:func:`policy_loss`): the objective's pieces from :mod:`.objectives`
+(ratio, surrogate, aggregation, k3 KL, TIS weights) put together, and its statistics.
 
 Per completion token t of sample i, with ``rho = exp(logp - logp_old)`` (logp_old: the behaviour
 log-probs of the sampling policy, at the sampling temperature) and the sample's advantage A'_i:
@@ -11,7 +12,7 @@ log-probs of the sampling policy, at the sampling temperature) and the sample's 
     k3 KL (Schulman 2020, "Approximating KL Divergence"; GRPO, arXiv:2402.03300 eq. 4):
     kl_t = exp(ref - logp) - (ref - logp) - 1 >= 0, added as beta * kl_t to each token's loss.
 
-Aggregation over the [B, T] token grid with the completion mask, chosen from :data:`AGGREGATIONS`:
+Aggregation over the [B, T] token grid with the completion mask, chosen from :data:`.objectives.AGGREGATIONS`:
 
 - ``seq-mean-token-mean`` (GRPO as in DeepSeekMath and the VibeThinker papers): mean over each
   sequence's tokens, then mean over sequences;
@@ -33,91 +34,11 @@ micro-batch's share of the loss, which is not its share of the tokens.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import mlx.core as mx
 
 from mlx_ssp.rl import objectives as O
-
-
-def _masked_sum(x: mx.array, mask: mx.array, axis=None) -> mx.array:
-    return (x * mask).sum(axis=axis)
-
-
-def seq_mean_token_mean(per_token: mx.array, mask: mx.array, max_tokens: int | None = None) -> mx.array:
-    """Mean over each sequence's valid tokens, then over sequences that have any."""
-    n_tok = mask.sum(axis=-1)
-    per_seq = _masked_sum(per_token, mask, axis=-1) / mx.maximum(n_tok, 1.0)
-    has = (n_tok > 0).astype(mx.float32)
-    return (per_seq * has).sum() / mx.maximum(has.sum(), 1.0)
-
-
-def token_mean(per_token: mx.array, mask: mx.array, max_tokens: int | None = None) -> mx.array:
-    """Sum over all valid tokens of the batch / their number (DAPO)."""
-    return _masked_sum(per_token, mask) / mx.maximum(mask.sum(), 1.0)
-
-
-def seq_mean_token_sum_norm(per_token: mx.array, mask: mx.array, max_tokens: int | None = None) -> mx.array:
-    """Each sequence's token sum / a constant (``max_tokens``, else the grid's T), mean over sequences."""
-    norm = float(max_tokens) if max_tokens else float(per_token.shape[-1])
-    return (_masked_sum(per_token, mask, axis=-1) / norm).mean()
-
-
-def _token_units(mask: mx.array) -> mx.array:
-    return mask.sum()
-
-
-def _sequence_units(mask: mx.array) -> mx.array:
-    return (mask.sum(axis=-1) > 0).sum().astype(mx.float32)
-
-
-def _row_units(mask: mx.array) -> mx.array:
-    return mx.array(float(mask.shape[0]))
-
-
-class Aggregation(NamedTuple):
-    """One aggregation mode: its reduction and the denominator it averages over (the units a
-    micro-batch's loss is weighted by, so summed micro-batch gradients equal the full batch's)."""
-
-    reduce: Callable[..., mx.array]  # fn(per_token [B, T], mask [B, T] float, max_tokens) -> scalar
-    units: Callable[[mx.array], mx.array]  # fn(mask [B, T]) -> scalar
-
-
-#: name -> Aggregation(reduce, units)
-AGGREGATIONS: dict[str, Aggregation] = {
-    "seq-mean-token-mean": Aggregation(seq_mean_token_mean, _sequence_units),
-    "token-mean": Aggregation(token_mean, _token_units),
-    "seq-mean-token-sum-norm": Aggregation(seq_mean_token_sum_norm, _row_units),
-}
-
-
-def aggregation_units(mode: str, mask: mx.array) -> mx.array:
-    """The denominator ``mode`` averages over (for exact micro-batch accumulation)."""
-    return AGGREGATIONS[mode].units(mask)
-
-
-def aggregate(per_token: mx.array, mask: mx.array, mode: str, max_tokens: int | None = None) -> mx.array:
-    try:
-        fn = AGGREGATIONS[mode]
-    except KeyError:
-        raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}") from None
-    return fn.reduce(per_token, mask.astype(mx.float32), max_tokens)
-
-
-def k3_kl(logp: mx.array, ref_logp: mx.array) -> mx.array:
-    """k3 estimator of KL(pi || ref) per token: exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
-    d = ref_logp - logp
-    return mx.exp(d) - d - 1.0
-
-
-def clipped_surrogate(logp, logp_old, advantages, *, eps_low: float = 0.2, eps_high: float = 0.2,
-                      dual_clip: float | None = None):
-    """Per-token PPO-clip loss and masks. advantages broadcast against logp ([B, 1] or [B, T]).
-
-    Returns (loss [B, T], ratio, clipped mask, dual-clipped mask)."""
-    ratio = O.token_ratio(logp, logp_old, None)
-    sur = O.clip_surrogate(ratio, logp, advantages, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
-    return sur.loss, ratio, sur.clipped, sur.dual_clipped
 
 
 class LossOutput(NamedTuple):
@@ -128,7 +49,7 @@ class LossOutput(NamedTuple):
 
 def token_totals(name: str, per_token: mx.array, mask: mx.array) -> dict[str, mx.array]:
     """Totals of a token-mean statistic: its masked sum and the token count."""
-    return {f"sum/{name}": _masked_sum(per_token, mask), f"n/{name}": mask.sum()}
+    return {f"sum/{name}": O.masked_sum(per_token, mask), f"n/{name}": mask.sum()}
 
 
 def _max(a: float, b: float) -> float:
@@ -194,7 +115,7 @@ def policy_loss(
     logp_old = mx.stop_gradient(logp_old.astype(mx.float32))
     m = mask.astype(mx.float32)
     try:
-        ratio_fn, sur_fn = O.RATIOS[ratio_level], O.SURROGATES[surrogate]
+        ratio_fn, sur_fn = O.RATIOS[ratio_level].fn, O.SURROGATES[surrogate].fn
     except KeyError:
         raise ValueError(f"unknown ratio level {ratio_level!r} or surrogate {surrogate!r}; valid: "
                          f"{', '.join(O.RATIOS)} / {', '.join(O.SURROGATES)}") from None
@@ -205,9 +126,9 @@ def policy_loss(
         per_tok = per_tok * mx.stop_gradient(weights.astype(mx.float32))
     kl = None
     if beta and ref_logp is not None:
-        kl = k3_kl(logp, mx.stop_gradient(ref_logp.astype(mx.float32)))
+        kl = O.k3_kl(logp, mx.stop_gradient(ref_logp.astype(mx.float32)))
         per_tok = per_tok + beta * kl
-    loss = aggregate(per_tok, m, aggregation, max_tokens)
+    loss = O.aggregate(per_tok, m, aggregation, max_tokens)
     sg = mx.stop_gradient
     totals = {
         **token_totals("clip_frac", clipped.astype(mx.float32), m),

@@ -34,10 +34,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
+from mlx_ssp.finetune.optim import OPTIMIZERS
+
 #: bytes per element of the training dtypes
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: optimizer state arrays per trainable parameter (mlx.optimizers: Adam's m and v; SGD's v)
-OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1}
 #: mlx-lm's KVCache grows its buffers in steps of this many tokens
 KV_STEP = 256
 #: prompts prefilled together (mlx-lm's default prefill batch) and tokens per prefill step
@@ -194,7 +194,7 @@ def fixed_bytes(config: Mapping[str, Any], rl, *, phase: str, dtype: str = "floa
     shape, rl = shape_from_config(config), _rl(rl)
     b = DTYPE_BYTES[dtype]
     weights = shape.params * b
-    moments = OPTIMIZER_MOMENTS[rl.optimizer]
+    moments = OPTIMIZERS[rl.optimizer].moments
     grads = 2 if phase == "train" else 0
     if rl.fine_tune_type == "lora":
         trainable = lora_params(shape, rl.lora.rank, rl.lora.num_layers, rl.lora.keys)

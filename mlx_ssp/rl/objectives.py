@@ -50,6 +50,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
+import numpy as np
 
 sg = mx.stop_gradient
 
@@ -72,9 +73,18 @@ def sequence_ratio(logp: mx.array, logp_old: mx.array, mask: mx.array) -> mx.arr
     return mx.broadcast_to(s, logp.shape)
 
 
-RATIOS: dict[str, Callable[[mx.array, mx.array, mx.array], mx.array]] = {
-    "token": token_ratio,
-    "sequence": sequence_ratio,
+class Ratio(NamedTuple):
+    """An importance-ratio level: ``fn(logp, logp_old, mask) -> [B, T]`` and the config keys of its
+    clip range (a surrogate with its own range overrides them)."""
+
+    fn: Callable[[mx.array, mx.array, mx.array], mx.array]
+    clip_keys: tuple[str, str]
+
+
+#: ``importance_sampling_level`` -> its ratio and clip-range keys
+RATIOS: dict[str, Ratio] = {
+    "token": Ratio(token_ratio, ("eps_low", "eps_high")),
+    "sequence": Ratio(sequence_ratio, ("seq_eps_low", "seq_eps_high")),  # GSPO's own range (its 5.1)
 }
 
 
@@ -113,7 +123,111 @@ def cispo_surrogate(ratio: mx.array, logp: mx.array, adv: mx.array, *, eps_low: 
     return Surrogate(loss, clipped, mx.zeros(loss.shape, dtype=mx.bool_))
 
 
-SURROGATES: dict[str, Callable[..., Surrogate]] = {"clip": clip_surrogate, "cispo": cispo_surrogate}
+class SurrogateEntry(NamedTuple):
+    """A surrogate: ``fn(ratio, logp, adv, *, eps_low, eps_high, dual_clip) -> Surrogate`` and the
+    config keys of its own clip range (None: the ratio level's)."""
+
+    fn: Callable[..., Surrogate]
+    clip_keys: Optional[tuple[str, str]]
+
+
+#: ``loss`` -> its surrogate and clip-range keys
+SURROGATES: dict[str, SurrogateEntry] = {
+    "clip": SurrogateEntry(clip_surrogate, None),
+    "cispo": SurrogateEntry(cispo_surrogate, ("cispo_eps_low", "cispo_eps_high")),  # bounds on the weight
+}
+
+
+def clip_range(cfg) -> tuple[float, float]:
+    """``(eps_low, eps_high)`` of the configured objective (an ``rl:`` config): the surrogate's own
+    range if it has one (CISPO's weight bounds), else the ratio level's (GSPO's sequence range,
+    PPO's token range)."""
+    keys = SURROGATES[cfg.loss].clip_keys or RATIOS[cfg.importance_sampling_level].clip_keys
+    return getattr(cfg, keys[0]), getattr(cfg, keys[1])
+
+
+# -- aggregation and KL ---------------------------------------------------------------------------
+
+
+def masked_sum(x: mx.array, mask: mx.array, axis=None) -> mx.array:
+    return (x * mask).sum(axis=axis)
+
+
+def seq_mean_token_mean(per_token: mx.array, mask: mx.array, max_tokens: int | None = None) -> mx.array:
+    """Mean over each sequence's valid tokens, then over sequences that have any."""
+    n_tok = mask.sum(axis=-1)
+    per_seq = masked_sum(per_token, mask, axis=-1) / mx.maximum(n_tok, 1.0)
+    has = (n_tok > 0).astype(mx.float32)
+    return (per_seq * has).sum() / mx.maximum(has.sum(), 1.0)
+
+
+def token_mean(per_token: mx.array, mask: mx.array, max_tokens: int | None = None) -> mx.array:
+    """Sum over all valid tokens of the batch / their number (DAPO)."""
+    return masked_sum(per_token, mask) / mx.maximum(mask.sum(), 1.0)
+
+
+def seq_mean_token_sum_norm(per_token: mx.array, mask: mx.array, max_tokens: int | None = None) -> mx.array:
+    """Each sequence's token sum / a constant (``max_tokens``, else the grid's T), mean over sequences."""
+    norm = float(max_tokens) if max_tokens else float(per_token.shape[-1])
+    return (masked_sum(per_token, mask, axis=-1) / norm).mean()
+
+
+def _token_units(mask: mx.array) -> mx.array:
+    return mask.sum()
+
+
+def _sequence_units(mask: mx.array) -> mx.array:
+    return (mask.sum(axis=-1) > 0).sum().astype(mx.float32)
+
+
+def _row_units(mask: mx.array) -> mx.array:
+    return mx.array(float(mask.shape[0]))
+
+
+class Aggregation(NamedTuple):
+    """One aggregation mode: its reduction and the denominator it averages over (the units a
+    micro-batch's loss is weighted by, so summed micro-batch gradients equal the full batch's)."""
+
+    reduce: Callable[..., mx.array]  # fn(per_token [B, T], mask [B, T] float, max_tokens) -> scalar
+    units: Callable[[mx.array], mx.array]  # fn(mask [B, T]) -> scalar
+
+
+#: name -> Aggregation(reduce, units)
+AGGREGATIONS: dict[str, Aggregation] = {
+    "seq-mean-token-mean": Aggregation(seq_mean_token_mean, _sequence_units),
+    "token-mean": Aggregation(token_mean, _token_units),
+    "seq-mean-token-sum-norm": Aggregation(seq_mean_token_sum_norm, _row_units),
+}
+
+
+def aggregation_units(mode: str, mask: mx.array) -> mx.array:
+    """The denominator ``mode`` averages over (for exact micro-batch accumulation)."""
+    return AGGREGATIONS[mode].units(mask)
+
+
+def aggregate(per_token: mx.array, mask: mx.array, mode: str, max_tokens: int | None = None) -> mx.array:
+    try:
+        fn = AGGREGATIONS[mode]
+    except KeyError:
+        raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}") from None
+    return fn.reduce(per_token, mask.astype(mx.float32), max_tokens)
+
+
+def k3_kl(logp: mx.array, ref_logp: mx.array) -> mx.array:
+    """k3 estimator of KL(pi || ref) per token: exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    d = ref_logp - logp
+    return mx.exp(d) - d - 1.0
+
+
+def clipped_surrogate(logp, logp_old, advantages, *, eps_low: float = 0.2, eps_high: float = 0.2,
+                      dual_clip: float | None = None):
+    """Per-token PPO-clip loss and masks. advantages broadcast against logp ([B, 1] or [B, T]).
+
+    Returns (loss [B, T], ratio, clipped mask, dual-clipped mask)."""
+    ratio = token_ratio(logp, logp_old, None)
+    sur = clip_surrogate(ratio, logp, advantages, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    return sur.loss, ratio, sur.clipped, sur.dual_clipped
+
 
 
 # -- token selection and IS correction ------------------------------------------------------------
@@ -122,8 +236,6 @@ SURROGATES: dict[str, Callable[..., Surrogate]] = {"clip": clip_surrogate, "cisp
 def entropy_threshold(entropy: mx.array, mask: mx.array, quantile: float) -> float:
     """The entropy at or above which a token is among the top ``quantile`` fraction of the masked
     tokens (ties at the cut are all kept; at least one token is kept when any is masked)."""
-    import numpy as np
-
     e = np.asarray(entropy, np.float32)[np.asarray(mask) > 0]
     if e.size == 0:
         return float("inf")
@@ -153,8 +265,6 @@ def entropy_bonus(entropy: mx.array, mask: mx.array, coef: float, aggregation: s
                   max_tokens: Optional[int] = None) -> mx.array:
     """``coef * aggregate(entropy)`` with the policy loss's mask and aggregation (a scalar to subtract
     from the loss; the gradient flows through ``entropy``)."""
-    from mlx_ssp.rl.loss import aggregate  # loss.py imports this module: a call-time import
-
     return coef * aggregate(entropy.astype(mx.float32), mask, aggregation, max_tokens)
 
 

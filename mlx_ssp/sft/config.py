@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from mlx_ssp.config import StrictModel
 from mlx_ssp.finetune.lora import LoRAConfig  # the shared config; SFT uses its defaults (16 blocks)
-from mlx_ssp.finetune.optim import OPTIMIZERS  # noqa: F401  (re-exported: the names sft.optimizer takes)
+from mlx_ssp.finetune.optim import OPTIMIZERS
 from mlx_ssp.rollout import SamplingConfig
 from mlx_ssp.sft.curriculum import CurriculumConfig
 
@@ -76,7 +76,7 @@ class SFTConfig(StrictModel):
     data_dir: Optional[str] = None  # default {run_dir}/select
     out_dir: Optional[str] = None  # default {run_dir}/sft
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
-    optimizer: Literal["adam", "adamw", "sgd", "adafactor"] = "adam"
+    optimizer: Literal[tuple(OPTIMIZERS)] = "adam"
     optimizer_config: dict[str, Any] = Field(default_factory=dict)
     learning_rate: float = Field(1e-5, gt=0)
     lr_schedule: Optional[ScheduleConfig] = None
@@ -91,7 +91,7 @@ class SFTConfig(StrictModel):
     #: validation batches per checkpoint; -1 = the whole validation set, 0 = no validation loss
     val_batches: int = Field(25, ge=-1)
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
-    select: Literal["pass@k", "pass@1", "val_loss"] = "pass@k"
+    select: Literal[SELECT_RULES] = "pass@k"
     seed: Optional[int] = None  # default: the run file's top-level seed, else 0
     dequantize: bool = False  # fuse a quantized base into a dequantized specialist
     overwrite: bool = False  # discard earlier checkpoints/specialists instead of resuming

@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, ValidationInfo, field_validator
 
 from mlx_ssp.config import StrictModel
+from mlx_ssp.verify.extract import MODES
 
 SPLITS = ("train", "probe", "eval")
 
@@ -34,7 +35,7 @@ class DomainConfig(StrictModel):
     verifier: Optional[str] = None  # default: the source's own (gsm8k -> math, humaneval -> code, ...)
     instruction: Optional[str] = None  # appended to each prompt; None = the source's default, "" = none
     system: Optional[str] = None  # system prompt put in each task's messages
-    answer_extraction: Literal["strict", "lenient"] = "strict"  # math / reasoning_gym answer extraction
+    answer_extraction: Literal[MODES] = "strict"  # math / reasoning_gym answer extraction
     sandbox: dict[str, Any] = Field(default_factory=dict)  # code tasks: overrides of the sandbox limits
     sizes: SplitSizes = Field(default_factory=SplitSizes)
 
