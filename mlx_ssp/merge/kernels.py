@@ -15,7 +15,7 @@ relative for 2^18 of them); partial sums over rows of 256 are within 2e-9 of the
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -89,6 +89,32 @@ def _row_partials(x: mx.array) -> list[mx.array]:
     return out
 
 
+def _totals(partials: list[list[mx.array]]) -> np.ndarray:
+    """Each term's float32 row partials (evaluated) added in float64."""
+    return np.array([sum(float(np.asarray(p).sum(dtype=np.float64)) for p in ps) for ps in partials])
+
+
+def _as_f32(totals: np.ndarray) -> list[mx.array]:
+    return [mx.array(np.float32(v)).reshape(1) for v in totals]
+
+
+def sweep(step: Callable[[int, int], tuple[Any, Sequence[mx.array]]], size: int) -> tuple[list, list[mx.array]]:
+    """One pass over a flat tensor of ``size`` > 0 elements, slice by slice: ``step(lo, hi)`` returns
+    (kept, terms); ``kept`` (an array or a list of them, e.g. a slice of an updated iterate) is
+    evaluated and collected per slice, the terms are summed over the whole tensor as :func:`sums`
+    does (float32 partial sums per :data:`SUM_ROW` elements, added in float64). Returns (the kept
+    values in slice order, each term's sum as a float32 array of shape (1,))."""
+    kept, totals = [], None
+    for lo, hi in slices(size):
+        keep, terms = step(lo, hi)
+        part = [_row_partials(x) for x in terms]
+        mx.eval(keep, part)
+        kept.append(keep)
+        got = _totals(part)
+        totals = got if totals is None else totals + got
+    return kept, _as_f32(totals if totals is not None else np.zeros(0))
+
+
 def sums(terms: Callable[[int, int], Sequence[mx.array]], size: int, width: Optional[int] = None) -> list[mx.array]:
     """Sums of float32 terms over a flat tensor of ``size`` elements, computed slice by slice:
     ``terms(lo, hi)`` returns the (lazy) terms of elements ``[lo, hi)``, e.g. squares and products.
@@ -104,13 +130,6 @@ def sums(terms: Callable[[int, int], Sequence[mx.array]], size: int, width: Opti
             mx.eval(part)
             rows = [[p] for p in part] if rows is None else [r + [p] for r, p in zip(rows, part)]
         return [r[0] if len(r) == 1 else mx.concatenate(r) for r in rows or []]
-    totals: Optional[np.ndarray] = None
-    for lo, hi in slices(size):
-        part = [_row_partials(x) for x in terms(lo, hi)]
-        mx.eval(part)
-        got = np.array([sum(float(np.asarray(p).sum(dtype=np.float64)) for p in ps) for ps in part])
-        totals = got if totals is None else totals + got
-    if totals is None:  # an empty tensor: the terms' count is unknown without a slice
-        n = len(terms(0, 0))
-        totals = np.zeros(n)
-    return [mx.array(np.float32(v)).reshape(1) for v in totals]
+    if size == 0:  # an empty tensor: the terms' count is unknown without a slice
+        return _as_f32(np.zeros(len(terms(0, 0))))
+    return sweep(lambda lo, hi: ((), terms(lo, hi)), size)[1]

@@ -443,29 +443,29 @@ def merge_slerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
 
 
 def merge_nuslerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
-    """``nuslerp``: two models, ``t = w1 / (w0 + w1)`` (0.5 when the weights cancel)."""
+    """``nuslerp``: two models, ``t = w1 / (w0 + w1)`` (0.5 when the weights cancel); the inputs
+    stay in their dtype (aligned to the compute dtype slice by slice)."""
     _count(spec, t, n=2)
     w = [pm["weight"] for pm in t.per_model]
     tt = 0.5 if abs(sum(w)) < 1e-6 else w[1] / sum(w)
-    a, b = _inputs(t)
-    res = I.nuslerp(tt, a, b, t.shape, row_wise=t.shared["nuslerp_row_wise"], flatten=t.shared["nuslerp_flatten"],
-                    cd=t.cd)
-    return _finish(res, t)
+    a, b = (_load(x) for x in t.models)
+    return I.nuslerp_parts(tt, a, b, t.cd, t.out, t.shape, row_wise=t.shared["nuslerp_row_wise"],
+                           flatten=t.shared["nuslerp_flatten"])
 
 
 def merge_multislerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
     _count(spec, t, at_least=1)
     try:
-        res = I.multislerp(_inputs(t), [pm["weight"] for pm in t.per_model], t.shared["normalize_weights"],
-                           t.shared["eps"], cd=t.cd)
+        return I.multislerp_parts([_load(x) for x in t.models], [pm["weight"] for pm in t.per_model],
+                                  t.shared["normalize_weights"], t.shared["eps"], t.cd, t.out)
     except ValueError as e:
         raise UserError(str(e)) from None
-    return _finish(res, t)
 
 
 def merge_karcher(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
     """``karcher``: the equal-weight Karcher mean of every input."""
-    return _finish(I.karcher(_inputs(t), max_iter=int(t.shared["max_iter"]), tol=t.shared["tol"], cd=t.cd), t)
+    return I.karcher_parts([_load(x) for x in t.models], max_iter=int(t.shared["max_iter"]), tol=t.shared["tol"],
+                           cd=t.cd, out=t.out)
 
 
 def merge_model_stock(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
