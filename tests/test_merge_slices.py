@@ -32,7 +32,7 @@ def test_sums_whole_tensor_match_float64_and_rows_match_mlx(monkeypatch):
     want = np.array(mx.sum(y.reshape(-1, 37), axis=-1))
     for chunk in (10, 100, 1 << 18):
         monkeypatch.setattr(K, "CHUNK", chunk)
-        (got,) = K.sums(lambda lo, hi: [y[lo:hi]], y.size, width=37)
+        (got,) = K.sums(lambda lo, hi: [y[lo:hi]], y.size, width=37, mlx_rows=True)
         np.testing.assert_array_equal(np.array(got), want)
     (z,) = K.sums(lambda lo, hi: [xa[lo:hi]], 0)  # an empty tensor sums to 0
     assert z.item() == 0.0

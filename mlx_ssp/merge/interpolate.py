@@ -213,7 +213,7 @@ def nuslerp_parts(t: float, v0: mx.array, v1: mx.array, cd=F32, out=None, shape:
     r = lambda x: rnd(x, cd)  # noqa: E731
     width = shape[-1] if rows else None
     sq = kernel(("slerp_sq", str(cd)), lambda: _slerp_sq(cd))
-    sa, sb = K.sums(lambda lo, hi: sq(v0[lo:hi], v1[lo:hi]), v0.size, width)
+    sa, sb = K.sums(lambda lo, hi: sq(v0[lo:hi], v1[lo:hi]), v0.size, width, K.torch_block(cd))
     na, nb = (r(mx.maximum(r(mx.sqrt(x)), 1e-7)) for x in (sa, sb))
     # per row: a column of statistics against the rows of a slice; whole tensor: flat slices, 0-d
     shaped = (lambda x, lo, hi: x.reshape(-1, width)) if width else (lambda x, lo, hi: x)
@@ -289,10 +289,11 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     Wl = [W[i] for i in range(n)]
     key = (n, str(cd))
     sq = kernel(("msl_sq",) + key, lambda: (lambda xs: [mx.square(_al(x, cd)) for x in xs]))
-    norms = mx.concatenate([r(mx.sqrt(v)) for v in K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size)])
+    blk = K.torch_block(cd)
+    norms = mx.concatenate([r(mx.sqrt(v)) for v in K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, blk)])
     dn = [r(norms[i] + eps) for i in range(n)]
     mk = kernel(("msl_mean",) + key, lambda: (lambda xs, dn, W: mx.square(_msl_mean(_msl_units(xs, dn, cd), W, cd))))
-    (msq,) = K.sums(lambda lo, hi: [mk([x[lo:hi] for x in xs], dn, Wl)], size)
+    (msq,) = K.sums(lambda lo, hi: [mk([x[lo:hi] for x in xs], dn, Wl)], size, None, blk)
     mean_norm = r(mx.sqrt(msq))
     if mean_norm.item() < eps:
         if n != 2:
@@ -313,7 +314,7 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     tk = kernel(("msl_tan",) + key, lambda: (
         lambda xs, dn, W, mn, dots: (lambda us, m: mx.square(_msl_tangent(us, m, dots, W, cd)))(
             *unit_mean(xs, dn, W, mn))))
-    (tsq,) = K.sums(lambda lo, hi: [tk([x[lo:hi] for x in xs], dn, Wl, mn, dots)], size)
+    (tsq,) = K.sums(lambda lo, hi: [tk([x[lo:hi] for x in xs], dn, Wl, mn, dots)], size, None, blk)
     tn = r(r(mx.sqrt(tsq)) + eps).reshape(())
     cs, sn = r(mx.cos(tn)), r(r(mx.sin(tn)) / tn)
     avg = r(mx.sum(r(norms * W)))
@@ -327,10 +328,10 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     return _each(size, lambda lo, hi: fk([x[lo:hi] for x in xs], dn, Wl, mn, dots, cs, sn, avg))
 
 
-def _each(size: int, f) -> list[mx.array]:
+def _each(size: int, f, align: int = 1) -> list[mx.array]:
     """``f(lo, hi)`` evaluated slice by slice over a flat tensor of ``size`` elements."""
     parts = []
-    for lo, hi in K.slices(size):
+    for lo, hi in K.slices(size, align):
         part = f(lo, hi)
         mx.eval(part)
         parts.append(part)
@@ -417,8 +418,11 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
     r = lambda x: rnd(x, cd)  # noqa: E731
     alphas = [1.0 / len(xs)] * len(xs) if alphas is None else list(alphas)
     sq = kernel(("msl_sq", len(xs), str(cd)), lambda: (lambda xs: [mx.square(_al(x, cd)) for x in xs]))
-    norms = [np.sqrt(_item(v)) for v in K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size)]
-    scale = _s(sum(np.float32(a) * n for a, n in zip(alphas, norms)))
+    f32n = K.torch_block(F32)  # mergekit's norms: vector_norm of the float32 copy
+    norms = [np.sqrt(_item(v)) for v in K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, f32n)]
+    # torch casts a 0-d float32 tensor on the left of a bf16 tensor to bf16 (on the right it stays
+    # float32): mergekit's ``scale * mean``, ``cos(tn) * mean`` and ``sin(tn) * ...`` round it to cd
+    scale = r(_s(sum(np.float32(a) * n for a, n in zip(alphas, norms))))
     valid = [i for i, n in enumerate(norms) if n > tol]
     if not valid:
         return _each(size, lambda lo, hi: mx.zeros(hi - lo, dtype=out))
@@ -430,15 +434,15 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
     def sl(lo, hi):
         return [x[lo:hi] for x in vx]
     m0 = kernel(("kar_mean0",) + key, lambda: _kar_mean0(cd))
-    mean, (s,) = K.sweep(lambda lo, hi: m0(sl(lo, hi), ns, al), size)
+    mean, (s,) = K.sweep(lambda lo, hi: m0(sl(lo, hi), ns, al), size, f32n)
     mn = np.sqrt(_item(s))
     pending = None  # the norm the held mean is still to be divided by
     if mn < tol:
         uk = kernel(("kar_unit0", str(cd)), lambda: (lambda x, n: rnd(_al(x, cd) / n, cd).astype(cd)))
-        mean = _each(size, lambda lo, hi: uk(vx[0][lo:hi], ns[0]))
+        mean = _each(size, lambda lo, hi: uk(vx[0][lo:hi], ns[0]), K.ALIGN)
     else:
         pending = mn
-    at = {lo: k for k, (lo, _) in enumerate(K.slices(size))}  # slice start -> index of the held slice
+    at = {lo: k for k, (lo, _) in enumerate(K.slices(size, K.ALIGN))}  # slice start -> index of the held slice
     for _ in range(max_iter):
         dk = kernel(("kar_dots", pending is not None) + key, lambda: _kar_dots(cd, pending is not None))
         p = _s(pending if pending is not None else 1.0)
@@ -459,13 +463,14 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
         tkey = (len(act), str(cd))
         tk = kernel(("kar_tsq",) + tkey, lambda: (
             lambda m, xs, ns, dots, coefs: mx.square(_kar_tangent(f32(m), xs, ns, dots, coefs, cd))))
-        (tsq,) = K.sums(lambda lo, hi: [tk(mean[at[lo]], [x[lo:hi] for x in ax], ans, dots, coefs)], size)
+        (tsq,) = K.sweep(lambda lo, hi: ((), [tk(mean[at[lo]], [x[lo:hi] for x in ax], ans, dots, coefs)]), size,
+                         f32n)[1]
         tn = np.sqrt(_item(tsq))
         if tn < tol:
             break
         stk = kernel(("kar_step",) + tkey, lambda: _kar_step(cd))
         mean, (usq,) = K.sweep(lambda lo, hi: stk(mean[at[lo]], [x[lo:hi] for x in ax], ans, dots, coefs,
-                                                 _s(tn), _s(np.cos(tn)), _s(np.sin(tn))), size)
+                                                 _s(tn), r(_s(np.cos(tn))), r(_s(np.sin(tn)))), size, f32n)
         un = np.sqrt(_item(usq))
         pending = un if un > tol else None
     fk = kernel(("kar_out", pending is not None, str(cd), str(out)), lambda: _kar_out(cd, out, pending is not None))
@@ -521,7 +526,7 @@ def model_stock_ratio(base: mx.array, xs: Sequence[mx.array], cd, width: Optiona
     and dots are summed slice by slice (:func:`.kernels.sums`), every step rounded to ``cd``."""
     n = len(xs)
     terms = kernel(("ms_terms", n, str(cd)), lambda: _ms_terms(n, cd))
-    got = K.sums(lambda lo, hi: terms(base[lo:hi], [x[lo:hi] for x in xs]), base.size, width)
+    got = K.sums(lambda lo, hi: terms(base[lo:hi], [x[lo:hi] for x in xs]), base.size, width, mlx_rows=True)
     norms = [rnd(mx.sqrt(s), cd) for s in got[:n]]
     dots = iter(got[n:])
     cos = []

@@ -89,47 +89,163 @@ def _row_partials(x: mx.array) -> list[mx.array]:
     return out
 
 
+#: torch's CPU 2-norm over a contiguous last axis (the kernel mergekit's ``torch.norm`` and
+#: ``vector_norm`` run, x86 builds): float32 squares accumulated in order in this many lanes (lane j
+#: takes elements j, j + 8, ...) over the longest prefix that is a multiple of one vector's elements
+#: (8 float32, 16 bf16 / fp16), the lanes then added in order, then the rest one by one
+TORCH_LANES = 8
+
+
+def torch_block(dtype) -> int:
+    """Elements of one 256-bit vector of ``dtype`` (torch's vectorised prefix is a multiple of it)."""
+    return 8 if dtype == F32 else 16
+
+
+#: slices of the passes that hold an iterate (:func:`sweep`) are multiples of this many elements
+ALIGN = 16
+
+
 def _totals(partials: list[list[mx.array]]) -> np.ndarray:
     """Each term's float32 row partials (evaluated) added in float64."""
     return np.array([sum(float(np.asarray(p).sum(dtype=np.float64)) for p in ps) for ps in partials])
 
 
-def _as_f32(totals: np.ndarray) -> list[mx.array]:
-    return [mx.array(np.float32(v)).reshape(1) for v in totals]
+def _as_f32(totals) -> list[mx.array]:
+    return [mx.array(np.float32(v)).reshape(-1) for v in totals]
 
 
-def sweep(step: Callable[[int, int], tuple[Any, Sequence[mx.array]]], size: int) -> tuple[list, list[mx.array]]:
-    """One pass over a flat tensor of ``size`` > 0 elements, slice by slice: ``step(lo, hi)`` returns
-    (kept, terms); ``kept`` (an array or a list of them, e.g. a slice of an updated iterate) is
-    evaluated and collected per slice, the terms are summed over the whole tensor as :func:`sums`
-    does (float32 partial sums per :data:`SUM_ROW` elements, added in float64). Returns (the kept
+class _Exact:
+    """Whole-tensor sums: float32 partial sums per SUM_ROW elements, added in float64."""
+
+    def __init__(self, size: int, block: Optional[int] = None, width: Optional[int] = None):
+        self.totals: Optional[np.ndarray] = None
+
+    def partials(self, lo: int, hi: int, terms: Sequence[mx.array]) -> list:
+        return [_row_partials(x) for x in terms]
+
+    def add(self, lo: int, hi: int, part: list) -> None:
+        got = _totals(part)
+        self.totals = got if self.totals is None else self.totals + got
+
+    def result(self) -> list[mx.array]:
+        return _as_f32(self.totals if self.totals is not None else np.zeros(0))
+
+
+class _Lanes:
+    """Sums in the order of torch's CPU norm kernel (:data:`TORCH_LANES`), over the whole tensor or
+    per row of ``width`` elements; the state between slices is each term's lane accumulators."""
+
+    def __init__(self, size: int, block: int, width: Optional[int] = None):
+        self.per_row = width is not None
+        self.width = width or size
+        self.m = self.width - self.width % block  # the vectorised prefix of a row
+        self.acc: Optional[list] = None  # whole tensor: per term, the lanes so far
+        self.tail: Optional[list] = None
+        self.rows: Optional[list[list[np.ndarray]]] = None  # per row: per term, the finished rows
+
+    def partials(self, lo: int, hi: int, terms: Sequence[mx.array]) -> list:
+        return list(terms)
+
+    @staticmethod
+    def _fold(acc: np.ndarray) -> np.ndarray:
+        """The lanes (last axis) added in order."""
+        b = acc[..., 0].copy()
+        for j in range(1, acc.shape[-1]):
+            b = (b + acc[..., j]).astype(np.float32)
+        return b
+
+    def add(self, lo: int, hi: int, part: list) -> None:
+        xs = [np.asarray(x, dtype=np.float32).reshape(-1) for x in part]
+        if self.per_row:
+            self._add_rows(xs)
+            return
+        if self.acc is None:
+            self.acc = [np.zeros(TORCH_LANES, np.float32) for _ in xs]
+            self.tail = [[] for _ in xs]
+        v_hi = min(hi, self.m)
+        for i, x in enumerate(xs):
+            if lo < v_hi:  # the lanes go on from the previous slice's (slices are whole vectors)
+                seg = x[: v_hi - lo].reshape(-1, TORCH_LANES)
+                self.acc[i] = np.add.reduce(np.concatenate([self.acc[i][None], seg]), axis=0, dtype=np.float32)
+            if hi > self.m:
+                self.tail[i].append(x[max(self.m, lo) - lo:])
+
+    def _add_rows(self, xs: list[np.ndarray]) -> None:
+        got = []
+        for x in xs:
+            r = x.reshape(-1, self.width)
+            acc = np.add.reduce(r[:, : self.m].reshape(r.shape[0], -1, TORCH_LANES), axis=1, dtype=np.float32)
+            b = self._fold(acc) if self.m else np.zeros(r.shape[0], np.float32)
+            for c in range(self.m, self.width):
+                b = (b + r[:, c]).astype(np.float32)
+            got.append(b)
+        self.rows = [[g] for g in got] if self.rows is None else [r + [g] for r, g in zip(self.rows, got)]
+
+    def result(self) -> list[mx.array]:
+        if self.rows is not None:
+            return [mx.array(np.concatenate(r)) for r in self.rows]
+        out = []
+        for acc, tail in zip(self.acc or [], self.tail or []):
+            b = self._fold(acc)
+            for t in tail:
+                for v in t:
+                    b = np.float32(b + v)
+            out.append(mx.array(np.float32(b)).reshape(1))
+        return out
+
+
+def sweep(step: Callable[[int, int], tuple[Any, Sequence[mx.array]]], size: int,
+          block: Optional[int] = None) -> tuple[list, list[mx.array]]:
+    """One pass over a flat tensor of ``size`` > 0 elements, in slices of whole multiples of
+    :data:`ALIGN`: ``step(lo, hi)`` returns (kept, terms); ``kept`` (an array or a list of them, e.g.
+    a slice of an updated iterate) is evaluated and collected per slice; the terms are summed over
+    the whole tensor, as :func:`sums` does (``block``: in torch's norm order). Returns (the kept
     values in slice order, each term's sum as a float32 array of shape (1,))."""
-    kept, totals = [], None
-    for lo, hi in slices(size):
+    acc = _Lanes(size, block) if block else _Exact(size)
+    kept = []
+    for lo, hi in slices(size, ALIGN):
         keep, terms = step(lo, hi)
-        part = [_row_partials(x) for x in terms]
+        part = acc.partials(lo, hi, terms)
         mx.eval(keep, part)
         kept.append(keep)
-        got = _totals(part)
-        totals = got if totals is None else totals + got
-    return kept, _as_f32(totals if totals is not None else np.zeros(0))
+        acc.add(lo, hi, part)
+    return kept, acc.result()
 
 
-def sums(terms: Callable[[int, int], Sequence[mx.array]], size: int, width: Optional[int] = None) -> list[mx.array]:
+def sums(terms: Callable[[int, int], Sequence[mx.array]], size: int, width: Optional[int] = None,
+         block: Optional[int] = None, mlx_rows: bool = False) -> list[mx.array]:
     """Sums of float32 terms over a flat tensor of ``size`` elements, computed slice by slice:
     ``terms(lo, hi)`` returns the (lazy) terms of elements ``[lo, hi)``, e.g. squares and products.
 
     ``width`` None: each term's sum over the whole tensor as a float32 array of shape (1,) (partial
     sums per :data:`SUM_ROW` elements in float32, added in float64, then rounded to float32).
-    ``width`` given: per row of ``width`` elements, MLX's float32 sum along the row (shape (rows,)),
-    the value a full-size ``mx.sum(x.reshape(-1, width), axis=-1)`` gives."""
-    if width:
-        rows: Optional[list[list[mx.array]]] = None
-        for lo, hi in slices(size, width):
-            part = [mx.sum(x.reshape(-1, width), axis=-1) for x in terms(lo, hi)]
-            mx.eval(part)
-            rows = [[p] for p in part] if rows is None else [r + [p] for r, p in zip(rows, part)]
-        return [r[0] if len(r) == 1 else mx.concatenate(r) for r in rows or []]
+    ``width`` given: per row of ``width`` elements (shape (rows,)), summed in float64 then rounded
+    to float32; with ``mlx_rows``, MLX's float32 sum along the row instead (the value a full-size
+    ``mx.sum(x.reshape(-1, width), axis=-1)`` gives).
+    ``block`` given (squares for a norm): in the order of torch's CPU norm kernel instead
+    (:data:`TORCH_LANES`; ``block``: :func:`torch_block` of the dtype torch reduces), whole tensor
+    or per row of ``width``: its float32 drift over millions of elements included."""
     if size == 0:  # an empty tensor: the terms' count is unknown without a slice
         return _as_f32(np.zeros(len(terms(0, 0))))
+    if block:
+        acc = _Lanes(size, block, width)
+        for lo, hi in slices(size, width or ALIGN):
+            part = list(terms(lo, hi))
+            mx.eval(part)
+            acc.add(lo, hi, part)
+        return acc.result()
+    if width:
+        rows: Optional[list[list]] = None
+        for lo, hi in slices(size, width):
+            if mlx_rows:
+                part = [mx.sum(x.reshape(-1, width), axis=-1) for x in terms(lo, hi)]
+                mx.eval(part)
+            else:
+                got = list(terms(lo, hi))
+                mx.eval(got)
+                part = [np.asarray(x, dtype=np.float32).reshape(-1, width).sum(-1, dtype=np.float64) for x in got]
+            rows = [[p] for p in part] if rows is None else [r + [p] for r, p in zip(rows, part)]
+        if mlx_rows:
+            return [r[0] if len(r) == 1 else mx.concatenate(r) for r in rows or []]
+        return [mx.array(np.concatenate(r).astype(np.float32)) for r in rows or []]
     return sweep(lambda lo, hi: ((), terms(lo, hi)), size)[1]
