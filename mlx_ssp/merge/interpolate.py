@@ -404,8 +404,8 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
     the mean and the tangent are in ``cd`` (each step rounded), as mergekit holds them in the input
     dtype.
 
-    Every norm and dot is a pass of sliced sums (:func:`.kernels.sweep`, float64 across partial
-    sums). The mean is the one full-size array held (in ``cd``, as mergekit holds it), updated slice
+    Every norm and dot is a pass of sliced sums (:func:`.kernels.sweep`): the norms in the order of
+    torch's norm kernel (:data:`.kernels.TORCH_LANES`), the dots in float64 across partial sums. The mean is the one full-size array held (in ``cd``, as mergekit holds it), updated slice
     by slice; unit vectors and tangents are recomputed per slice from the inputs (which stay in
     their dtype). An iteration is three passes: the dots (normalising the mean on the way), the
     tangent's norm, the step (with the new mean's squares)."""
@@ -446,7 +446,7 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
     for _ in range(max_iter):
         dk = kernel(("kar_dots", pending is not None) + key, lambda: _kar_dots(cd, pending is not None))
         p = _s(pending if pending is not None else 1.0)
-        mean, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], sl(lo, hi), ns, p), size)
+        _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], sl(lo, hi), ns, p), size, into=mean)
         pending = None
         act, dots, coefs = [], [], []
         for j, d in enumerate(dsums):
@@ -463,14 +463,14 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
         tkey = (len(act), str(cd))
         tk = kernel(("kar_tsq",) + tkey, lambda: (
             lambda m, xs, ns, dots, coefs: mx.square(_kar_tangent(f32(m), xs, ns, dots, coefs, cd))))
-        (tsq,) = K.sweep(lambda lo, hi: ((), [tk(mean[at[lo]], [x[lo:hi] for x in ax], ans, dots, coefs)]), size,
-                         f32n)[1]
+        (tsq,) = K.sums(lambda lo, hi: [tk(mean[at[lo]], [x[lo:hi] for x in ax], ans, dots, coefs)], size, None, f32n)
         tn = np.sqrt(_item(tsq))
         if tn < tol:
             break
         stk = kernel(("kar_step",) + tkey, lambda: _kar_step(cd))
-        mean, (usq,) = K.sweep(lambda lo, hi: stk(mean[at[lo]], [x[lo:hi] for x in ax], ans, dots, coefs,
-                                                 _s(tn), r(_s(np.cos(tn))), r(_s(np.sin(tn)))), size, f32n)
+        cs, sn = r(_s(np.cos(tn))), r(_s(np.sin(tn)))
+        _, (usq,) = K.sweep(lambda lo, hi: stk(mean[at[lo]], [x[lo:hi] for x in ax], ans, dots, coefs, _s(tn), cs, sn),
+                            size, f32n, mean)
         un = np.sqrt(_item(usq))
         pending = un if un > tol else None
     fk = kernel(("kar_out", pending is not None, str(cd), str(out)), lambda: _kar_out(cd, out, pending is not None))

@@ -194,20 +194,24 @@ class _Lanes:
         return out
 
 
-def sweep(step: Callable[[int, int], tuple[Any, Sequence[mx.array]]], size: int,
-          block: Optional[int] = None) -> tuple[list, list[mx.array]]:
+def sweep(step: Callable[[int, int], tuple[Any, Sequence[mx.array]]], size: int, block: Optional[int] = None,
+          into: Optional[list] = None) -> tuple[list, list[mx.array]]:
     """One pass over a flat tensor of ``size`` > 0 elements, in slices of whole multiples of
     :data:`ALIGN`: ``step(lo, hi)`` returns (kept, terms); ``kept`` (an array or a list of them, e.g.
-    a slice of an updated iterate) is evaluated and collected per slice; the terms are summed over
-    the whole tensor, as :func:`sums` does (``block``: in torch's norm order). Returns (the kept
-    values in slice order, each term's sum as a float32 array of shape (1,))."""
+    a slice of an updated iterate) is evaluated and collected per slice (``into``: stored in place
+    of that list's slice, so the old slice is freed as the new one is made); the terms are summed
+    over the whole tensor, as :func:`sums` does (``block``: in torch's norm order). Returns (the
+    kept values in slice order, each term's sum as a float32 array of shape (1,))."""
     acc = _Lanes(size, block) if block else _Exact(size)
-    kept = []
-    for lo, hi in slices(size, ALIGN):
+    kept = into if into is not None else []
+    for k, (lo, hi) in enumerate(slices(size, ALIGN)):
         keep, terms = step(lo, hi)
         part = acc.partials(lo, hi, terms)
         mx.eval(keep, part)
-        kept.append(keep)
+        if into is not None:
+            into[k] = keep
+        else:
+            kept.append(keep)
         acc.add(lo, hi, part)
     return kept, acc.result()
 

@@ -26,20 +26,49 @@ import numpy as np
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
-from mlx_ssp.merge.kernels import F32, f32, rnd
+from mlx_ssp.merge import kernels as K
+from mlx_ssp.merge.kernels import F32, F64, f32, rnd
+
+
+def variance(tvs: mx.array, cd=F32) -> mx.array:
+    """The population variance across the task vectors (axis 0), as torch's CPU ``var`` computes
+    it: Welford's update in float64, rounded to ``cd`` at the end."""
+    x = tvs.astype(F64)
+    mean = mx.zeros(x.shape[1:], dtype=F64)
+    m2 = mx.zeros(x.shape[1:], dtype=F64)
+    for i in range(x.shape[0]):
+        d = x[i] - mean
+        mean = mean + d / (i + 1)
+        m2 = m2 + d * (x[i] - mean)
+    return (m2 / x.shape[0]).astype(cd)
 
 
 def topk_variance_mask(tvs: mx.array, density: float, cd=F32) -> mx.array:
-    """SCE "select": True at the ``int(nonzero * density)`` elements with the largest variance across
-    the task vectors (population variance rounded to ``cd``; ties to the lowest index)."""
-    var = np.asarray(rnd(mx.var(tvs, axis=0), cd))
+    """SCE "select": True at the ``k`` elements with the largest variance across the task vectors
+    (:func:`variance`; ties to the lowest index). ``k = int(nonzero * density)`` as torch computes
+    it (the count times the density in float32)."""
+    var = np.asarray(f32(variance(tvs, cd)))
     if density >= 1:
         return mx.ones(var.shape, dtype=mx.bool_)
-    k = int(np.count_nonzero(var) * density) if density > 0 else 0
+    k = int(np.float32(np.count_nonzero(var)) * np.float32(density)) if density > 0 else 0
     mask = np.zeros(var.size, dtype=bool)
     if k > 0:
         mask[np.argsort(-var, kind="stable")[:k]] = True
     return mx.array(mask)
+
+
+def sce_weights(T: mx.array, cd=F32) -> np.ndarray:
+    """SCE "calculate": each task vector's mean square (its squares rounded to ``cd``; the sum over
+    the tensor in float64, as torch's cascade sum is about exact, then divided by the count in
+    float32 and rounded to ``cd``), over their sum (rounded to ``cd``); equal weights when that sum
+    is below 1e-6."""
+    n, size = T.shape
+    sq = [K.sums(lambda lo, hi, i=i: [rnd(mx.square(T[i, lo:hi]), cd)], size)[0] for i in range(n)]
+    w = np.asarray(rnd(mx.concatenate(sq) / np.float32(size), cd), dtype=np.float32)
+    total = float(np.asarray(rnd(mx.array(w.sum(dtype=np.float32)), cd)))
+    if abs(total) < 1e-6:
+        return np.asarray(rnd(mx.full(w.shape, 1.0 / w.size), cd))
+    return np.asarray(rnd(mx.array(w) / total, cd))
 
 
 def sce(base: mx.array, tvs: Sequence[mx.array], select_topk: float = 1.0, cd=F32) -> mx.array:
@@ -50,12 +79,7 @@ def sce(base: mx.array, tvs: Sequence[mx.array], select_topk: float = 1.0, cd=F3
         T = T * topk_variance_mask(T, select_topk, cd)
     majority = mx.where(mx.sum(T, axis=0) >= 0, 1.0, -1.0)
     erase = (mx.sign(T) == majority).astype(F32)
-    w = np.asarray(rnd(mx.mean(rnd(mx.square(T), cd), axis=1), cd), dtype=np.float32)
-    total = float(np.asarray(rnd(mx.array(w.sum(dtype=np.float32)), cd)))
-    if abs(total) < 1e-6:
-        w = np.asarray(rnd(mx.full(w.shape, 1.0 / w.size), cd))
-    else:
-        w = np.asarray(rnd(mx.array(w) / total, cd))
+    w = sce_weights(T, cd)
     ew = mx.array(w).reshape(-1, 1) * erase
     merged = rnd(mx.sum(rnd(T * ew, cd), axis=0), cd)
     den = mx.maximum(rnd(mx.sum(ew, axis=0), cd), 1e-6)
