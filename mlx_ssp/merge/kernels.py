@@ -5,11 +5,17 @@ Arithmetic runs in float32; every intermediate that mergekit 0.1.5 materialises 
 dtype ``cd`` is rounded to it (:func:`rnd`), which is how torch computes each bf16 op (in float32,
 result rounded). Elementwise steps run in slices of :data:`CHUNK` elements.
 
-Reductions (:func:`sums`) run slice by slice too, so that no full-size float32 copy of a tensor is
-ever held. Whole-tensor sums add float32 partial sums of :data:`SUM_ROW` elements in float64.
-Deviation (from both mergekit and a plain MLX sum): torch sums float32 in a cascade, MLX's plain
-float32 sum over millions of elements drifts (measured: 7% off for the sum of 32.8M squares, 6e-5
-relative for 2^18 of them); partial sums over rows of 256 are within 2e-9 of the exact value.
+Reductions (:func:`sums`, :func:`sweep`) run slice by slice too, so that no full-size float32
+copy of a tensor is ever held, in one of two orders, each chosen to give mergekit's values:
+
+- float64 (whole-tensor sums, row sums): the float32 terms summed in float64, rounded to float32
+  once, i.e. the correctly rounded sum nearly always, whatever the slicing. torch's own float32
+  sums (``sum``, ``mean``) are a cascade that is about as accurate; MLX's plain float32 sum over
+  millions of elements drifts (measured: 7% off for the sum of 32.8M squares, 6e-5 relative for
+  2^18 of them).
+- torch's norm order (the squares of ``torch.norm`` / ``vector_norm``, :data:`TORCH_LANES`): that
+  kernel accumulates in 8 float32 lanes, and drifts by ~1e-4 relative over 4M elements; mergekit's
+  karcher keeps those float32 norms, so matching it means drifting the same way.
 """
 
 from __future__ import annotations
@@ -76,19 +82,6 @@ def slices(size: int, align: int = 1) -> Iterator[tuple[int, int]]:
         yield lo, min(size, lo + step)
 
 
-#: whole-tensor sums: float32 partial sums over rows of this many elements, added in float64
-SUM_ROW = 256
-
-
-def _row_partials(x: mx.array) -> list[mx.array]:
-    """Float32 sums of the consecutive SUM_ROW-element rows of the flat ``x`` (the tail: one more)."""
-    full = x.size // SUM_ROW * SUM_ROW
-    out = [mx.sum(x[:full].reshape(-1, SUM_ROW), axis=-1)] if full else []
-    if full < x.size:
-        out.append(mx.sum(x[full:], keepdims=True))
-    return out
-
-
 #: torch's CPU 2-norm over a contiguous last axis (the kernel mergekit's ``torch.norm`` and
 #: ``vector_norm`` run, x86 builds): float32 squares accumulated in order in this many lanes (lane j
 #: takes elements j, j + 8, ...) over the longest prefix that is a multiple of one vector's elements
@@ -105,26 +98,22 @@ def torch_block(dtype) -> int:
 ALIGN = 16
 
 
-def _totals(partials: list[list[mx.array]]) -> np.ndarray:
-    """Each term's float32 row partials (evaluated) added in float64."""
-    return np.array([sum(float(np.asarray(p).sum(dtype=np.float64)) for p in ps) for ps in partials])
-
-
 def _as_f32(totals) -> list[mx.array]:
     return [mx.array(np.float32(v)).reshape(-1) for v in totals]
 
 
 class _Exact:
-    """Whole-tensor sums: float32 partial sums per SUM_ROW elements, added in float64."""
+    """Whole-tensor sums in float64 (NumPy's pairwise sum of the float32 terms), rounded to float32
+    at the end: within rounding of the exact sum, whatever the slicing."""
 
     def __init__(self, size: int, block: Optional[int] = None, width: Optional[int] = None):
         self.totals: Optional[np.ndarray] = None
 
     def partials(self, lo: int, hi: int, terms: Sequence[mx.array]) -> list:
-        return [_row_partials(x) for x in terms]
+        return list(terms)
 
     def add(self, lo: int, hi: int, part: list) -> None:
-        got = _totals(part)
+        got = np.array([np.asarray(x, dtype=np.float32).sum(dtype=np.float64) for x in part])
         self.totals = got if self.totals is None else self.totals + got
 
     def result(self) -> list[mx.array]:
@@ -197,7 +186,7 @@ class _Lanes:
 def sweep(step: Callable[[int, int], tuple[Any, Sequence[mx.array]]], size: int, block: Optional[int] = None,
           into: Optional[list] = None) -> tuple[list, list[mx.array]]:
     """One pass over a flat tensor of ``size`` > 0 elements, in slices of whole multiples of
-    :data:`ALIGN`: ``step(lo, hi)`` returns (kept, terms); ``kept`` (an array or a list of them, e.g.
+    :data:`ALIGN` elements: ``step(lo, hi)`` returns (kept, terms); ``kept`` (an array or a list of them, e.g.
     a slice of an updated iterate) is evaluated and collected per slice (``into``: stored in place
     of that list's slice, so the old slice is freed as the new one is made); the terms are summed
     over the whole tensor, as :func:`sums` does (``block``: in torch's norm order). Returns (the
@@ -221,8 +210,8 @@ def sums(terms: Callable[[int, int], Sequence[mx.array]], size: int, width: Opti
     """Sums of float32 terms over a flat tensor of ``size`` elements, computed slice by slice:
     ``terms(lo, hi)`` returns the (lazy) terms of elements ``[lo, hi)``, e.g. squares and products.
 
-    ``width`` None: each term's sum over the whole tensor as a float32 array of shape (1,) (partial
-    sums per :data:`SUM_ROW` elements in float32, added in float64, then rounded to float32).
+    ``width`` None: each term's sum over the whole tensor as a float32 array of shape (1,) (summed
+    in float64, then rounded to float32).
     ``width`` given: per row of ``width`` elements (shape (rows,)), summed in float64 then rounded
     to float32; with ``mlx_rows``, MLX's float32 sum along the row instead (the value a full-size
     ``mx.sum(x.reshape(-1, width), axis=-1)`` gives).
