@@ -7,12 +7,15 @@ torch computes a bf16 op in float32 and rounds the result), so bf16 outputs equa
 bit in the parity test (slerp, nuslerp, multislerp, model_stock, nearswap, arcee_fusion); slerp
 works in float32 throughout, as mergekit does.
 
-slerp and model_stock run slice by slice (``*_parts``: the merge engine's entry points): their
-whole-tensor statistics (norms, dots) are summed over slices (:func:`.kernels.sums`), then the
-output is computed slice by slice in the output dtype, the inputs staying in their own dtype (each
-slice aligned to ``cd`` where it is used). No full-size float32 copy of a tensor is ever held (peak
-memory: the inputs, the output and one slice's temporaries); :func:`slerp` and :func:`model_stock`
-return the same values as one float32 array.
+slerp, model_stock, nuslerp, multislerp and karcher run slice by slice (``*_parts``: the merge
+engine's entry points): their whole-tensor statistics (norms, dots) are passes of sliced sums
+(:func:`.kernels.sums`, :func:`.kernels.sweep`), then the output is computed slice by slice in the
+output dtype, the inputs staying in their own dtype (each slice aligned to ``cd`` where it is
+used); a pass recomputes what it needs (unit vectors, means, tangents) from the inputs. No
+full-size float32 copy of a tensor is ever held (peak memory: the inputs, the output and one
+slice's temporaries; karcher also holds its iterate, the mean, in ``cd``, as mergekit does, which
+the output replaces slice by slice). :func:`slerp`, :func:`model_stock`, :func:`nuslerp`,
+:func:`multislerp` and :func:`karcher` return the same values as one float32 array.
 
 - :func:`slerp` (Shoemake 1985; mergekit ``slerp``): spherical interpolation between the base
   ``v0`` and ``v1`` by ``t``, the whole tensor as one vector; norms and dot in float32; linear
@@ -35,13 +38,24 @@ return the same values as one float32 array.
 
 Deviations from mergekit 0.1.5 (numerical only):
 
-- Reductions (norms, dots) sum in MLX's float32 order, not torch's: float32 results differ in the
-  last bits (1e-6 relative in the parity test), and a bf16 result can now and then round the other
-  way (slerp: single elements by one ulp). slerp's and model_stock's whole-tensor sums add float32
-  partial sums of 256 elements in float64 (:func:`.kernels.sums`), within ~1e-8 of the exact sum;
-  a plain float32 sum of 32.8M elements was off by up to 7% (the vocabulary tensors). Per-row
-  sums (``filter_wise``) are MLX's float32 row sums, as before. karcher's iterations amplify this: in bf16 about 60% of its
-  elements are bit-identical to mergekit's, the rest within two ulps.
+- Sums follow torch's where that decides the value: the norms of nuslerp, multislerp and karcher
+  (``torch.norm`` / ``vector_norm``) are summed in the order of torch's CPU norm kernel
+  (:data:`.kernels.TORCH_LANES`: 8 float32 lanes, which drift by ~1e-4 relative over 4M
+  elements; karcher keeps these float32 norms, so an exact norm changed ~2.5% of its bf16
+  roundings). Other whole-tensor and per-row sums (dots, slerp's and model_stock's norms) are
+  float64 sums rounded to float32 (torch's float32 ``sum`` is a cascade about as accurate);
+  model_stock's ``filter_wise`` rows stay MLX's float32 row sums. A 0-d float32 tensor on the
+  *left* of a bf16 tensor is cast to bf16 by torch (on the right it stays float32): karcher's
+  ``cos(tn) * mean``, ``sin(tn) * ...`` and ``scale * mean`` round that factor first.
+- Measured against mergekit 0.1.5's per-tensor kernels (torch 2.14.1 CPU, one thread; tensors
+  4096 x 1024, 1024 x 1024, 1024 and 8000 x 256, base N(0, 0.02), models base + N(0, 0.002)): in
+  bf16 karcher, nuslerp (all three modes), multislerp and model_stock (both modes) are
+  bit-identical on every element (karcher was 27%, nuslerp 47%, multislerp 51%); slerp 99.97%,
+  the rest one ulp. In float32 the dots still differ from torch's in the last bit now and then
+  (torch's ``dot`` is BLAS's, its ``sum`` a cascade whose order depends on its thread count), and
+  nearly parallel tensors amplify that through ``arccos`` (an ulp of the cosine is ~10 ulps of the
+  angle): bit-identical multislerp 97.4%, nuslerp 91.6% (per row 69.3%, per column 17.8%),
+  karcher 8.6% (the last bits of ten iterations), slerp 0.03%; relative differences ~1e-6.
 - arcee_fusion's quantiles of a tensor over 10^6 elements come from a sample drawn with a PCG64
   stream seeded by (seed, tensor name, model) instead of torch's global generator.
 - nuslerp and multislerp take no base model here (see :mod:`.methods`).
@@ -85,23 +99,42 @@ def _slerp_mix(cd, out):
     return lambda a, b, ca, cb: (ca * f32(a.astype(cd)) + cb * f32(b.astype(cd))).astype(cd).astype(out)
 
 
+#: mergekit's slerp takes its norms and dot per chunk of this many elements, then combines them
+SLERP_CHUNK = 1 << 20
+
+
+def _norm_of_parts(parts: list) -> np.float32:
+    """``vector_norm`` of the chunks' float32 norms (torch's norm order over their squares)."""
+    sq = mx.array(np.square(np.asarray(parts, dtype=np.float32)))
+    (v,) = K.sums(lambda lo, hi: [sq[lo:hi]], sq.size, None, K.torch_block(F32))
+    return np.sqrt(_item(v))
+
+
 def slerp_coefficients(t: float, v0: mx.array, v1: mx.array, cd=F32, dot_threshold: float = 0.9995,
                        eps: float = 1e-8) -> tuple[np.float32, np.float32]:
     """``(ca, cb)`` with ``slerp = ca * v0 + cb * v1`` (the flat inputs aligned to ``cd``, then in
-    float32): the norms, then the dot of the unit vectors, each summed slice by slice
-    (:func:`.kernels.sums`). Zero-norm vectors count as norm 1; when ``|cos| > dot_threshold`` the
-    coefficients are the linear ``1 - t`` and ``t`` (mergekit's fallback for nearly parallel
-    vectors)."""
+    float32), as mergekit computes them: per chunk of :data:`SLERP_CHUNK` elements the norms
+    (torch's norm order) and the dot of the unit vectors (float64), each summed slice by slice
+    (:func:`.kernels.sums`); the tensor's norm is the norm of the chunks' norms, its dot the sum of
+    theirs (torch's order: :func:`.kernels.torch_sum_small`). Zero-norm vectors count as norm 1; when ``|cos| > dot_threshold`` the coefficients are
+    the linear ``1 - t`` and ``t`` (mergekit's fallback for nearly parallel vectors)."""
     t32, one = np.float32(t), np.float32(1)
     n = v0.size
+    chunks = [(c, min(n, c + SLERP_CHUNK)) for c in range(0, n, SLERP_CHUNK)]
     sq = kernel(("slerp_sq", str(cd)), lambda: _slerp_sq(cd))
-    sa, sb = K.sums(lambda lo, hi: sq(v0[lo:hi], v1[lo:hi]), n)
-    na, nb = np.sqrt(_item(sa)), np.sqrt(_item(sb))
+    na, nb = [], []
+    for c0, c1 in chunks:
+        sa, sb = K.sums(lambda lo, hi: sq(v0[c0 + lo:c0 + hi], v1[c0 + lo:c0 + hi]), c1 - c0, None,
+                        K.torch_block(F32))
+        na.append(np.sqrt(_item(sa)))
+        nb.append(np.sqrt(_item(sb)))
+    na, nb = _norm_of_parts(na), _norm_of_parts(nb)
     na = na if na > eps else one
     nb = nb if nb > eps else one
     dk = kernel(("slerp_dot", str(cd)), lambda: _slerp_dot(cd))
-    (d,) = K.sums(lambda lo, hi: [dk(v0[lo:hi], v1[lo:hi], _s(na), _s(nb))], n)
-    dot = np.clip(_item(d), np.float32(-1), one)
+    dots = [_item(K.sums(lambda lo, hi: [dk(v0[c0 + lo:c0 + hi], v1[c0 + lo:c0 + hi], _s(na), _s(nb))], c1 - c0)[0])
+            for c0, c1 in chunks]
+    dot = np.clip(K.torch_sum_small(dots), np.float32(-1), one)
     if abs(dot) > dot_threshold:
         return one - t32, t32
     theta = np.arccos(dot)
