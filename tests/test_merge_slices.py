@@ -207,3 +207,13 @@ def test_sce_variance_and_weights_as_torch_computes_them():
     ms = (T.astype(np.float64) ** 2).sum(1).astype(np.float32) / np.float32(T.shape[1])
     want = ms / np.float32(float(ms.sum(dtype=np.float32)))
     np.testing.assert_array_equal(S.sce_weights(Ta), want)
+
+
+def test_torch_sum_small_adds_in_torch_order():
+    """Sums whose float32 value depends on the order: the values torch 2.14's CPU ``sum`` gives
+    (checked by hand), not the sequential or exact sums (3.0, 8.0, 9.0)."""
+    assert K.torch_sum_small([1e8, 1, -1e8, 1, 1]) == 1.0  # 4 interleaved scalars: (x0 + x4) + x1 + ...
+    assert K.torch_sum_small([1e8] + [1.0] * 8 + [-1e8]) == 7.0  # 8-element vectors, then the rest, then lanes
+    assert K.torch_sum_small([3e7, 1, 1, 1, 1, 1, 1, 1, -3e7, 1, 1]) == 7.0
+    x = np.random.default_rng(2).standard_normal(2000).astype(np.float32)
+    assert K.torch_sum_small(x) == np.float32(x.sum(dtype=np.float64))  # beyond one cascade level: float64

@@ -38,24 +38,29 @@ the output replaces slice by slice). :func:`slerp`, :func:`model_stock`, :func:`
 
 Deviations from mergekit 0.1.5 (numerical only):
 
-- Sums follow torch's where that decides the value: the norms of nuslerp, multislerp and karcher
-  (``torch.norm`` / ``vector_norm``) are summed in the order of torch's CPU norm kernel
-  (:data:`.kernels.TORCH_LANES`: 8 float32 lanes, which drift by ~1e-4 relative over 4M
-  elements; karcher keeps these float32 norms, so an exact norm changed ~2.5% of its bf16
-  roundings). Other whole-tensor and per-row sums (dots, slerp's and model_stock's norms) are
-  float64 sums rounded to float32 (torch's float32 ``sum`` is a cascade about as accurate);
-  model_stock's ``filter_wise`` rows stay MLX's float32 row sums. A 0-d float32 tensor on the
-  *left* of a bf16 tensor is cast to bf16 by torch (on the right it stays float32): karcher's
+- Sums follow torch's where that decides the value. Norms of nuslerp, multislerp, karcher and
+  slerp (``torch.norm`` / ``vector_norm``) are summed in the order of torch's CPU norm kernel
+  (:data:`.kernels.TORCH_LANES`: 8 float32 lanes, which drift by ~1e-4 relative over 4M elements;
+  karcher keeps these float32 norms, so an exact norm changed ~2.5% of its bf16 roundings); slerp
+  takes them per 2^20-element chunk, as mergekit does. Other sums (dots, model_stock's norms) are
+  float64 sums rounded to float32, which equal torch's single-threaded float32 cascade nearly
+  always; model_stock's ``filter_wise`` rows stay MLX's float32 row sums. A 0-d float32 tensor on
+  the *left* of a bf16 tensor is cast to bf16 by torch (on the right it stays float32): karcher's
   ``cos(tn) * mean``, ``sin(tn) * ...`` and ``scale * mean`` round that factor first.
 - Measured against mergekit 0.1.5's per-tensor kernels (torch 2.14.1 CPU, one thread; tensors
-  4096 x 1024, 1024 x 1024, 1024 and 8000 x 256, base N(0, 0.02), models base + N(0, 0.002)): in
-  bf16 karcher, nuslerp (all three modes), multislerp and model_stock (both modes) are
-  bit-identical on every element (karcher was 27%, nuslerp 47%, multislerp 51%); slerp 99.97%,
-  the rest one ulp. In float32 the dots still differ from torch's in the last bit now and then
-  (torch's ``dot`` is BLAS's, its ``sum`` a cascade whose order depends on its thread count), and
-  nearly parallel tensors amplify that through ``arccos`` (an ulp of the cosine is ~10 ulps of the
-  angle): bit-identical multislerp 97.4%, nuslerp 91.6% (per row 69.3%, per column 17.8%),
-  karcher 8.6% (the last bits of ten iterations), slerp 0.03%; relative differences ~1e-6.
+  4096 x 1024, 1024 x 1024, 1024 and 8000 x 256, base N(0, 0.02), models base + N(0, 0.002)):
+  bf16 slerp, nuslerp (all three modes), multislerp, karcher and model_stock (both modes) are
+  bit-identical on every element (before: slerp 99.97%, nuslerp 47%, multislerp 51%, karcher
+  27%), float32 slerp too (was 0.03%). Whole models (3 small Llama-shaped bf16 models,
+  ``mergekit-yaml``): karcher, multislerp and nuslerp bit-identical on every tensor.
+- Not bit for bit: mergekit's results depend on torch's thread count. With T threads torch splits a
+  whole-tensor ``sum`` into T partial sums, each rounded to the tensor's dtype: nuslerp's bf16
+  cosine of a 2^18-element tensor took another bf16 value with 2 threads than with 1 or 4, and
+  4 of 39 tensors of a small model then differ (up to 234 ulps). We compute the single-threaded
+  value. In float32 the dots still differ from torch's in the last bit now and then (torch's
+  ``dot`` is BLAS's), and nearly parallel tensors amplify that through ``arccos`` (an ulp of the
+  cosine is ~10 ulps of the angle): bit-identical multislerp 97.4%, nuslerp 91.6% (per row 69.3%,
+  per column 17.8%), karcher 8.6% (the last bits of ten iterations); relative differences ~1e-6.
 - arcee_fusion's quantiles of a tensor over 10^6 elements come from a sample drawn with a PCG64
   stream seeded by (seed, tensor name, model) instead of torch's global generator.
 - nuslerp and multislerp take no base model here (see :mod:`.methods`).

@@ -42,10 +42,12 @@ function; a method's parameters for one tensor are one :class:`LinearParams` or
 The other methods are pure functions in :mod:`.interpolate` (``slerp`` with ``t``, ``nuslerp``,
 ``multislerp``, ``karcher``, ``model_stock``, ``nearswap``, ``arcee_fusion``) and :mod:`.selective`
 (``sce``, ``ram``, ``ramplus_tl``), wrapped here (``merge_*``) to check the input count and read the
-parameters: mergekit's names and defaults, listed per method in :data:`METHODS`. They work on the
-whole tensor at a time (their statistics are whole-tensor or per row, as mergekit's), need the
-tensor's shape only for per-row variants (``TensorInputs.shape``), and round every intermediate
-mergekit holds in the compute dtype, as above (see those modules for what still differs). A required parameter (``t``) or a
+parameters: mergekit's names and defaults, listed per method in :data:`METHODS`. Their statistics
+are whole-tensor or per row, as mergekit's; slerp, nuslerp, multislerp, karcher and model_stock
+sum them slice by slice and write their output slice by slice (no full-size float32 copy), the
+others work on the whole tensor at once. They need the tensor's shape only for per-row variants
+(``TensorInputs.shape``), and round every intermediate mergekit holds in the compute dtype, as
+above (see those modules for what still differs). A required parameter (``t``) or a
 wrong number of models is reported when the first tensor is merged (the output directory is never
 created).
 
