@@ -106,11 +106,8 @@ class _Exact:
     """Whole-tensor sums in float64 (NumPy's pairwise sum of the float32 terms), rounded to float32
     at the end: within rounding of the exact sum, whatever the slicing."""
 
-    def __init__(self, size: int, block: Optional[int] = None, width: Optional[int] = None):
+    def __init__(self):
         self.totals: Optional[np.ndarray] = None
-
-    def partials(self, lo: int, hi: int, terms: Sequence[mx.array]) -> list:
-        return list(terms)
 
     def add(self, lo: int, hi: int, part: list) -> None:
         got = np.array([np.asarray(x, dtype=np.float32).sum(dtype=np.float64) for x in part])
@@ -131,9 +128,6 @@ class _Lanes:
         self.acc: Optional[list] = None  # whole tensor: per term, the lanes so far
         self.tail: Optional[list] = None
         self.rows: Optional[list[list[np.ndarray]]] = None  # per row: per term, the finished rows
-
-    def partials(self, lo: int, hi: int, terms: Sequence[mx.array]) -> list:
-        return list(terms)
 
     @staticmethod
     def _fold(acc: np.ndarray) -> np.ndarray:
@@ -191,11 +185,11 @@ def sweep(step: Callable[[int, int], tuple[Any, Sequence[mx.array]]], size: int,
     of that list's slice, so the old slice is freed as the new one is made); the terms are summed
     over the whole tensor, as :func:`sums` does (``block``: in torch's norm order). Returns (the
     kept values in slice order, each term's sum as a float32 array of shape (1,))."""
-    acc = _Lanes(size, block) if block else _Exact(size)
+    acc = _Lanes(size, block) if block else _Exact()
     kept = into if into is not None else []
     for k, (lo, hi) in enumerate(slices(size, ALIGN)):
         keep, terms = step(lo, hi)
-        part = acc.partials(lo, hi, terms)
+        part = list(terms)
         mx.eval(keep, part)
         if into is not None:
             into[k] = keep
