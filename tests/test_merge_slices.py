@@ -203,10 +203,16 @@ def test_sce_variance_and_weights_as_torch_computes_them():
         mean = mean + d / (i + 1)
         m2 = m2 + d * (row - mean)
     Ta = mx.array(T)
-    np.testing.assert_array_equal(np.array(S.variance(Ta)), (m2 / 3).astype(np.float32))
+    rows = [Ta[i] for i in range(3)]
+    np.testing.assert_array_equal(np.array(S.variance(rows)), (m2 / 3).astype(np.float32))
     ms = (T.astype(np.float64) ** 2).sum(1).astype(np.float32) / np.float32(T.shape[1])
     want = ms / np.float32(float(ms.sum(dtype=np.float32)))
-    np.testing.assert_array_equal(S.sce_weights(Ta), want)
+    np.testing.assert_array_equal(S.sce_weights(rows), want)
+    # the top-k mask: a partition, yet the lowest indices among ties, as a stable sort keeps them
+    v = np.array([1, 3, 2, 3, 3, 0, 3, 1], dtype=np.float32)
+    tv = [mx.zeros(8), mx.array(2 * np.sqrt(v))]  # two task vectors: variance (d / 2)^2 = v
+    got = np.array(S.topk_variance_mask(tv, 0.5))  # 7 nonzero * 0.5 -> k = 3
+    assert got.tolist() == [False, True, False, True, True, False, False, False]
 
 
 def test_torch_sum_small_adds_in_torch_order():

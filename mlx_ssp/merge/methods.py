@@ -495,7 +495,7 @@ def merge_sce(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
     base, tvs = _task_vectors(t)
     if not tvs:
         return _finish(f32(base), t)
-    return _finish(S.sce(base, tvs, t.shared["select_topk"], t.cd), t)
+    return S.sce_parts(base, tvs, t.shared["select_topk"], t.cd, t.out)
 
 
 def merge_ram(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
