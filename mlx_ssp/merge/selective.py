@@ -12,7 +12,8 @@
   tensor).
 
 Each step is rounded to the compute dtype where mergekit holds it in that dtype (sums and means
-accumulate in float32 in both). SCE's variance is Welford's in float64, as torch's ``var``
+accumulate in float32 in both). SCE runs slice by slice (:func:`sce_parts`): beyond the task
+vectors, it holds the variance (in the compute dtype) and the top-k mask, no float32 copy. SCE's variance is Welford's in float64, as torch's ``var``
 computes it, and its weights' mean squares are float64 sums (torch's float32 cascade is about as
 accurate; a plain float32 sum drifts over millions of elements): with MLX's float32 ``var`` and
 ``mean`` instead, 36% of float32 outputs and up to 1% of the top-k selection differed. Deviation:
@@ -60,7 +61,10 @@ def topk_variance_mask(tvs: Sequence[mx.array], density: float, cd=F32) -> mx.ar
     (:func:`variance`), ``k = int(nonzero * density)`` as torch computes it (the count times the
     density in float32). Of the elements equal to the k-th largest variance, the lowest flat
     indices are kept (what a stable descending sort keeps; found by a partition, not a sort)."""
-    var = np.asarray(f32(variance(tvs, cd))).reshape(-1)
+    v = variance(tvs, cd)
+    # a variance is >= 0, and non-negative floats order as their bit patterns: rank those (no
+    # float32 copy of a bf16 variance)
+    var = np.asarray(v.view(mx.uint16 if v.dtype.size == 2 else mx.uint32)).reshape(-1)
     if density >= 1:
         return mx.ones(var.shape, dtype=mx.bool_)
     k = int(np.float32(np.count_nonzero(var)) * np.float32(density)) if density > 0 else 0
