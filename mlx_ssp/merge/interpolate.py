@@ -38,20 +38,21 @@ the output replaces slice by slice). :func:`slerp`, :func:`model_stock`, :func:`
 
 Deviations from mergekit 0.1.5 (numerical only):
 
-- Sums follow torch's where that decides the value. Norms of nuslerp, multislerp, karcher and
-  slerp (``torch.norm`` / ``vector_norm``) are summed in the order of torch's CPU norm kernel
+- Sums follow torch's where that decides the value. Norms of nuslerp, multislerp, karcher,
+  model_stock and slerp (``torch.norm`` / ``vector_norm``) are summed in the order of torch's CPU norm kernel
   (:data:`.kernels.TORCH_LANES`: 8 float32 lanes, which drift by ~1e-4 relative over 4M elements;
   karcher keeps these float32 norms, so an exact norm changed ~2.5% of its bf16 roundings); slerp
-  takes them per 2^20-element chunk, as mergekit does. Other sums (dots, model_stock's norms) are
-  float64 sums rounded to float32, which equal torch's single-threaded float32 cascade nearly
-  always; model_stock's ``filter_wise`` rows stay MLX's float32 row sums. A 0-d float32 tensor on
+  takes them per 2^20-element chunk, as mergekit does. Other sums (dots, per tensor or per row)
+  are float64 sums rounded to float32, which equal torch's single-threaded float32 cascade nearly
+  always. A 0-d float32 tensor on
   the *left* of a bf16 tensor is cast to bf16 by torch (on the right it stays float32): karcher's
   ``cos(tn) * mean``, ``sin(tn) * ...`` and ``scale * mean`` round that factor first.
 - Measured against mergekit 0.1.5's per-tensor kernels (torch 2.14.1 CPU, one thread; tensors
   4096 x 1024, 1024 x 1024, 1024 and 8000 x 256, base N(0, 0.02), models base + N(0, 0.002)):
   bf16 slerp, nuslerp (all three modes), multislerp, karcher and model_stock (both modes) are
   bit-identical on every element (before: slerp 99.97%, nuslerp 47%, multislerp 51%, karcher
-  27%), float32 slerp too (was 0.03%). Whole models (3 small Llama-shaped bf16 models,
+  27%), float32 slerp too (was 0.03%); float32 model_stock 99.7% (was 49%; per row 88%, was
+  66%). Whole models (3 small Llama-shaped bf16 models,
   ``mergekit-yaml``): karcher, multislerp and nuslerp bit-identical on every tensor.
 - Not bit for bit: mergekit's results depend on torch's thread count. With T threads torch splits a
   whole-tensor ``sum`` into T partial sums, each rounded to the tensor's dtype: nuslerp's bf16
@@ -564,9 +565,11 @@ def model_stock_ratio(base: mx.array, xs: Sequence[mx.array], cd, width: Optiona
     and dots are summed slice by slice (:func:`.kernels.sums`), every step rounded to ``cd``."""
     n = len(xs)
     terms = kernel(("ms_terms", n, str(cd)), lambda: _ms_terms(n, cd))
-    got = K.sums(lambda lo, hi: terms(base[lo:hi], [x[lo:hi] for x in xs]), base.size, width, mlx_rows=True)
-    norms = [rnd(mx.sqrt(s), cd) for s in got[:n]]
-    dots = iter(got[n:])
+    # the norms in torch's norm order (``torch.norm``), the dots in float64 (torch's cascade sum)
+    sq = K.sums(lambda lo, hi: terms(base[lo:hi], [x[lo:hi] for x in xs])[:n], base.size, width, K.torch_block(cd))
+    got = K.sums(lambda lo, hi: terms(base[lo:hi], [x[lo:hi] for x in xs])[n:], base.size, width) if n > 1 else []
+    norms = [rnd(mx.sqrt(s), cd) for s in sq]
+    dots = iter(got)
     cos = []
     for i in range(n):
         for j in range(i + 1, n):

@@ -204,15 +204,14 @@ def sweep(step: Callable[[int, int], tuple[Any, Sequence[mx.array]]], size: int,
 
 
 def sums(terms: Callable[[int, int], Sequence[mx.array]], size: int, width: Optional[int] = None,
-         block: Optional[int] = None, mlx_rows: bool = False) -> list[mx.array]:
+         block: Optional[int] = None) -> list[mx.array]:
     """Sums of float32 terms over a flat tensor of ``size`` elements, computed slice by slice:
     ``terms(lo, hi)`` returns the (lazy) terms of elements ``[lo, hi)``, e.g. squares and products.
 
     ``width`` None: each term's sum over the whole tensor as a float32 array of shape (1,) (summed
     in float64, then rounded to float32).
     ``width`` given: per row of ``width`` elements (shape (rows,)), summed in float64 then rounded
-    to float32; with ``mlx_rows``, MLX's float32 sum along the row instead (the value a full-size
-    ``mx.sum(x.reshape(-1, width), axis=-1)`` gives).
+    to float32.
     ``block`` given (squares for a norm): in the order of torch's CPU norm kernel instead
     (:data:`TORCH_LANES`; ``block``: :func:`torch_block` of the dtype torch reduces), whole tensor
     or per row of ``width``: its float32 drift over millions of elements included."""
@@ -228,16 +227,10 @@ def sums(terms: Callable[[int, int], Sequence[mx.array]], size: int, width: Opti
     if width:
         rows: Optional[list[list]] = None
         for lo, hi in slices(size, width):
-            if mlx_rows:
-                part = [mx.sum(x.reshape(-1, width), axis=-1) for x in terms(lo, hi)]
-                mx.eval(part)
-            else:
-                got = list(terms(lo, hi))
-                mx.eval(got)
-                part = [np.asarray(x, dtype=np.float32).reshape(-1, width).sum(-1, dtype=np.float64) for x in got]
+            got = list(terms(lo, hi))
+            mx.eval(got)
+            part = [np.asarray(x, dtype=np.float32).reshape(-1, width).sum(-1, dtype=np.float64) for x in got]
             rows = [[p] for p in part] if rows is None else [r + [p] for r, p in zip(rows, part)]
-        if mlx_rows:
-            return [r[0] if len(r) == 1 else mx.concatenate(r) for r in rows or []]
         return [mx.array(np.concatenate(r).astype(np.float32)) for r in rows or []]
     return sweep(lambda lo, hi: ((), terms(lo, hi)), size)[1]
 
