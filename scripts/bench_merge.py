@@ -18,7 +18,9 @@ line per method.
 
 Methods: linear, ties, dare_ties and slerp (t 0.5, base + 1), della (base + 2, density
 0.5, epsilon 0.1, lambda 1), model_stock (base + 2), passthrough (a frankenmerge of overlapping
-layer ranges of two models via ``slices:``); each config is valid for both tools.
+layer ranges of two models via ``slices:``), karcher (the three models), nuslerp (model1, model2,
+weights 0.4 / 0.6), multislerp (the three, weights 0.5 / 0.3 / 0.2), sce (base + 2, select_topk
+0.5); each config is valid for both tools.
 ``--mergekit-bin DIR`` finds mergekit-yaml in DIR (a separate venv) instead of on PATH.
 
 ``--compare TREE`` also times the merge of another checkout of this project (its ``mlx_ssp``
@@ -113,6 +115,13 @@ def configs(models: list[Path], layers: int) -> dict:
                              for m in (m1, m2)]},
         "model_stock": {"merge_method": "model_stock", "base_model": m0, "dtype": "bfloat16",
                         "models": [{"model": m} for m in (m1, m2)]},
+        "karcher": {"merge_method": "karcher", "dtype": "bfloat16", "models": [{"model": m} for m in (m0, m1, m2)]},
+        "nuslerp": {"merge_method": "nuslerp", "dtype": "bfloat16",
+                    "models": [{"model": m, "parameters": {"weight": w}} for m, w in ((m1, 0.4), (m2, 0.6))]},
+        "multislerp": {"merge_method": "multislerp", "dtype": "bfloat16",
+                       "models": [{"model": m, "parameters": {"weight": w}} for m, w in ((m0, 0.5), (m1, 0.3), (m2, 0.2))]},
+        "sce": {"merge_method": "sce", "base_model": m0, "dtype": "bfloat16", "parameters": {"select_topk": 0.5},
+                "models": [{"model": m} for m in (m1, m2)]},
         "passthrough": {"merge_method": "passthrough", "dtype": "bfloat16",
                         "slices": [{"sources": [{"model": m0, "layer_range": [0, a_end]}]},
                                    {"sources": [{"model": m1, "layer_range": [b_start, layers]}]}]},

@@ -1,6 +1,7 @@
-"""Sliced reductions (kernels.sums) and the sliced slerp / model_stock: accurate whole-tensor sums,
-row sums equal to MLX's full-size ones, results equal to the NumPy references at any slice size,
-and no full-size float32 copy of a tensor."""
+"""Sliced reductions (kernels.sums, kernels.sweep) and the sliced slerp / model_stock / nuslerp /
+multislerp / karcher: accurate whole-tensor and row sums, norms in the order of torch's norm kernel,
+results equal to the NumPy references and to the unsliced results at any slice size, and no
+full-size float32 copy of a tensor."""
 
 from __future__ import annotations
 
@@ -12,24 +13,26 @@ import mlx.core as mx
 
 from mlx_ssp.merge import interpolate as I
 from mlx_ssp.merge import kernels as K
+from mlx_ssp.merge import selective as S
 
 from test_merge import R
-from test_merge_methods import mxa, npy, ref_model_stock, ref_slerp, tol
+from test_merge_methods import mxa, npy, ref_karcher, ref_model_stock, ref_multislerp, ref_nuslerp, ref_slerp, tol
 
 
-def test_sums_whole_tensor_match_float64_and_rows_match_mlx(monkeypatch):
+def test_sums_whole_tensor_and_rows_match_float64(monkeypatch):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(10_007).astype(np.float32)
     xa = mx.array(x)
-    for chunk in (1000, 256, 1 << 18):  # slices with tails inside and across SUM_ROW rows
+    for chunk in (1000, 256, 1 << 18):
         monkeypatch.setattr(K, "CHUNK", chunk)
         s, sq = K.sums(lambda lo, hi: [xa[lo:hi], mx.square(xa[lo:hi])], x.size)
         assert s.shape == (1,) and s.dtype == mx.float32
         np.testing.assert_allclose(s.item(), x.astype(np.float64).sum(), rtol=1e-6, atol=1e-4)
         np.testing.assert_allclose(sq.item(), (x.astype(np.float64) ** 2).sum(), rtol=1e-7)
-    # per row: bit for bit the full-size row sums, whether a slice holds many rows or one
-    y = mx.array(rng.standard_normal((300, 37)).astype(np.float32)).reshape(-1)
-    want = np.array(mx.sum(y.reshape(-1, 37), axis=-1))
+    # per row: the float64 row sums, whether a slice holds many rows or one
+    yn = rng.standard_normal((300, 37)).astype(np.float32)
+    y = mx.array(yn).reshape(-1)
+    want = yn.astype(np.float64).sum(-1).astype(np.float32)
     for chunk in (10, 100, 1 << 18):
         monkeypatch.setattr(K, "CHUNK", chunk)
         (got,) = K.sums(lambda lo, hi: [y[lo:hi]], y.size, width=37)
@@ -58,7 +61,6 @@ def test_sliced_slerp_and_model_stock_match_reference(monkeypatch, dt):
     cd = getattr(mx, dt)
     whole = {fw: npy(I.model_stock(mxa(base, dt), [mxa(x, dt) for x in xs], cd, shape, fw)) for fw in (False, True)}
     monkeypatch.setattr(K, "CHUNK", 64)
-    monkeypatch.setattr(K, "SUM_ROW", 16)
     for t in (0.0, 0.3, 1.0):
         got = npy(I.slerp(t, mxa(base, dt), mxa(xs[0], dt)).astype(cd))
         np.testing.assert_allclose(got, R(ref_slerp(t, base, xs[0]).reshape(shape), dt), **tol(dt))
@@ -79,8 +81,9 @@ def test_sliced_slerp_and_model_stock_match_reference(monkeypatch, dt):
 
 
 def test_no_full_size_float32_copy(monkeypatch):
-    """Beyond its inputs, a bf16 slerp / model_stock holds its bf16 output and one slice's
-    temporaries: well under one float32 copy of the tensor (the whole-tensor version held 2.5-6)."""
+    """Beyond its inputs, a bf16 slerp / model_stock / nuslerp / multislerp / karcher holds its bf16
+    output (karcher: or its bf16 mean) and one slice's temporaries: well under one float32 copy of
+    the tensor (the whole-tensor versions held 2.5-6)."""
     monkeypatch.setattr(K, "CHUNK", 1 << 14)
     n = 1 << 20
     rng = np.random.default_rng(1)
@@ -88,7 +91,11 @@ def test_no_full_size_float32_copy(monkeypatch):
     xs = [(b + 0.1).astype(mx.bfloat16), (b * 0.9).astype(mx.bfloat16)]
     mx.eval(b, *xs)
     for name, f in (("slerp", lambda: I.slerp_parts(0.3, b, xs[0], mx.bfloat16)),
-                    ("model_stock", lambda: I.model_stock_parts(b, xs, mx.bfloat16))):
+                    ("model_stock", lambda: I.model_stock_parts(b, xs, mx.bfloat16)),
+                    ("nuslerp", lambda: I.nuslerp_parts(0.3, b, xs[0], mx.bfloat16)),
+                    ("multislerp", lambda: I.multislerp_parts([b] + xs, [1, 2, 3], cd=mx.bfloat16)),
+                    # karcher holds its mean in bf16, which its output replaces slice by slice
+                    ("karcher", lambda: I.karcher_parts([b] + xs, max_iter=3, cd=mx.bfloat16))):
         f()  # compile first
         mx.clear_cache()
         before = mx.get_active_memory()
@@ -96,4 +103,124 @@ def test_no_full_size_float32_copy(monkeypatch):
         out = f()
         extra = mx.get_peak_memory() - before
         assert sum(p.nbytes for p in out) == 2 * n
-        assert extra < 2 * n + 0.1 * 4 * n, (name, extra / (4 * n))
+        # the output plus at most 16 float32 temporaries of one slice (a quarter of a float32 copy)
+        assert extra < 2 * n + 16 * 4 * K.CHUNK, (name, extra / (4 * n))
+
+
+def ref_torch_norm_sq(sq: np.ndarray, block: int) -> np.float32:
+    """torch's CPU norm order, written out: 8 float32 lanes, each a running sum (np.cumsum is
+    sequential) over the prefix of whole ``block``-element vectors, the lanes added in order, then
+    the rest one by one."""
+    m = sq.size - sq.size % block
+    lanes = np.cumsum(sq[:m].reshape(-1, 8), axis=0, dtype=np.float32)[-1] if m else np.zeros(8, np.float32)
+    total = np.float32(0)
+    for v in list(lanes) + list(sq[m:]):
+        total = np.float32(total + v) if total or v else np.float32(0)
+    return total
+
+
+@pytest.mark.slow
+def test_big_sums_float64_exact_and_norms_in_torch_order(monkeypatch):
+    """Over 2^22 elements a plain float32 sum drifts; the whole-tensor sums stay within an ulp of
+    the float64 value, row sums are float64 ones, and the norm sums follow torch's lanes (drift
+    included), however the tensor is sliced."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(1 << 22) * 0.02).astype(np.float32)
+    sq = x * x
+    exact = np.float32(sq.astype(np.float64).sum())
+    plain = np.float32(mx.sum(mx.array(sq)).item())
+    assert abs(plain - exact) > 4 * np.spacing(exact)  # the drift the sliced sums avoid
+    xa = mx.array(x)
+    (got,) = K.sums(lambda lo, hi: [mx.square(xa[lo:hi])], x.size)
+    assert abs(got.item() - exact) <= np.spacing(exact)
+    want = ref_torch_norm_sq(sq, 8)
+    assert want != exact  # torch's order drifts too: the test tells the two orders apart
+    for chunk in (1 << 18, 4000):
+        monkeypatch.setattr(K, "CHUNK", chunk)
+        (lanes,) = K.sums(lambda lo, hi: [mx.square(xa[lo:hi])], x.size, block=8)
+        assert lanes.item() == want
+    # a bf16 vector is 16 elements: an odd length leaves a tail summed one by one
+    y = sq[: 10_000 + 13]
+    (t16,) = K.sums(lambda lo, hi: [mx.array(y)[lo:hi]], y.size, block=16)
+    assert t16.item() == ref_torch_norm_sq(y, 16)
+    # per row: torch's order within each row, and float64 sums for the other row statistics
+    rows = sq[: 300 * 77].reshape(300, 77)
+    monkeypatch.setattr(K, "CHUNK", 1000)
+    ya = mx.array(rows.ravel())
+    (rn,) = K.sums(lambda lo, hi: [ya[lo:hi]], ya.size, width=77, block=8)
+    np.testing.assert_array_equal(np.array(rn), [ref_torch_norm_sq(r, 8) for r in rows])
+    (r64,) = K.sums(lambda lo, hi: [ya[lo:hi]], ya.size, width=77)
+    np.testing.assert_array_equal(np.array(r64), rows.astype(np.float64).sum(-1).astype(np.float32))
+
+
+def _sphere_inputs(dt, shape=(24, 40), n=3, seed=5):
+    rng = np.random.default_rng(seed)
+    b = rng.standard_normal(shape).astype(np.float32)
+    return [R(b + 0.3 * rng.standard_normal(shape).astype(np.float32), dt) for _ in range(n)]
+
+
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_sliced_nuslerp_multislerp_karcher_equal_unsliced(monkeypatch, dt):
+    """Slices of 64 elements: every mode gives the one-slice result bit for bit, and the NumPy
+    references hold (bf16: where terms cancel, a rounding is worth more than its relative size)."""
+    xs = _sphere_inputs(dt)
+    shape, cd = xs[0].shape, getattr(mx, dt)
+
+    def run():
+        a = [mxa(x, dt).reshape(-1) for x in xs]
+        got = {f"nuslerp {m}": npy(mx.concatenate(I.nuslerp_parts(0.35, a[0], a[1], cd, cd, shape, rw, fl)))
+               for m, rw, fl in (("flat", False, True), ("rows", False, False), ("cols", True, False))}
+        got["multislerp"] = npy(mx.concatenate(I.multislerp_parts(a, [0.2, 0.5, 0.3], cd=cd)))
+        got["karcher"] = npy(mx.concatenate(I.karcher_parts(a, cd=cd)))
+        return got
+
+    whole = run()
+    monkeypatch.setattr(K, "CHUNK", 64)
+    sliced = run()
+    for k in whole:
+        np.testing.assert_array_equal(sliced[k], whole[k], err_msg=k)
+    tl = tol(dt) if dt == "float32" else dict(rtol=2 ** -7, atol=2 ** -6)
+    for m, rw, fl in (("flat", False, True), ("rows", False, False), ("cols", True, False)):
+        np.testing.assert_allclose(sliced[f"nuslerp {m}"].reshape(shape), R(ref_nuslerp(0.35, xs[0], xs[1], rw, fl), dt),
+                                   **tl)
+    np.testing.assert_allclose(sliced["multislerp"], R(ref_multislerp(xs, [0.2, 0.5, 0.3]), dt).ravel(), **tl)
+    np.testing.assert_allclose(sliced["karcher"], R(ref_karcher(xs), dt).ravel(), **tl)
+    # float32 inputs with a bf16 compute dtype are aligned slice by slice: as if cast first
+    a32 = [mx.array(x) for x in _sphere_inputs("float32")]
+    first = [x.astype(mx.bfloat16) for x in a32]
+    for f in (lambda v: I.karcher_parts(v, cd=mx.bfloat16), lambda v: I.multislerp_parts(v, [1, 2, 3], cd=mx.bfloat16),
+              lambda v: I.nuslerp_parts(0.4, v[0].reshape(-1), v[1].reshape(-1), mx.bfloat16)):
+        np.testing.assert_array_equal(npy(mx.concatenate(f(a32))), npy(mx.concatenate(f(first))))
+
+
+def test_sce_variance_and_weights_as_torch_computes_them():
+    """SCE's variance is Welford's in float64 (torch's var), its weights' mean squares are float64
+    sums over the tensor (2^21 elements: a float32 sum would drift), divided by the count in float32."""
+    rng = np.random.default_rng(6)
+    T = (rng.standard_normal((3, 1 << 21)) * 0.002).astype(np.float32)
+    mean, m2 = np.zeros(T.shape[1]), np.zeros(T.shape[1])
+    for i, row in enumerate(T.astype(np.float64)):
+        d = row - mean
+        mean = mean + d / (i + 1)
+        m2 = m2 + d * (row - mean)
+    Ta = mx.array(T)
+    rows = [Ta[i] for i in range(3)]
+    np.testing.assert_array_equal(np.array(S.variance(rows)), (m2 / 3).astype(np.float32))
+    ms = (T.astype(np.float64) ** 2).sum(1).astype(np.float32) / np.float32(T.shape[1])
+    want = ms / np.float32(float(ms.sum(dtype=np.float32)))
+    np.testing.assert_array_equal(S.sce_weights(rows), want)
+    # the top-k mask: a partition, yet the lowest indices among ties, as a stable sort keeps them
+    v = np.array([1, 3, 2, 3, 3, 0, 3, 1], dtype=np.float32)
+    tv = [mx.zeros(8), mx.array(2 * np.sqrt(v))]  # two task vectors: variance (d / 2)^2 = v
+    got = np.array(S.topk_variance_mask(tv, 0.5))  # 7 nonzero * 0.5 -> k = 3
+    assert got.tolist() == [False, True, False, True, True, False, False, False]
+
+
+def test_torch_sum_small_adds_in_torch_order():
+    """Sums whose float32 value depends on the order: the values torch 2.14's CPU ``sum`` gives
+    (checked by hand), not the sequential or exact sums (3.0, 8.0, 9.0)."""
+    assert K.torch_sum_small([1e8, 1, -1e8, 1, 1]) == 1.0  # 4 interleaved scalars: (x0 + x4) + x1 + ...
+    assert K.torch_sum_small([1e8] + [1.0] * 8 + [-1e8]) == 7.0  # 8-element vectors, then the rest, then lanes
+    assert K.torch_sum_small([3e7, 1, 1, 1, 1, 1, 1, 1, -3e7, 1, 1]) == 7.0
+    x = np.random.default_rng(2).standard_normal(2000).astype(np.float32)
+    assert K.torch_sum_small(x) == np.float32(x.sum(dtype=np.float64))  # beyond one cascade level: float64

@@ -5,17 +5,23 @@ Arithmetic runs in float32; every intermediate that mergekit 0.1.5 materialises 
 dtype ``cd`` is rounded to it (:func:`rnd`), which is how torch computes each bf16 op (in float32,
 result rounded). Elementwise steps run in slices of :data:`CHUNK` elements.
 
-Reductions (:func:`sums`) run slice by slice too, so that no full-size float32 copy of a tensor is
-ever held. Whole-tensor sums add float32 partial sums of :data:`SUM_ROW` elements in float64.
-Deviation (from both mergekit and a plain MLX sum): torch sums float32 in a cascade, MLX's plain
-float32 sum over millions of elements drifts (measured: 7% off for the sum of 32.8M squares, 6e-5
-relative for 2^18 of them); partial sums over rows of 256 are within 2e-9 of the exact value.
+Reductions (:func:`sums`, :func:`sweep`) run slice by slice too, so that no full-size float32
+copy of a tensor is ever held, in one of two orders, each chosen to give mergekit's values:
+
+- float64 (whole-tensor sums, row sums): the float32 terms summed in float64, rounded to float32
+  once, i.e. the correctly rounded sum nearly always, whatever the slicing. torch's own float32
+  sums (``sum``, ``mean``) are a cascade that is about as accurate; MLX's plain float32 sum over
+  millions of elements drifts (measured: 7% off for the sum of 32.8M squares, 6e-5 relative for
+  2^18 of them).
+- torch's norm order (the squares of ``torch.norm`` / ``vector_norm``, :data:`TORCH_LANES`): that
+  kernel accumulates in 8 float32 lanes, and drifts by ~1e-4 relative over 4M elements; mergekit's
+  karcher keeps those float32 norms, so matching it means drifting the same way.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -76,41 +82,180 @@ def slices(size: int, align: int = 1) -> Iterator[tuple[int, int]]:
         yield lo, min(size, lo + step)
 
 
-#: whole-tensor sums: float32 partial sums over rows of this many elements, added in float64
-SUM_ROW = 256
+#: torch's CPU 2-norm over a contiguous last axis (the kernel mergekit's ``torch.norm`` and
+#: ``vector_norm`` run, x86 builds): float32 squares accumulated in order in this many lanes (lane j
+#: takes elements j, j + 8, ...) over the longest prefix that is a multiple of one vector's elements
+#: (8 float32, 16 bf16 / fp16), the lanes then added in order, then the rest one by one
+TORCH_LANES = 8
 
 
-def _row_partials(x: mx.array) -> list[mx.array]:
-    """Float32 sums of the consecutive SUM_ROW-element rows of the flat ``x`` (the tail: one more)."""
-    full = x.size // SUM_ROW * SUM_ROW
-    out = [mx.sum(x[:full].reshape(-1, SUM_ROW), axis=-1)] if full else []
-    if full < x.size:
-        out.append(mx.sum(x[full:], keepdims=True))
-    return out
+def torch_block(dtype) -> int:
+    """Elements of one 256-bit vector of ``dtype`` (torch's vectorised prefix is a multiple of it)."""
+    return 8 if dtype == F32 else 16
 
 
-def sums(terms: Callable[[int, int], Sequence[mx.array]], size: int, width: Optional[int] = None) -> list[mx.array]:
+#: slices of the passes that hold an iterate (:func:`sweep`) are multiples of this many elements
+ALIGN = 16
+
+
+def _as_f32(totals) -> list[mx.array]:
+    return [mx.array(np.float32(v)).reshape(-1) for v in totals]
+
+
+class _Exact:
+    """Whole-tensor sums in float64 (NumPy's pairwise sum of the float32 terms), rounded to float32
+    at the end: within rounding of the exact sum, whatever the slicing."""
+
+    def __init__(self):
+        self.totals: Optional[np.ndarray] = None
+
+    def add(self, lo: int, hi: int, part: list) -> None:
+        got = np.array([np.asarray(x, dtype=np.float32).sum(dtype=np.float64) for x in part])
+        self.totals = got if self.totals is None else self.totals + got
+
+    def result(self) -> list[mx.array]:
+        return _as_f32(self.totals if self.totals is not None else np.zeros(0))
+
+
+class _Lanes:
+    """Sums in the order of torch's CPU norm kernel (:data:`TORCH_LANES`), over the whole tensor or
+    per row of ``width`` elements; the state between slices is each term's lane accumulators."""
+
+    def __init__(self, size: int, block: int, width: Optional[int] = None):
+        self.per_row = width is not None
+        self.width = width or size
+        self.m = self.width - self.width % block  # the vectorised prefix of a row
+        self.acc: Optional[list] = None  # whole tensor: per term, the lanes so far
+        self.tail: Optional[list] = None
+        self.rows: Optional[list[list[np.ndarray]]] = None  # per row: per term, the finished rows
+
+    @staticmethod
+    def _fold(acc: np.ndarray) -> np.ndarray:
+        """The lanes (last axis) added in order."""
+        b = acc[..., 0].copy()
+        for j in range(1, acc.shape[-1]):
+            b = (b + acc[..., j]).astype(np.float32)
+        return b
+
+    def add(self, lo: int, hi: int, part: list) -> None:
+        # MLX sums a (k, lanes) array along axis 0 row after row, in order (checked bit for bit
+        # against a sequential sum up to 4M rows): the lanes' running sums, ~4x NumPy's speed
+        xs = [x.reshape(-1) for x in part]
+        if self.per_row:
+            self._add_rows(xs)
+            return
+        if self.acc is None:
+            self.acc = [mx.zeros((1, TORCH_LANES), dtype=F32) for _ in xs]
+            self.tail = [[] for _ in xs]
+        v_hi = min(hi, self.m)
+        for i, x in enumerate(xs):
+            if lo < v_hi:  # the lanes go on from the previous slice's (slices are whole vectors)
+                seg = x[: v_hi - lo].reshape(-1, TORCH_LANES)
+                self.acc[i] = mx.sum(mx.concatenate([self.acc[i], seg]), axis=0, keepdims=True)
+            if hi > self.m:
+                self.tail[i].append(np.asarray(x[max(self.m, lo) - lo:], dtype=np.float32))
+        mx.eval(self.acc)
+
+    def _add_rows(self, xs: list[mx.array]) -> None:
+        got = []
+        for x in xs:
+            r = x.reshape(-1, self.width)
+            acc = np.asarray(mx.sum(r[:, : self.m].reshape(r.shape[0], -1, TORCH_LANES), axis=1)) if self.m else None
+            b = self._fold(acc) if self.m else np.zeros(r.shape[0], np.float32)
+            rest = np.asarray(r[:, self.m:], dtype=np.float32)
+            for c in range(rest.shape[1]):
+                b = (b + rest[:, c]).astype(np.float32)
+            got.append(b)
+        self.rows = [[g] for g in got] if self.rows is None else [r + [g] for r, g in zip(self.rows, got)]
+
+    def result(self) -> list[mx.array]:
+        if self.rows is not None:
+            return [mx.array(np.concatenate(r)) for r in self.rows]
+        out = []
+        for acc, tail in zip(self.acc or [], self.tail or []):
+            b = self._fold(np.asarray(acc, dtype=np.float32).reshape(-1))
+            for t in tail:
+                for v in t:
+                    b = np.float32(b + v)
+            out.append(mx.array(np.float32(b)).reshape(1))
+        return out
+
+
+def sweep(step: Callable[[int, int], tuple[Any, Sequence[mx.array]]], size: int, block: Optional[int] = None,
+          into: Optional[list] = None) -> tuple[list, list[mx.array]]:
+    """One pass over a flat tensor of ``size`` > 0 elements, in slices of whole multiples of
+    :data:`ALIGN` elements: ``step(lo, hi)`` returns (kept, terms); ``kept`` (an array or a list of them, e.g.
+    a slice of an updated iterate) is evaluated and collected per slice (``into``: stored in place
+    of that list's slice, so the old slice is freed as the new one is made); the terms are summed
+    over the whole tensor, as :func:`sums` does (``block``: in torch's norm order). Returns (the
+    kept values in slice order, each term's sum as a float32 array of shape (1,))."""
+    acc = _Lanes(size, block) if block else _Exact()
+    kept = into if into is not None else []
+    for k, (lo, hi) in enumerate(slices(size, ALIGN)):
+        keep, terms = step(lo, hi)
+        part = list(terms)
+        mx.eval(keep, part)
+        if into is not None:
+            into[k] = keep
+        else:
+            kept.append(keep)
+        acc.add(lo, hi, part)
+    return kept, acc.result()
+
+
+def sums(terms: Callable[[int, int], Sequence[mx.array]], size: int, width: Optional[int] = None,
+         block: Optional[int] = None) -> list[mx.array]:
     """Sums of float32 terms over a flat tensor of ``size`` elements, computed slice by slice:
     ``terms(lo, hi)`` returns the (lazy) terms of elements ``[lo, hi)``, e.g. squares and products.
 
-    ``width`` None: each term's sum over the whole tensor as a float32 array of shape (1,) (partial
-    sums per :data:`SUM_ROW` elements in float32, added in float64, then rounded to float32).
-    ``width`` given: per row of ``width`` elements, MLX's float32 sum along the row (shape (rows,)),
-    the value a full-size ``mx.sum(x.reshape(-1, width), axis=-1)`` gives."""
-    if width:
-        rows: Optional[list[list[mx.array]]] = None
-        for lo, hi in slices(size, width):
-            part = [mx.sum(x.reshape(-1, width), axis=-1) for x in terms(lo, hi)]
+    ``width`` None: each term's sum over the whole tensor as a float32 array of shape (1,) (summed
+    in float64, then rounded to float32).
+    ``width`` given: per row of ``width`` elements (shape (rows,)), summed in float64 then rounded
+    to float32.
+    ``block`` given (squares for a norm): in the order of torch's CPU norm kernel instead
+    (:data:`TORCH_LANES`; ``block``: :func:`torch_block` of the dtype torch reduces), whole tensor
+    or per row of ``width``: its float32 drift over millions of elements included."""
+    if size == 0:  # an empty tensor: the terms' count is unknown without a slice
+        return _as_f32(np.zeros(len(terms(0, 0))))
+    if block:
+        acc = _Lanes(size, block, width)
+        for lo, hi in slices(size, width or ALIGN):
+            part = list(terms(lo, hi))
             mx.eval(part)
+            acc.add(lo, hi, part)
+        return acc.result()
+    if width:
+        rows: Optional[list[list]] = None
+        for lo, hi in slices(size, width):
+            got = list(terms(lo, hi))
+            mx.eval(got)
+            part = [np.asarray(x, dtype=np.float32).reshape(-1, width).sum(-1, dtype=np.float64) for x in got]
             rows = [[p] for p in part] if rows is None else [r + [p] for r, p in zip(rows, part)]
-        return [r[0] if len(r) == 1 else mx.concatenate(r) for r in rows or []]
-    totals: Optional[np.ndarray] = None
-    for lo, hi in slices(size):
-        part = [_row_partials(x) for x in terms(lo, hi)]
-        mx.eval(part)
-        got = np.array([sum(float(np.asarray(p).sum(dtype=np.float64)) for p in ps) for ps in part])
-        totals = got if totals is None else totals + got
-    if totals is None:  # an empty tensor: the terms' count is unknown without a slice
-        n = len(terms(0, 0))
-        totals = np.zeros(n)
-    return [mx.array(np.float32(v)).reshape(1) for v in totals]
+        return [mx.array(np.concatenate(r).astype(np.float32)) for r in rows or []]
+    return sweep(lambda lo, hi: ((), terms(lo, hi)), size)[1]
+
+
+def torch_sum_small(x) -> np.float32:
+    """torch's CPU float32 ``sum`` of a short contiguous array, in its order (checked against torch
+    2.14 for every length below 300): 8-element vectors summed in 4 interleaved accumulators, the
+    accumulators added in order, then the leftover elements one by one, then the 8 lanes; under 8
+    elements, 4 interleaved scalars. From 512 elements on torch's cascade adds levels: the float64
+    sum instead."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    if x.size >= 512:
+        return np.float32(x.sum(dtype=np.float64))
+    lanes = TORCH_LANES if x.size >= TORCH_LANES else 1
+    nv = x.size // lanes
+    rows = x[: nv * lanes].reshape(nv, lanes)
+    acc = [np.zeros(lanes, np.float32) for _ in range(4)]
+    for i in range(nv):
+        k = i % 4 if i < nv // 4 * 4 else 0
+        acc[k] = (acc[k] + rows[i]).astype(np.float32)
+    for k in (1, 2, 3):
+        acc[0] = (acc[0] + acc[k]).astype(np.float32)
+    if lanes == 1:
+        return np.float32(acc[0][0])
+    total = np.float32(0)
+    for v in list(x[nv * lanes:]) + list(acc[0]):
+        total = np.float32(total + v)
+    return total

@@ -42,10 +42,12 @@ function; a method's parameters for one tensor are one :class:`LinearParams` or
 The other methods are pure functions in :mod:`.interpolate` (``slerp`` with ``t``, ``nuslerp``,
 ``multislerp``, ``karcher``, ``model_stock``, ``nearswap``, ``arcee_fusion``) and :mod:`.selective`
 (``sce``, ``ram``, ``ramplus_tl``), wrapped here (``merge_*``) to check the input count and read the
-parameters: mergekit's names and defaults, listed per method in :data:`METHODS`. They work on the
-whole tensor at a time (their statistics are whole-tensor or per row, as mergekit's), need the
-tensor's shape only for per-row variants (``TensorInputs.shape``), and round every intermediate
-mergekit holds in the compute dtype, as above (see those modules for what still differs). A required parameter (``t``) or a
+parameters: mergekit's names and defaults, listed per method in :data:`METHODS`. Their statistics
+are whole-tensor or per row, as mergekit's; slerp, nuslerp, multislerp, karcher and model_stock
+sum them slice by slice and write their output slice by slice (no full-size float32 copy), the
+others work on the whole tensor at once. They need the tensor's shape only for per-row variants
+(``TensorInputs.shape``), and round every intermediate mergekit holds in the compute dtype, as
+above (see those modules for what still differs). A required parameter (``t``) or a
 wrong number of models is reported when the first tensor is merged (the output directory is never
 created).
 
@@ -443,29 +445,29 @@ def merge_slerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
 
 
 def merge_nuslerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
-    """``nuslerp``: two models, ``t = w1 / (w0 + w1)`` (0.5 when the weights cancel)."""
+    """``nuslerp``: two models, ``t = w1 / (w0 + w1)`` (0.5 when the weights cancel); the inputs
+    stay in their dtype (aligned to the compute dtype slice by slice)."""
     _count(spec, t, n=2)
     w = [pm["weight"] for pm in t.per_model]
     tt = 0.5 if abs(sum(w)) < 1e-6 else w[1] / sum(w)
-    a, b = _inputs(t)
-    res = I.nuslerp(tt, a, b, t.shape, row_wise=t.shared["nuslerp_row_wise"], flatten=t.shared["nuslerp_flatten"],
-                    cd=t.cd)
-    return _finish(res, t)
+    a, b = (_load(x) for x in t.models)
+    return I.nuslerp_parts(tt, a, b, t.cd, t.out, t.shape, row_wise=t.shared["nuslerp_row_wise"],
+                           flatten=t.shared["nuslerp_flatten"])
 
 
 def merge_multislerp(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
     _count(spec, t, at_least=1)
     try:
-        res = I.multislerp(_inputs(t), [pm["weight"] for pm in t.per_model], t.shared["normalize_weights"],
-                           t.shared["eps"], cd=t.cd)
+        return I.multislerp_parts([_load(x) for x in t.models], [pm["weight"] for pm in t.per_model],
+                                  t.shared["normalize_weights"], t.shared["eps"], t.cd, t.out)
     except ValueError as e:
         raise UserError(str(e)) from None
-    return _finish(res, t)
 
 
 def merge_karcher(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
     """``karcher``: the equal-weight Karcher mean of every input."""
-    return _finish(I.karcher(_inputs(t), max_iter=int(t.shared["max_iter"]), tol=t.shared["tol"], cd=t.cd), t)
+    return I.karcher_parts([_load(x) for x in t.models], max_iter=int(t.shared["max_iter"]), tol=t.shared["tol"],
+                           cd=t.cd, out=t.out)
 
 
 def merge_model_stock(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
@@ -493,7 +495,7 @@ def merge_sce(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
     base, tvs = _task_vectors(t)
     if not tvs:
         return _finish(f32(base), t)
-    return _finish(S.sce(base, tvs, t.shared["select_topk"], t.cd), t)
+    return S.sce_parts(base, tvs, t.shared["select_topk"], t.cd, t.out)
 
 
 def merge_ram(spec: "MethodSpec", t: TensorInputs) -> list[mx.array]:
