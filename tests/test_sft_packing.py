@@ -144,6 +144,24 @@ def test_chunked_default_loss_equals_mlx_lm_default_loss(lora_model):
     _close_grads(got[1], want[1], rtol=2e-5)
 
 
+def test_chunked_packed_loss_under_mx_compile(lora_model):
+    """mlx-lm's train step is an ``mx.compile`` of ``value_and_grad(loss)``: there the chunked op
+    cannot evaluate chunk by chunk, and must still give the eager logits loss and gradients with
+    several chunks, packed."""
+    from functools import partial
+
+    model, _ = lora_model
+    items = _records(model.args.vocab_size, [9, 50, 23, 41], seed=5)
+    pb = packed_batch(items, 2048)
+    ref = _loss_and_grads(model, lambda m, *b: masked_loss(m, *b, kind="logits"), *masked_batch(items, 2048))
+    vg = nn.value_and_grad(model, lambda m, *b: masked_loss(m, *b, kind="chunked", chunk_size=16)[0])
+    step = partial(mx.compile, inputs=[model.state], outputs=[model.state])(lambda *b: vg(model, *b))
+    loss, grads = step(*pb)
+    mx.eval(loss, grads)
+    assert abs(float(loss) - ref[0]) <= 2e-6 * abs(ref[0])
+    _close_grads(dict(tree_flatten(grads)), ref[1], rtol=2e-5)
+
+
 @pytest.mark.slow
 def test_packed_chunked_training_equals_unpacked_logits_through_the_compiled_step(tmp_path, tiny_qwen3):
     """Token records of mixed length through the stage's batching and mlx-lm's compiled ``train``
