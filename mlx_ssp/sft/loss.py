@@ -10,7 +10,8 @@ Two ways to get the per-token cross-entropy (:data:`CE_KINDS`, the ``sft.loss`` 
   whole ``(B, T, vocab)`` logits exist, and their gradient too.
 - ``chunked``: ``-log_softmax(head(h))[target]`` by the RL stage's chunked op
   (:func:`mlx_ssp.rl.logprobs.token_logprobs`, one implementation for SFT and RL) on the backbone's
-  hidden states: the logits exist one chunk of tokens at a time, in the forward and the backward.
+  hidden states: the logits exist one chunk of tokens at a time, in the forward and the backward
+  (chunks sized for a compiled step: :func:`sft_chunk_size`).
   The same value as ``logits`` up to float32 rounding (tested).
 
 Packed batches (:mod:`mlx_ssp.sft.packing`) run the backbone with a block-diagonal causal mask (a
@@ -24,7 +25,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_ssp.rl.logprobs import head_of, token_logprobs
+from mlx_ssp.rl.logprobs import CHUNK_BYTES, LIVE_CHUNK_BUFFERS, auto_chunk_size, head_of, head_vocab, token_logprobs
 from mlx_ssp.sft.packing import packed_hidden
 
 
@@ -38,11 +39,32 @@ def _ce_logits(model, inputs, targets, segments, chunk_size=None):
     return nn.losses.cross_entropy(logits, targets)
 
 
+#: [chunk x vocab] float32 buffers alive at once when the op runs inside mx.compile (mlx-lm's train
+#: step), where it cannot evaluate chunk by chunk: measured about 10 (Qwen3's vocabulary, 2k tokens:
+#: peak 2.8 GiB with 432-token chunks, 0.97 GiB with 128), against 3 when it runs eagerly
+COMPILED_LIVE_BUFFERS = 10
+
+
+#: at least this many chunks: the compiled step's live chunk buffers then stay a fraction of the
+#: whole logits even when those fit the budget (short batches, small vocabularies)
+MIN_CHUNKS = 8
+
+
+def sft_chunk_size(head, n_tokens: int) -> int:
+    """Tokens per chunk of the SFT loss over ``n_tokens``: the RL op's memory budget spread over the
+    live buffers of a compiled step (128 tokens at Qwen3's 151,936 vocabulary), and at most an
+    eighth of the tokens (a multiple of 16, at least 16)."""
+    budget = auto_chunk_size(head_vocab(head), CHUNK_BYTES * LIVE_CHUNK_BUFFERS // COMPILED_LIVE_BUFFERS)
+    return min(budget, max(16, -(-n_tokens // (16 * MIN_CHUNKS)) * 16))
+
+
 def _ce_chunked(model, inputs, targets, segments, chunk_size=None):
     h = model.model(inputs) if segments is None else packed_hidden(model, inputs, segments)
+    head = head_of(model)
     # save_grad: with a frozen head (LoRA) each chunk's d logp / d h is formed in the forward, so the
     # backward does not recompute the chunk's logits (two head matmuls per chunk in all, as `logits`)
-    return -token_logprobs(h, head_of(model), targets, chunk_size=chunk_size, save_grad=True)
+    return -token_logprobs(h, head, targets, chunk_size=chunk_size or sft_chunk_size(head, targets.size),
+                           save_grad=True)
 
 
 #: ``sft.loss`` -> fn(model, inputs, targets, segments or None, chunk_size) -> per-target CE (B, T)
@@ -89,4 +111,4 @@ def make_loss(kind: str, token_batches: bool) -> Callable:
     return loss
 
 
-__all__ = ["CE_KINDS", "default_loss", "make_loss", "masked_loss", "weighted_ce"]
+__all__ = ["CE_KINDS", "default_loss", "make_loss", "masked_loss", "sft_chunk_size", "weighted_ce"]
