@@ -267,3 +267,22 @@ def test_packing_refuses_a_model_type_it_is_not_verified_on():
     model = SimpleNamespace(model_type="gpt2")
     with pytest.raises(ValueError, match="llama, qwen3.*'gpt2'"):
         check_packable(model)
+
+
+def test_chunked_loss_is_used_only_where_the_logits_are_the_head_of_the_hidden_states(lora_model):
+    """The stage checks that model(x) == head(backbone(x)) before using the chunked loss: true for
+    mlx-lm's llama and qwen3; false for a model that scales its logits after the head (the stage then
+    uses the logits loss)."""
+    from mlx_ssp.sft.loss import chunked_is_exact
+
+    model, _ = lora_model
+    assert chunked_is_exact(model)
+
+    class Scaled(type(model)):
+        def __call__(self, inputs, *a, **k):
+            return super().__call__(inputs, *a, **k) * 0.5
+
+    scaled = Scaled(model.args)
+    attach_lora(scaled, LoRAConfig(rank=4, num_layers=-1), seed=0)  # the same layout, then the same weights
+    scaled.update(model.parameters())
+    assert not chunked_is_exact(scaled)

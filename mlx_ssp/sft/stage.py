@@ -26,7 +26,7 @@ from mlx_ssp.progress import mlx_lm_train_ui
 from mlx_ssp.sft.batches import make_iterate_batches, make_masked_iterate_batches
 from mlx_ssp.sft.config import SFTConfig
 from mlx_ssp.sft.data import DomainPlan, plan_domains, val_batch_size
-from mlx_ssp.sft.loss import make_loss
+from mlx_ssp.sft.loss import chunked_is_exact, make_loss
 from mlx_ssp.sft.packing import check_packable
 from mlx_ssp.sft.probe import ProbeFn, default_probe, probe_seed, read_curve, write_curve  # noqa: F401
 from mlx_ssp.stage_config import default_run_dir, section_seed
@@ -466,6 +466,11 @@ def run_sft(
             check_packable(model)
         except ValueError as e:
             raise UserError(f"{source or 'sft'}: {e}") from None
+    if cfg.loss == "chunked" and not chunked_is_exact(model):
+        print(f"[sft] {type(model).__module__}: the logits are not the LM head of the last hidden states "
+              "(scaled or capped after the head); sft.loss chunked would train another loss, using logits",
+              file=sys.stderr)
+        cfg = cfg.model_copy(update={"loss": "logits"})
     plans = plan_domains(cfg, model, tokenizer, run_data or {}, run_dir, source)
     results = {}
     for plan in plans:
