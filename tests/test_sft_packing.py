@@ -110,18 +110,19 @@ def test_packed_equals_unpacked_loss_and_gradients(lora_model, kind):
 
 
 def test_packing_keeps_records_apart(lora_model):
-    """A record's per-token loss does not depend on what it is packed with (the mask blocks other
-    records): changing the other record's tokens changes nothing of this one's."""
+    """A record's hidden states do not depend on what it is packed after (the block mask, not only
+    the causal one): changing the first record's tokens changes nothing of the second's."""
     model, _ = lora_model
     V = model.args.vocab_size
-    a, b1, b2 = _records(V, [20, 10, 10], seed=3)
-    ce = []
-    for b in (b1, b2):
+    a1, a2, b = _records(V, [20, 20, 10], seed=3)
+    hs = []
+    for a in (a1, a2):
         t, w, s = packed_batch([a, b], 2048)
-        assert t.shape[0] == 1  # both in one row
-        h = packed_hidden(model, t[:, :-1], s)
-        ce.append(np.array(h[0, :20]))
-    assert np.abs(ce[0] - ce[1]).max() < 1e-6
+        assert t.shape[0] == 1 and t[0, 20:30].tolist() == b[0]  # one row: a, then b
+        hs.append(np.array(packed_hidden(model, t[:, :-1], s)[0, 20:30]))
+    assert np.abs(hs[0] - hs[1]).max() < 1e-5
+    causal_only = [np.array(model.model(mx.array([a + b[0]]))[0, 20:30]) for a, _ in (a1, a2)]
+    assert np.abs(causal_only[0] - causal_only[1]).max() > 1e-3  # without the block mask it would see a
 
 
 def test_chunked_default_loss_equals_mlx_lm_default_loss(lora_model):
