@@ -29,7 +29,8 @@ Setups:
 
 A peer that is not installed is skipped with a one-line note. Writes ``--out`` (JSON).
 
-    nice -n 10 python scripts/bench_sft_peers.py --layers 1 --qwen3-steps 2 --setups quickstart,quickstart-mixed,qwen3-2k
+    nice -n 10 python scripts/bench_sft_peers.py --layers 1 --qwen3-steps 2 \
+        --setups quickstart,quickstart-mixed,qwen3-2k
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def child_ours(a: dict) -> dict:
     attach_lora(model, cfg.lora, 0)
     stamps = _Stamps()
     args = TrainingArgs(batch_size=a["batch"], iters=a["steps"], steps_per_report=1, steps_per_eval=10**9,
-                        steps_per_save=10**9, max_seq_length=a["max_len"], adapter_file=str(Path(a["work"]) / "a.safetensors"))
+                        steps_per_save=10**9, max_seq_length=a["max_len"],
+                        adapter_file=str(Path(a["work"]) / "a.safetensors"))
     model.train()
     train(model=model, optimizer=build_optimizer(cfg), train_dataset=ds, args=args, training_callback=stamps,
           **batching(cfg, types.SimpleNamespace(stats=stats), 0))
@@ -184,7 +186,8 @@ def quickstart_data(out: Path, n: int = 4) -> Path:
 
     tasks = build_split(load_tasks_section(str(ROOT / "configs" / "quickstart.yaml"), ()), "train")[:n]
     recs = [{"messages": [{"role": "user", "content": t.prompt},
-                          {"role": "assistant", "content": f"Working it out: the result is {t.answer}.\nAnswer: {t.answer}"}]}
+                          {"role": "assistant",
+                           "content": f"Working it out: the result is {t.answer}.\nAnswer: {t.answer}"}]}
             for t in tasks]
     return _write(out, recs)
 
@@ -206,7 +209,8 @@ def qwen3_model(out: Path, layers: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(0)
     model = Model(ModelArgs.from_dict(cfg))
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     save_config(cfg, out / "config.json")
     for f in QWEN3_TOKENIZER.iterdir():
         shutil.copy(f, out / f.name)
@@ -364,7 +368,8 @@ def main() -> None:
         if "tokens_per_s" in ref and "tokens_per_s" in ours:
             ratios = {"tokens_per_s ours/mlx_lm.lora": ours["tokens_per_s"] / ref["tokens_per_s"],
                       "peak ours/mlx_lm.lora": ours["peak_gib"] / ref["peak_gib"]}
-        report["setups"][name] = {"shape": s["shape"], "tokens_per_step": s["tokens_per_step"], "batch": s["batch"], "steps": steps,
+        report["setups"][name] = {"shape": s["shape"], "tokens_per_step": s["tokens_per_step"], "batch": s["batch"],
+                                  "steps": steps,
                                   "max_seq_length": s["max_len"], "results": rows, "ratios": ratios}
         Path(a.out).write_text(json.dumps(report, indent=2))
     print(table(report))
@@ -379,8 +384,9 @@ def table(report: dict) -> str:
         for key, fmt in (("tokens_per_s", "{:.0f}"), ("peak_gib", "{:.2f} GiB")):
             cells = [fmt.format(r[t][key]) if key in r.get(t, {}) else r.get(t, {}).get("error", "skipped")
                      for t in TOOLS]
-            ratio = (r["ours"][key] / r["mlx_lm.lora"][key]) if all(key in r.get(t, {}) for t in ("ours", "mlx_lm.lora")) else None
-            lines.append(f"| {key} | " + " | ".join(cells) + f" | {ratio:.2f} |" if ratio else f"| {key} | " + " | ".join(cells) + " | - |")
+            both = all(key in r.get(t, {}) for t in ("ours", "mlx_lm.lora"))
+            ratio = f"{r['ours'][key] / r['mlx_lm.lora'][key]:.2f}" if both else "-"
+            lines.append(f"| {key} | " + " | ".join(cells) + f" | {ratio} |")
         lines.append("load (1/5/15 min) before each run: " + "; ".join(
             f"{t} " + ", ".join(x["load_before"] for x in r[t].get("rounds", [r[t]])) for t in r))
     return "\n".join(lines)

@@ -175,20 +175,22 @@ def test_packed_chunked_training_equals_unpacked_logits_through_the_compiled_ste
     from mlx_ssp.sft.stage import batching, build_optimizer
 
     model, tok, _ = load_model(str(tiny_qwen3))
-    recs = [{"token_ids": ids, "mask": m} for ids, m in _records(model.args.vocab_size, [9, 50, 23, 41, 5, 60, 17, 30], 4)]
+    items = _records(model.args.vocab_size, [9, 50, 23, 41, 5, 60, 17, 30], 4)
+    recs = [{"token_ids": ids, "mask": m} for ids, m in items]
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in recs))
     probe = tmp_path / "probe.jsonl"
     probe.write_text(json.dumps({"id": "p0", "domain": "d", "prompt": "hi", "answer": "x", "verifier": "exact"}) + "\n")
     runs = {}
     for kw in ({"loss": "logits", "pack": False}, {"loss": "chunked", "pack": True}):
-        cfg = SFTConfig(domains={"d": {"data": str(data), "probe_tasks": str(probe)}}, lora={"rank": 4, "num_layers": -1},
-                        learning_rate=1e-3, batch_size=4, max_seq_length=2048, seed=0, **kw)
+        cfg = SFTConfig(domains={"d": {"data": str(data), "probe_tasks": str(probe)}},
+                        lora={"rank": 4, "num_layers": -1}, learning_rate=1e-3, batch_size=4, max_seq_length=2048,
+                        seed=0, **kw)
         (plan,) = plan_domains(cfg, model, tok, {}, tmp_path)
         losses = []
 
         class Spy:
-            def on_train_loss_report(self, info):
+            def on_train_loss_report(self, info, losses=losses):
                 losses.append(info["train_loss"])
 
             def on_val_loss_report(self, info):
@@ -199,7 +201,8 @@ def test_packed_chunked_training_equals_unpacked_logits_through_the_compiled_ste
             mx.random.seed(0)
             model.train()
             train(model=model, optimizer=build_optimizer(cfg), train_dataset=plan.train_set, training_callback=Spy(),
-                  args=TrainingArgs(batch_size=4, iters=4, steps_per_report=1, steps_per_eval=10**9, steps_per_save=10**9,
+                  args=TrainingArgs(batch_size=4, iters=4, steps_per_report=1, steps_per_eval=10**9,
+                                    steps_per_save=10**9,
                                     max_seq_length=2048, adapter_file=str(tmp_path / "a.safetensors")),
                   **batching(cfg, plan, 0))
             runs[kw["pack"]] = (losses, {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())})
@@ -234,8 +237,8 @@ def test_chunked_loss_lowers_peak_memory_at_a_large_vocabulary():
     mx.eval(model.parameters())
     peaks, losses = {}, {}
     for kind in ("logits", "chunked"):
-        vg = nn.value_and_grad(model, lambda m, t, w: masked_loss(m, t, w, kind=kind)[0])
-        step = partial(mx.compile, inputs=[model.state], outputs=[model.state])(lambda t, w: vg(model, t, w))
+        vg = nn.value_and_grad(model, lambda m, t, w, kind=kind: masked_loss(m, t, w, kind=kind)[0])
+        step = partial(mx.compile, inputs=[model.state], outputs=[model.state])(lambda t, w, vg=vg: vg(model, t, w))
         mx.clear_cache()
         mx.reset_peak_memory()
         base = mx.get_active_memory()
