@@ -260,6 +260,8 @@ def run_child(tool: str, spec: dict) -> dict:
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if out.returncode == -9:  # SIGKILL: on Linux the out-of-memory killer, as a rule
+        return {"error": "killed (SIGKILL: out of memory)"}
     if out.returncode or not line:
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
         return {"error": f"exit {out.returncode}: {last[:300]}"}
