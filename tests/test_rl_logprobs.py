@@ -244,3 +244,33 @@ def test_under_mx_compile_stays_correct():
         _close(f(h), naive_token_logprobs(h, head, t, 0.9))
         ga = mx.compile(mx.grad(lambda x: token_logprobs(x, head, t, 0.9, 3, save_grad=save_grad).sum()))(h)
         _close(ga, mx.grad(lambda x: naive_token_logprobs(x, head, t, 0.9).sum())(h))
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_under_mx_compile_with_the_head_as_compiled_state(trained):
+    """mlx-lm's train step compiles value_and_grad with the model's state as traced inputs: the head's
+    weights are then tracers (not evaluable), with several chunks; loss and gradients stay exact."""
+    from functools import partial
+
+    mx.random.seed(11)
+    head = nn.Linear(8, 60, bias=False)
+    if not trained:
+        head.freeze()
+    mx.eval(head.parameters())
+    h, t = mx.random.normal((20, 8)), mx.random.randint(0, 60, (20,))
+
+    def loss(m, x, fn):
+        return fn(x, m, t, 0.9).sum() if fn is naive_token_logprobs else fn(x, m, t, 0.9, 3, save_grad=not trained).sum()
+
+    def both(x):
+        gx = mx.grad(lambda x: loss(head, x, token_logprobs))(x)
+        if not trained:  # a frozen head has nothing to differentiate
+            return gx, (loss(head, x, token_logprobs), None)
+        return gx, nn.value_and_grad(head, lambda m: loss(m, x, token_logprobs))(head)
+
+    step = partial(mx.compile, inputs=[head.state], outputs=[head.state])(both)
+    gx, (val, gw) = step(h)
+    _close(gx, mx.grad(lambda x: loss(head, x, naive_token_logprobs))(h))
+    _close(val, loss(head, h, naive_token_logprobs))
+    if trained:
+        _close(gw["weight"], nn.value_and_grad(head, lambda m: loss(m, h, naive_token_logprobs))(head)[1]["weight"])

@@ -176,8 +176,11 @@ def test_a_gold_episode_trains_through_the_sft_stage(tmp_path, base, gold):
                     max_seq_length=2048, save_every=12, report_every=3, val_batches=0, seed=1,
                     probe={"k": 1, "sampling": {"temperature": 0.0, "max_tokens": 1}, "progress": False})
     (plan,) = plan_domains(cfg, model, tok, {}, tmp_path)
-    kw = batching(plan, 1)
-    assert kw["loss"] is masked_loss and plan.stats["format"] == "tokens"
+    kw = batching(cfg, plan, 1)
+    assert plan.stats["format"] == "tokens"
+    t, w = next(kw["iterate_batches"](plan.train_set, 1, 2048))
+    want = masked_loss(model, t, w, kind="logits")
+    assert abs(float(kw["loss"](model, t, w)[0]) - float(want[0])) < 1e-5  # the chunked loss, by default
     losses = []
 
     class Spy:

@@ -11,6 +11,9 @@ For each domain d listed in the ``sft:`` section:
    go through the same ``train`` with length-bucketed masked batches
    (:func:`~mlx_ssp.sft.batches.make_masked_iterate_batches`) and the masked loss
    (:func:`~mlx_ssp.sft.loss.masked_loss`): every assistant turn is a target, nothing else is.
+   The cross-entropy is the RL stage's chunked log-prob op by default (``sft.loss``,
+   :mod:`mlx_ssp.sft.loss`: the logits never exist whole), and ``sft.pack`` packs a batch's
+   records into fewer rows (:mod:`mlx_ssp.sft.packing`); both give the same loss to float32 rounding.
 2. Every ``save_every`` steps (and at the last step) the adapter is saved as a checkpoint
    (``adapters.safetensors`` + ``adapter_config.json``, so ``mlx_lm fuse`` / ``load_adapters`` work on
    it) and *probed*: K samples per probe prompt through the rollout engine
@@ -63,14 +66,15 @@ from mlx_ssp.sft.batches import make_iterate_batches, make_masked_iterate_batche
 from mlx_ssp.sft.config import OPTIMIZERS, SELECT_RULES, DomainSpec, ProbeConfig, ScheduleConfig, SFTConfig
 from mlx_ssp.sft.data import DomainPlan, load_sft_file, plan_domains
 from mlx_ssp.sft.episodes import TokenDataset, load_token_records
-from mlx_ssp.sft.loss import masked_loss
+from mlx_ssp.sft.loss import CE_KINDS, make_loss, masked_loss
+from mlx_ssp.sft.packing import PACKABLE_MODEL_TYPES, packed_batch
 from mlx_ssp.sft.probe import ProbeFn, default_probe, probe_seed, read_curve, select_checkpoint, write_curve
 from mlx_ssp.sft.stage import adapter_config, build_optimizer, fingerprint, run_sft, train_specialist
 
 __all__ = [
-    "OPTIMIZERS", "SELECT_RULES", "DomainPlan", "DomainSpec", "LoRAConfig", "ProbeConfig", "ProbeFn", "SFTConfig",
+    "CE_KINDS", "OPTIMIZERS", "PACKABLE_MODEL_TYPES", "SELECT_RULES", "DomainPlan", "DomainSpec", "LoRAConfig", "ProbeConfig", "ProbeFn", "SFTConfig",
     "ScheduleConfig", "TokenDataset", "adapter_config", "build_optimizer", "check_lora_targets", "default_probe",
     "fingerprint", "fuse_and_save", "load_sft_file", "load_token_records", "make_iterate_batches", "make_masked_iterate_batches",
-    "masked_batch", "masked_loss", "plan_domains", "probe_seed",
+    "make_loss", "masked_batch", "masked_loss", "packed_batch", "plan_domains", "probe_seed",
     "read_curve", "restore_base", "run_sft", "select_checkpoint", "step_seed", "train_specialist", "write_curve",
 ]

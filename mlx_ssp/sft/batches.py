@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mlx_ssp.sft.packing import packed_batch
+
 
 def make_iterate_batches(seed: int, skip: int = 0):
     """mlx-lm's ``iterate_batches`` with its NumPy shuffling confined to a private, seeded
@@ -67,7 +69,17 @@ def masked_batch(items: list[tuple[list[int], list[int]]], max_seq_length: int):
     return mx.array(tokens), mx.array(mask[:, 1:])
 
 
-def make_masked_iterate_batches(seed: int, skip: int = 0):
+def as_masked_item(item) -> tuple[list[int], list[int]]:
+    """A dataset item as ``(token_ids, mask)``: token records already are; mlx-lm's chat,
+    completions and text items ``(token_ids, offset)`` get mask 0 before the offset (the prompt
+    under ``mask_prompt``), 1 from it."""
+    ids, second = item
+    if isinstance(second, int):
+        return list(ids), [0] * second + [1] * (len(ids) - second)
+    return ids, second
+
+
+def make_masked_iterate_batches(seed: int, skip: int = 0, pack: bool = False):
     """The batch iterator for token records (:class:`~mlx_ssp.sft.episodes.TokenDataset`), with
     mlx-lm's ``iterate_batches`` signature and batching rule: items sorted by length, cut into
     consecutive batches of ``batch_size`` (length bucketing: a batch holds episodes of similar
@@ -75,8 +87,13 @@ def make_masked_iterate_batches(seed: int, skip: int = 0):
     fresh permutation per pass from a private seeded ``RandomState`` (training: ``seed``;
     validation: ``seed + 1``), each rank taking every ``size``-th item of a batch. Yields
     :func:`masked_batch`'s ``(tokens, weights)``, the arguments of :func:`~mlx_ssp.sft.loss.masked_loss`.
-    With ``loop`` the first ``skip`` batches are dropped (resume: they were trained on)."""
+    With ``loop`` the first ``skip`` batches are dropped (resume: they were trained on).
+    With ``pack`` each batch holds the same records, packed into as few rows as fit
+    (:func:`~mlx_ssp.sft.packing.packed_batch`: ``(tokens, weights, segments)``), and mlx-lm's
+    ``(token_ids, offset)`` items are taken too (:func:`as_masked_item`)."""
     import numpy as np
+
+    collate = packed_batch if pack else masked_batch
 
     base_seed = seed  # mlx-lm's `seed=` argument of the iterator below is not ours
 
@@ -95,7 +112,7 @@ def make_masked_iterate_batches(seed: int, skip: int = 0):
                 n += 1
                 if loop and n <= skip:
                     continue
-                yield masked_batch([dataset[j] for j in batches[i]], max_seq_length)
+                yield collate([as_masked_item(dataset[j]) for j in batches[i]], max_seq_length)
             if not loop:
                 return
 

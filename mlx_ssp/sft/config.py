@@ -11,6 +11,7 @@ from mlx_ssp.finetune.lora import LoRAConfig  # the shared config; SFT uses its 
 from mlx_ssp.finetune.optim import OPTIMIZERS
 from mlx_ssp.rollout import SamplingConfig
 from mlx_ssp.sft.curriculum import CurriculumConfig
+from mlx_ssp.sft.loss import CE_KINDS
 
 
 class ScheduleConfig(StrictModel):
@@ -69,7 +70,8 @@ class DomainSpec(StrictModel):
 class SFTConfig(StrictModel):
     """The ``sft:`` section."""
 
-    OMIT_AT_DEFAULT = frozenset({"blend", "curriculum"})  # added after runs existed: old fingerprints kept
+    # added after runs existed: old fingerprints kept
+    OMIT_AT_DEFAULT = frozenset({"blend", "curriculum", "loss", "pack"})
 
     #: required by the command; the pipeline fills it from the tasks section when empty
     domains: dict[str, DomainSpec] = Field(default_factory=dict)
@@ -86,6 +88,12 @@ class SFTConfig(StrictModel):
     mask_prompt: bool = True
     grad_accumulation_steps: int = Field(1, ge=1)
     grad_checkpoint: bool = False
+    #: how the cross-entropy is computed (mlx_ssp.sft.loss.CE_KINDS): "chunked" (the log-prob op,
+    #: logits one chunk of tokens at a time) or "logits" (mlx-lm's, the whole logits); same value
+    loss: str = "chunked"
+    #: pack each batch's records into as few rows as fit (a block-diagonal mask keeps them apart);
+    #: the same records and loss per batch, less padding
+    pack: bool = False
     report_every: int = Field(10, ge=1)
     save_every: int = Field(50, ge=1)
     #: validation batches per checkpoint; -1 = the whole validation set, 0 = no validation loss
@@ -109,6 +117,13 @@ class SFTConfig(StrictModel):
             return {str(d): {} for d in v}
         if isinstance(v, dict):
             return {k: ({} if s is None else s) for k, s in v.items()}
+        return v
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_kind(cls, v: str) -> str:
+        if v not in CE_KINDS:
+            raise ValueError(f"unknown loss {v!r}; choose from {', '.join(CE_KINDS)}")
         return v
 
     @model_validator(mode="after")

@@ -26,6 +26,8 @@ from mlx_ssp.progress import mlx_lm_train_ui
 from mlx_ssp.sft.batches import make_iterate_batches, make_masked_iterate_batches
 from mlx_ssp.sft.config import SFTConfig
 from mlx_ssp.sft.data import DomainPlan, plan_domains, val_batch_size
+from mlx_ssp.sft.loss import chunked_is_exact, make_loss
+from mlx_ssp.sft.packing import check_packable
 from mlx_ssp.sft.probe import ProbeFn, default_probe, probe_seed, read_curve, write_curve  # noqa: F401
 from mlx_ssp.stage_config import default_run_dir, section_seed
 
@@ -60,15 +62,15 @@ def fingerprint(cfg: SFTConfig, seed: int, model_path: Path, plan: DomainPlan) -
     return d
 
 
-def batching(plan: DomainPlan, seed: int, skip: int = 0) -> dict:
-    """The ``iterate_batches`` (and ``loss``) keywords of mlx-lm's ``train`` / ``evaluate`` for a
-    domain's data: token records (whole episodes) get the masked batches and the masked loss; the
-    other kinds get mlx-lm's own batches (seeded, resumable) and its default loss, as before."""
-    if plan.stats.get("format") == "tokens":
-        from mlx_ssp.sft.loss import masked_loss
-
-        return {"iterate_batches": make_masked_iterate_batches(seed, skip=skip), "loss": masked_loss}
-    return {"iterate_batches": make_iterate_batches(seed, skip=skip)}
+def batching(cfg: SFTConfig, plan: DomainPlan, seed: int, skip: int = 0) -> dict:
+    """The ``iterate_batches`` and ``loss`` keywords of mlx-lm's ``train`` / ``evaluate`` for a
+    domain's data: token records (whole episodes), and every kind when ``cfg.pack``, get our masked
+    (or packed) batches and the masked loss; the other kinds get mlx-lm's own batches (seeded,
+    resumable) and its default loss's target mask. The cross-entropy is computed the ``cfg.loss`` way."""
+    if plan.stats.get("format") == "tokens" or cfg.pack:
+        return {"iterate_batches": make_masked_iterate_batches(seed, skip=skip, pack=cfg.pack),
+                "loss": make_loss(cfg.loss, token_batches=True)}
+    return {"iterate_batches": make_iterate_batches(seed, skip=skip), "loss": make_loss(cfg.loss, token_batches=False)}
 
 
 class _Hook:
@@ -114,7 +116,7 @@ class _DomainRun:
         loss = evaluate(
             self.model, self.plan.valid_set, num_batches=self.cfg.val_batches,
             batch_size=val_batch_size(self.cfg.batch_size, len(self.plan.valid_set), dist.size()),
-            max_seq_length=self.cfg.max_seq_length, **batching(self.plan, self.seed),
+            max_seq_length=self.cfg.max_seq_length, **batching(self.cfg, self.plan, self.seed),
         )
         self.val_time += time.perf_counter() - tic
         return float(loss)
@@ -216,7 +218,7 @@ class _DomainRun:
                 with dist.watch(f"sft {self.plan.name} training"), mlx_lm_train_ui(f"sft {self.plan.name}"):
                     train(
                         model=self.model, optimizer=self.optimizer, train_dataset=self.plan.train_set, val_dataset=None,
-                        args=args, training_callback=hook, **batching(self.plan, self.seed, skip=start),
+                        args=args, training_callback=hook, **batching(cfg, self.plan, self.seed, skip=start),
                     )
                 train_wall = time.perf_counter() - tic
                 # mlx-lm's trainer saves its final weights here; the last checkpoint already has them
@@ -459,6 +461,16 @@ def run_sft(
         model, tokenizer, model_path = model_and_tokenizer
     else:
         model, tokenizer, model_path = load_model(model_cfg)
+    if cfg.pack:
+        try:
+            check_packable(model)
+        except ValueError as e:
+            raise UserError(f"{source or 'sft'}: {e}") from None
+    if cfg.loss == "chunked" and not chunked_is_exact(model):
+        print(f"[sft] {type(model).__module__}: the logits are not the LM head of the last hidden states "
+              "(scaled or capped after the head); sft.loss chunked would train another loss, using logits",
+              file=sys.stderr)
+        cfg = cfg.model_copy(update={"loss": "logits"})
     plans = plan_domains(cfg, model, tokenizer, run_data or {}, run_dir, source)
     results = {}
     for plan in plans:
