@@ -14,6 +14,7 @@ from mlx_ssp.rl.kernels import dispatch
 from mlx_ssp.rl.objectives import AGGREGATIONS
 from mlx_ssp.select import DISTANCES, POLICIES, SelectConfig
 from mlx_ssp.sft.config import SELECT_RULES, SFTConfig
+from mlx_ssp.sft.loss import CE_KINDS
 from mlx_ssp.tasks.config import DomainConfig
 from mlx_ssp.verify.extract import MODES
 
@@ -45,6 +46,7 @@ CASES = [
     (RLConfig, "kernels", {"auto", "reference", *dispatch.BACKENDS}),
     (SFTConfig, "optimizer", set(OPTIMIZERS)),
     (SFTConfig, "select", set(SELECT_RULES)),
+    (SFTConfig, "loss", set(CE_KINDS)),
     (DomainConfig, "answer_extraction", set(MODES)),
 ]
 

@@ -254,7 +254,7 @@ def test_chunked_loss_lowers_peak_memory_at_a_large_vocabulary():
 def test_config_keys_validated_and_old_fingerprints_kept():
     from mlx_ssp.sft.stage import fingerprint
 
-    with pytest.raises(ValueError, match="chunked, logits"):
+    with pytest.raises(ValueError, match="'chunked' or 'logits'"):
         SFTConfig(loss="fused")
     cfg = SFTConfig()
     assert cfg.loss == "chunked" and cfg.pack is False

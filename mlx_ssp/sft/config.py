@@ -90,7 +90,7 @@ class SFTConfig(StrictModel):
     grad_checkpoint: bool = False
     #: how the cross-entropy is computed (mlx_ssp.sft.loss.CE_KINDS): "chunked" (the log-prob op,
     #: logits one chunk of tokens at a time) or "logits" (mlx-lm's, the whole logits); same value
-    loss: str = "chunked"
+    loss: Literal[tuple(CE_KINDS)] = "chunked"
     #: pack each batch's records into as few rows as fit (a block-diagonal mask keeps them apart);
     #: the same records and loss per batch, less padding
     pack: bool = False
@@ -117,13 +117,6 @@ class SFTConfig(StrictModel):
             return {str(d): {} for d in v}
         if isinstance(v, dict):
             return {k: ({} if s is None else s) for k, s in v.items()}
-        return v
-
-    @field_validator("loss")
-    @classmethod
-    def _loss_kind(cls, v: str) -> str:
-        if v not in CE_KINDS:
-            raise ValueError(f"unknown loss {v!r}; choose from {', '.join(CE_KINDS)}")
         return v
 
     @model_validator(mode="after")
