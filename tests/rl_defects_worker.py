@@ -1,4 +1,4 @@
-"""A constructed RL batch with known ratios (issue 15, items 15 and 16), and a worker that logs its
+"""A constructed RL batch with known ratios, and a worker that logs its
 statistics: ``python tests/rl_defects_worker.py MODEL_DIR OUT.json [MICRO_BATCH]``, as one
 process or on each rank under ``mlx.launch -n 2``.
 

@@ -1,4 +1,4 @@
-"""Issue 17's model-free core: call parsing, the per-episode environment over BFCL's backends and the
+"""The model-free core of multi-turn episodes: call parsing, the per-episode environment over BFCL's backends and the
 multi-turn checker (mlx_ssp.agents.calls / backends / checker)."""
 
 from __future__ import annotations

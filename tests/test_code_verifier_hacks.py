@@ -1,6 +1,6 @@
 """The code verifier cannot be gamed: a wrong solution that exits early, patches its interpreter or
 forges the verdict scores 0; legitimate solutions (in-place, classes, generators, exceptions,
-every plain data type) still pass. Issue 15 item 2."""
+every plain data type) still pass."""
 
 from __future__ import annotations
 

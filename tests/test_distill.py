@@ -1,4 +1,4 @@
-"""Offline self-distillation (issue 19; VibeThinker-3B section 2.3): the bucket selection's properties,
+"""Offline self-distillation (VibeThinker-3B section 2.3): the bucket selection's properties,
 the learning-potential score against an independent computation, and the stage on a tiny model."""
 
 from __future__ import annotations

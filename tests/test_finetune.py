@@ -1,4 +1,4 @@
-"""The fine-tuning core shared by SFT and RL (issue 16): one LoRA config with each stage's
+"""The fine-tuning core shared by SFT and RL: one LoRA config with each stage's
 defaults, the step-seed rule, the checkpoint layout and the resume checks RL now makes too."""
 
 from __future__ import annotations

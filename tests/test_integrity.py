@@ -1,4 +1,4 @@
-"""Integrity of outputs (issue 15, items 8, 10, 11, 12 and the rollout pass@k label of 16):
+"""Integrity of outputs (and the rollout pass@k label):
 resume against changed tasks, concurrent runs and mixed provenance; one-line errors for a full
 disk, bad UTF-8 and YAML bombs; stale temporary siblings; output permissions."""
 

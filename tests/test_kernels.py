@@ -135,7 +135,7 @@ def test_bad_or_unavailable_mode_is_a_user_error(monkeypatch):
 
 
 def test_logprobs_chunk_dispatch_follows_kernels(monkeypatch):
-    """token_logprobs (issue 7) picks our selective_log_softmax exactly when a kernel would run."""
+    """token_logprobs picks our selective_log_softmax exactly when a kernel would run."""
     from mlx_ssp.rl import logprobs
 
     expected = K.selective_log_softmax if K.kernel_available() else selective_log_softmax_reference
@@ -452,7 +452,7 @@ def test_unsupported_inputs_fall_back_to_reference(monkeypatch):
 
 @pytest.fixture
 def mgpo():
-    return pytest.importorskip("mlx_ssp.rl.mgpo", reason="mlx_ssp.rl.mgpo (issue 7) not present yet")
+    return pytest.importorskip("mlx_ssp.rl.mgpo", reason="mlx_ssp.rl.mgpo not present")
 
 
 def _adv_cases():

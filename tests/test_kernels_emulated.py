@@ -293,7 +293,7 @@ def test_sls_kernel_source_extreme_rows(emu_backend):
 
 @pytest.fixture
 def mgpo():
-    return pytest.importorskip("mlx_ssp.rl.mgpo", reason="mlx_ssp.rl.mgpo (issue 7) not present yet")
+    return pytest.importorskip("mlx_ssp.rl.mgpo", reason="mlx_ssp.rl.mgpo not present")
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])

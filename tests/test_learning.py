@@ -1,4 +1,4 @@
-"""The learning regression test (issue 21): one round of the recipe on the smallest testbed must raise
+"""The learning regression test: one round of the recipe on the smallest testbed must raise
 held-out pass@1 by a margin that its seed-to-seed spread makes safe.
 
 The model is ``testbed:ci:0`` (pretrained from scratch by the conftest in a background process while

@@ -1,4 +1,4 @@
-"""merge safety: OUT_DIR never deletes or writes into an input (issue 15 item 1, item 10's `.`), and
+"""merge safety: OUT_DIR never deletes or writes into an input, and
 every tensor of every input is accounted for (item 9)."""
 
 from __future__ import annotations

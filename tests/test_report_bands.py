@@ -1,4 +1,4 @@
-"""``mlx_ssp report`` over several runs (issue 21): per-step means with a band across seeds."""
+"""``mlx_ssp report`` over several runs: per-step means with a band across seeds."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 15's RL defects (items 13-16), each pinned by a test that failed before the fix.
+"""RL defects found in review, each pinned by a test that failed before the fix.
 
 13: chunked log-probs of half-precision hidden states across several chunks (helper thread);
 14: a step skipped at inner update k > 0 leaves parameters, optimizer state and checkpoint as they were;

@@ -1,4 +1,4 @@
-"""The entropy bonus (``rl.entropy_coef``, issue 23): the chunked op's entropy gradient against
+"""The entropy bonus (``rl.entropy_coef``): the chunked op's entropy gradient against
 mx.grad of a naive unchunked entropy, the loss with the bonus against a naive full-logits formula,
 masked tokens carry none of it, coef 0 is the loss of before, and a loop step trains LoRA only."""
 

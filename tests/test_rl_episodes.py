@@ -1,4 +1,4 @@
-"""Multi-turn MGPO-GRPO (issue 18) on a tiny model: the trainer's rollouts are BFCL episodes, the
+"""Multi-turn MGPO-GRPO on a tiny model: the trainer's rollouts are BFCL episodes, the
 loss covers the model's tokens only (tool results and user turns are in the forward, never in the
 loss), one step changes the LoRA weights only, and lambda = 0 is plain GRPO on episode records.
 

@@ -1,4 +1,4 @@
-"""Issue 19's RL parts: Long2Short shaping (pure), the 0/1 prompt filter (pure + through the rollout
+"""The later RL phases: Long2Short shaping (pure), the 0/1 prompt filter (pure + through the rollout
 engine), sequential phases (config, resume, skip, eval rows) on a tiny float32 model."""
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def test_split_by_accuracy_removes_exactly_saturated_and_impossible():
 
 
 def test_new_keys_are_left_out_of_dumps_until_set():
-    """An rl: section that sets none of issue 19's keys dumps as before (its fingerprints hold)."""
+    """An rl: section that sets none of the later phases' keys dumps as before (its fingerprints hold)."""
     d = RLConfig().model_dump(mode="json")
     assert not {"long2short", "prompt_filter", "phases"} & set(d)
     c = load_section({"rl": {"long2short": {}, "prompt_filter": {"k": 4}}}, "rl")

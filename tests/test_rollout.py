@@ -97,7 +97,7 @@ def test_same_seed_same_samples_whatever_batch_size_or_order(qwen):
 
 
 def test_shared_prompt_prefix_draws_the_same_samples(qwen):
-    """The K samples of a prompt prefilled once (issue 23) draw the tokens they draw prefilled alone,
+    """The K samples of a prompt prefilled once draw the tokens they draw prefilled alone,
     with behaviour log-probs equal up to float32 rounding, and the saved prefill is counted."""
     model, tok = qwen
     tasks = make_tasks(4)

@@ -271,7 +271,7 @@ def test_the_bootstrap_loads_where_libc_has_no_prctl(monkeypatch):
     boot.prctl(boot.PR_SET_NO_NEW_PRIVS, 1)  # a no-op, not an AttributeError
 
 
-# -- issue 15 item 3: nothing outside the work dir can be changed, no socket is reachable ------------
+# -- nothing outside the work dir can be changed, no socket is reachable ------------
 
 def _view_enforced() -> bool:
     return bool(capabilities().get("filesystem_view"))
@@ -400,7 +400,7 @@ def test_no_unix_socket_is_reachable(open_dir):
                 os.unlink(p)
 
 
-# -- issue 15 item 4: the sandbox dies with its caller; leftovers are cleaned ------------------------
+# -- the sandbox dies with its caller; leftovers are cleaned ------------------------
 
 def _descendants(root: int) -> set[int]:
     parent = {}

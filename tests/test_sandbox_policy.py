@@ -1,4 +1,4 @@
-"""A task's metadata.sandbox is bounded by the operator's policy (issue 15 item 7): a task may lower
+"""A task's metadata.sandbox is bounded by the operator's policy: a task may lower
 any limit; raising one above the operator's ceiling, or turning the network on without the
 operator's permission, is refused before anything runs, naming the key."""
 

@@ -1,4 +1,4 @@
-"""Specialist SFT (issue 6) on a tiny float32 Qwen3: training through mlx-lm's trainer, checkpoint
+"""Specialist SFT on a tiny float32 Qwen3: training through mlx-lm's trainer, checkpoint
 choice by the recorded probe curve, fuse, resume, bad input. Most tests use a deterministic fake
 probe (a function of the adapter weights) so that they run in seconds and the curve is not flat;
 one test probes through the real rollout engine."""

@@ -1,4 +1,4 @@
-"""Curriculum SFT stage 2 (issue 19; VibeThinker-3B section 2.1.2): the hard-subset rule, and a
+"""Curriculum SFT stage 2 (VibeThinker-3B section 2.1.2): the hard-subset rule, and a
 specialist trained in two stages on a tiny float32 Qwen3 with the fake probe of test_sft."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Strategy-level distances (issue 20): identity 0, symmetry, a paraphrase of the same steps closer
+"""Strategy-level distances: identity 0, symmetry, a paraphrase of the same steps closer
 than a different method (the check that word n-grams failed), per domain, on hand-made examples."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _recs(texts):
 
 def test_auto_selection_keeps_the_other_method_not_the_paraphrase():
     """select with distance: auto on the motivating example: with room for two solutions, the method
-    and the other method are kept; n-grams keep the paraphrase instead (the defect issue 20 names)."""
+    and the other method are kept; n-grams keep the paraphrase instead (the defect strategy distances fix)."""
     from mlx_ssp.select import SelectConfig, select_prompt, strategy_kind
 
     texts = [MATH["method"], MATH["paraphrase"], MATH["other"]]

@@ -1,4 +1,4 @@
-"""The testbed's task family (issue 21): every strategy's trace is correct and the strategies differ,
+"""The testbed's task family: every strategy's trace is correct and the strategies differ,
 the verifier never evaluates model text, the source draws disjoint graded splits, and a build is
 deterministic from its seed (a few steps only: the real budget is a script's job)."""
 

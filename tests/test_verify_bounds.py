@@ -1,4 +1,4 @@
-"""Issue 15 items 5-6: every verifier bounds its work, and the pathological answers score as they should.
+"""Every verifier bounds its work, and the pathological answers score as they should.
 
 The bound is on the work, not the time (which depends on the machine's load): each case counts the
 steps the verifier's scans charge (:mod:`mlx_ssp.text.work`) and checks them against a few passes
