@@ -54,7 +54,7 @@ M = TypeVar("M", bound=BaseModel)
 SECTIONS: dict[str, str] = {
     "model": "mlx_ssp.models:ModelConfig",
     "teacher": "mlx_ssp.models:ModelConfig",
-    "tasks": "mlx_ssp.tasks:TasksConfig",
+    "tasks": "mlx_ssp.tasks.config:TasksConfig",
     "rollout": "mlx_ssp.rollout:RolloutConfig",
     "select": "mlx_ssp.select:SelectConfig",
     "eval": "mlx_ssp.eval:EvalConfig",

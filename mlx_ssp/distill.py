@@ -35,9 +35,16 @@ import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from mlx_ssp import trackers
-from mlx_ssp.config import StrictModel
+from mlx_ssp.config import StrictModel, validate
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import iter_jsonl_numbered, write_json_atomic, write_jsonl_atomic
+from mlx_ssp.models import load_model
+from mlx_ssp.rl.logprobs import model_token_logprobs
+from mlx_ssp.rl.loop import build_batch
+from mlx_ssp.rollout import RolloutConfig, run_rollouts
 from mlx_ssp.rollout.config import SamplingConfig
+from mlx_ssp.select import to_chat
+from mlx_ssp.sft import SFTConfig, run_sft
 
 DOMAIN = "distill"  # the SFT domain the student is trained as
 CORRECT_AT = 0.999  # a verified-correct trace (as mlx_ssp.verify.VerifyResult.correct)
@@ -71,7 +78,6 @@ class DistillConfig(StrictModel):
     @classmethod
     def _sft_keys(cls, v: dict[str, Any]) -> dict[str, Any]:
         # at load time, not after hours of collection and scoring (values are checked when SFT starts)
-        from mlx_ssp.sft import SFTConfig
 
         bad = sorted(set(v) - set(SFTConfig.model_fields))
         if bad:
@@ -150,8 +156,6 @@ def learning_potential(model, records: list[dict], *, batch_size: int = 8, chunk
     ``model``, batched (records sorted by length so a batch pads little; order restored)."""
     import mlx.core as mx
 
-    from mlx_ssp.rl.logprobs import model_token_logprobs
-    from mlx_ssp.rl.loop import build_batch
 
     was_training = getattr(model, "training", False)
     model.eval()
@@ -179,9 +183,6 @@ def collect(sources: dict[str, str], tasks_path: Path, cfg: DistillConfig, out_d
             progress: bool = True) -> list[dict]:
     """Verified-correct rollouts of every source (``name -> model path``), each tagged with its
     ``distill_source``; each source's rollouts are a resumable file under ``out_dir/collect/``."""
-    from mlx_ssp.io import iter_jsonl_numbered
-    from mlx_ssp.rollout import RolloutConfig, run_rollouts
-
     rcfg = RolloutConfig(k=cfg.k, sampling=cfg.sampling, batch_size=cfg.batch_size, seed=seed)
     kept = []
     for name, path in sources.items():
@@ -198,12 +199,6 @@ def run_distill(cfg: DistillConfig, *, sources: dict[str, str], student: str, ta
                 out_dir: Path, seed: int, sft_base: Optional[dict] = None, progress: bool = True) -> dict:
     """Collect, score, select, mix and train: returns the stage's report (``model``: the distilled
     student, or None when no trace survived)."""
-    from mlx_ssp.config import validate
-    from mlx_ssp.io import write_json_atomic, write_jsonl_atomic
-    from mlx_ssp.models import load_model
-    from mlx_ssp.select import to_chat
-    from mlx_ssp.sft import SFTConfig, run_sft
-
     out_dir.mkdir(parents=True, exist_ok=True)
     recs = collect(sources, tasks_path, cfg, out_dir, seed=seed, progress=progress)
     report: dict[str, Any] = {"sources": sources, "student": student, "correct": len(recs)}

@@ -6,12 +6,16 @@ import platform
 import sys
 import time
 
+from mlx_ssp import _blas
+from mlx_ssp.config import load_file, load_section
+from mlx_ssp.errors import UserError
+from mlx_ssp.models import _REPO_ID, DEMO_NAMES, resolve_model
+from mlx_ssp.rl import memory
+from mlx_ssp.rl.kernels.selfcheck import format_checks, selfcheck
 
 
 def blas_in_use() -> str:
     """The BLAS library mapped into this process (read from /proc/self/maps on Linux)."""
-    from mlx_ssp import _blas
-
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
     libs = set()
@@ -62,7 +66,6 @@ def report() -> tuple[list[tuple[str, str]], list[str]]:
 
     import mlx.core as mx
 
-    from mlx_ssp import _blas
 
     rows: list[tuple[str, str]] = []
     advice: list[str] = []
@@ -120,7 +123,6 @@ def kernel_check() -> tuple[list[str], bool]:
 
     import mlx.core as mx
 
-    from mlx_ssp.rl.kernels.selfcheck import format_checks, selfcheck
 
     be = backends()
     where = (f"{platform.system()} {platform.machine()}, mlx {md.version('mlx')}, default device {mx.default_device()}, "
@@ -157,8 +159,6 @@ def model_config_json(spec: str, revision: str | None = None) -> dict:
     import json
     from pathlib import Path
 
-    from mlx_ssp.errors import UserError
-    from mlx_ssp.models import _REPO_ID, DEMO_NAMES, resolve_model
 
     p = Path(str(spec)).expanduser()
     if p.is_dir() or spec in DEMO_NAMES or str(spec).startswith("testbed"):
@@ -183,10 +183,6 @@ def rl_memory(config_path, overrides=(), *, prompt_tokens: int = 256, device: st
     """(rows, advice) for a run file's rl: stage: the predicted MLX peak of one step
     (:func:`mlx_ssp.rl.memory.predict`; the largest over ``rl.phases``), its terms, and a warning
     when it exceeds this machine's memory."""
-    from mlx_ssp.config import load_file, load_section
-    from mlx_ssp.errors import UserError
-    from mlx_ssp.rl import memory
-
     data = load_file(config_path, overrides)
     source = str(config_path or "--set")
     rl = load_section(data, "rl", source=source)

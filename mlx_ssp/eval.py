@@ -18,10 +18,14 @@ from typing import Optional
 
 from pydantic import Field, model_validator
 
+from mlx_ssp import distributed as dist
+from mlx_ssp import trackers
 from mlx_ssp.config import StrictModel
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import write_json_atomic
+from mlx_ssp.models import ModelConfig, load_model
 from mlx_ssp.rollout import RolloutRequest, SamplingConfig, generate, stage_settings, summarize
-from mlx_ssp.tasks import Task
+from mlx_ssp.tasks import Task, load_tasks
 
 
 class EvalConfig(StrictModel):
@@ -92,18 +96,12 @@ def evaluate(model, tokenizer, tasks: list[Task], *, k: int, n: Optional[int] = 
 
 def run_eval(model_spec, tasks_path, cfg: EvalConfig, out: str | Path, *, progress: bool = True) -> dict:
     """Load tasks (errors first), then the model, evaluate, write ``out`` atomically."""
-    from mlx_ssp.io import write_json_atomic
-    from mlx_ssp.models import ModelConfig, load_model
-    from mlx_ssp.tasks import load_tasks
-
     tasks = load_tasks(tasks_path)
     mcfg = model_spec if isinstance(model_spec, ModelConfig) else ModelConfig(path=str(model_spec))
     model, tokenizer, path = load_model(mcfg)
     result = evaluate(model, tokenizer, tasks, k=cfg.k, n=cfg.n, greedy=cfg.greedy, model_name=str(path),
                       progress=progress, **stage_settings(cfg))
     result["tasks_file"] = str(tasks_path)
-    from mlx_ssp import distributed as dist
-    from mlx_ssp import trackers
 
     if dist.is_main():  # the ranks sampled their shares; rank 0 writes
         write_json_atomic(out, result)

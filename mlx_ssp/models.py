@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from mlx_ssp.config import StrictModel
+from mlx_ssp.demo import ensure_demo_model
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import read_json
+from mlx_ssp.testbed.build import ensure_testbed
 
 DEMO_NAMES = ("demo",)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -70,11 +72,8 @@ def resolve_model(spec: str, revision: str | None = None) -> Path:
         raise UserError("empty model spec; give a directory, a Hugging Face repo id, 'demo' or 'testbed[:SIZE[:SEED]]'")
     kind = _spec_kind(spec)
     if kind == "demo":
-        from mlx_ssp.demo import ensure_demo_model
-
         return ensure_demo_model()
     if kind == "testbed":  # the testbed: pretrained here, cached
-        from mlx_ssp.testbed.build import ensure_testbed
 
         return ensure_testbed(spec)
     if kind == "path":
@@ -86,8 +85,8 @@ def resolve_model(spec: str, revision: str | None = None) -> Path:
 
 def _download(repo_id: str, revision: str | None) -> Path:
     try:
-        from huggingface_hub import snapshot_download
         from huggingface_hub import errors as hf_errors
+        from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover - a declared dependency
         raise UserError("huggingface_hub is not installed; pip install huggingface-hub") from None
     patterns = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]

@@ -54,13 +54,34 @@ from typing import Any, Callable, Iterator, Optional
 
 import yaml
 
+from mlx_ssp import distributed as dist
 from mlx_ssp import trackers
+from mlx_ssp.agents.episode import is_episode
 from mlx_ssp.card import add_eval_table
-from mlx_ssp.config import digest, load_section, plain
+from mlx_ssp.config import digest, load_section, plain, validate
+from mlx_ssp.distill import read_report, run_distill
 from mlx_ssp.errors import UserError
+from mlx_ssp.eval import evaluate
+from mlx_ssp.finetune.fuse import fuse_and_save
 from mlx_ssp.hub import require_token, upload_model
-from mlx_ssp.io import JsonlAppender, exclusive_lock, output_lock, write_json_atomic, write_text_atomic
-from mlx_ssp.stage_config import section_seed, with_seed
+from mlx_ssp.io import (
+    JsonlAppender,
+    exclusive_lock,
+    output_lock,
+    write_json_atomic,
+    write_jsonl_atomic,
+    write_text_atomic,
+)
+from mlx_ssp.merge.engine import merge_models
+from mlx_ssp.models import ModelConfig, load_model, load_tokenizer, resolve_model
+from mlx_ssp.rl.phases import phase_dir, phase_models, rl_card, run_phases, train_one
+from mlx_ssp.rollout import run_rollouts
+from mlx_ssp.rollout.endpoint import is_endpoint, teacher_section
+from mlx_ssp.select import gold_records, run_select, safe_dirname
+from mlx_ssp.sft import SFTConfig, run_sft
+from mlx_ssp.stage_config import load_stage, section_seed, with_seed
+from mlx_ssp.tasks import load_tasks, write_tasks
+from mlx_ssp.tasks.build import build_split
 
 STATE_FILE = "_stage.json"
 #: the run's own state file, written when a run starts (every version wrote it): a directory with it is a run
@@ -163,8 +184,6 @@ def read_state(run: Run, stage: str) -> dict:
 
 
 def write_state(run: Run, stage: str, state: dict) -> None:
-    from mlx_ssp import distributed as dist
-
     if dist.is_main():  # one writer under mlx.launch: the other ranks follow rank 0's plan
         write_json_atomic(run.stage_dir(stage) / STATE_FILE, state)
 
@@ -184,8 +203,6 @@ def move_stale(run: Run, stage: str) -> Optional[Path]:
 
 
 def stage_tasks(run: Run) -> dict:
-    from mlx_ssp.tasks import build_split, write_tasks
-
     cfg = run.section("tasks")
     out = {}
     for split in ("train", "probe", "eval"):
@@ -199,9 +216,6 @@ def stage_tasks(run: Run) -> dict:
 
 
 def stage_rollout(run: Run) -> dict:
-    from mlx_ssp.rollout import run_rollouts
-    from mlx_ssp.rollout.endpoint import is_endpoint
-
     cfg = with_seed(run.section("rollout"), run.seed)
     teacher = run.section("teacher") or run.section("model")
     if is_endpoint(teacher) and teacher.tokenizer is None:  # token ids in the student's tokens (rollout.endpoint)
@@ -213,15 +227,10 @@ def stage_rollout(run: Run) -> dict:
 
 
 def stage_select(run: Run) -> dict:
-    from mlx_ssp.select import gold_records, run_select
-
     cfg = run.section("select")
     teacher = run.section("teacher")
     gold = None
     if teacher is not None or cfg.gold:  # only episode runs need the tasks and the tokenizers here
-        from mlx_ssp.agents.episode import is_episode
-        from mlx_ssp.models import load_tokenizer
-        from mlx_ssp.tasks import load_tasks
 
         train = load_tasks(run.tasks_path("train"))
         student = load_tokenizer(run.section("model").path)
@@ -240,9 +249,6 @@ def stage_select(run: Run) -> dict:
 
 def sft_config(run: Run):
     """The sft section with the run's defaults filled in: every task domain, its probe split."""
-    from mlx_ssp.select import safe_dirname
-    from mlx_ssp.sft import SFTConfig
-
     raw = dict(run.data.get("sft") or {})
     domains = raw.get("domains") or run.domains
     if isinstance(domains, (list, tuple)):
@@ -262,14 +268,11 @@ def sft_config(run: Run):
     raw.setdefault("out_dir", str(run.stage_dir("sft")))
     if isinstance(raw.get("curriculum"), dict):  # stage 2's reference: the teacher's K rollouts of this run
         raw["curriculum"] = {"reference": str(run.stage_dir("rollout") / "rollouts.jsonl"), **raw["curriculum"]}
-    from mlx_ssp.config import validate
 
     return validate(SFTConfig, raw, source=run.source, prefix="sft")
 
 
 def stage_sft(run: Run) -> dict:
-    from mlx_ssp.sft import run_sft
-
     cfg = sft_config(run)
     # only domains that got SFT data: a domain with no correct rollout has nothing to learn from
     missing = [d for d, s in cfg.domains.items() if not (Path(s.data) / "train.jsonl").exists()]
@@ -290,8 +293,6 @@ def stage_sft(run: Run) -> dict:
 
 
 def _write_blend(cfg, out: Path) -> None:
-    from mlx_ssp.io import write_jsonl_atomic
-
     for part in ("train", "valid"):
         rows = []
         for d, spec in cfg.domains.items():
@@ -303,9 +304,6 @@ def _write_blend(cfg, out: Path) -> None:
 
 
 def stage_merge(run: Run) -> dict:
-    from mlx_ssp.merge.engine import merge_models
-    from mlx_ssp.models import resolve_model
-
     specialists = run.specialists()
     base = resolve_model(run.section("model").path)
     out = run.stage_dir("merge") / "model"
@@ -321,11 +319,6 @@ def stage_rl(run: Run) -> dict:
     adapters into ``rl/model`` so that eval and later users load one plain model directory.
     With ``rl.phases``: the phases in order (:func:`mlx_ssp.rl.phases.run_phases`), each fused into
     ``rl/phases/<name>/model``; finished phases are not rerun."""
-    from mlx_ssp.models import ModelConfig
-    from mlx_ssp.rl.phases import rl_card, run_phases, train_one
-    from mlx_ssp.finetune.fuse import fuse_and_save
-    from mlx_ssp.tasks import load_tasks
-
     cfg = run.section("rl")
     seed = section_seed(cfg, run.seed)
     tasks = load_tasks(cfg.tasks) if cfg.tasks else load_tasks(run.tasks_path("train"))
@@ -358,15 +351,11 @@ def stage_rl(run: Run) -> dict:
 def eval_models(run: Run) -> dict[str, str]:
     """Every model the loop produced, in table order: base, specialists, the blend (if trained), merged,
     RL (with ``rl.phases``: one row ``rl:<phase>`` per phase, in phase order)."""
-    from mlx_ssp.models import resolve_model
-
     return {"base": str(resolve_model(run.section("model").path)), **run_models(run)}
 
 
 def run_models(run: Run) -> dict[str, str]:
     """The models this run wrote, in table order (:func:`eval_models` without the base)."""
-    from mlx_ssp.distill import read_report
-
     models = {}
     for d, p in run.specialists().items():
         models[f"specialist:{d}"] = str(p)
@@ -382,8 +371,6 @@ def run_models(run: Run) -> dict[str, str]:
 
 def rl_models(run: Run) -> dict[str, str]:
     """The kept RL checkpoints, fused, in order: ``rl:<phase>`` per phase, or the one ``rl`` model."""
-    from mlx_ssp.rl.phases import phase_models
-
     rl_cfg = run.section("rl")
     if rl_cfg.phases:
         return {f"rl:{name}": p for name, p in phase_models(run.stage_dir("rl"), rl_cfg).items()}
@@ -396,8 +383,6 @@ def stage_distill(run: Run) -> dict:
     tasks, score the correct traces under the student (default: the final RL model), select per
     domain and length bucket, and SFT the student on them (the sft: section's settings, with
     ``distill.sft`` on top)."""
-    from mlx_ssp.distill import run_distill
-
     cfg = run.section("distill")
     sources = {f"src{i}": s for i, s in enumerate(cfg.sources)} if cfg.sources else rl_models(run)
     if not sources:
@@ -412,10 +397,6 @@ def stage_distill(run: Run) -> dict:
 
 
 def stage_eval(run: Run) -> dict:
-    from mlx_ssp.eval import evaluate
-    from mlx_ssp.models import load_model
-    from mlx_ssp.tasks import load_tasks
-
     cfg = run.section("eval")
     seed = section_seed(cfg, run.seed)
     tasks = load_tasks(run.tasks_path("eval"))
@@ -451,8 +432,6 @@ def stage_eval(run: Run) -> dict:
 def add_table_to_cards(run: Run, table_md: str) -> None:
     """Put the held-out table into the card of every model this run wrote (never the base's, nor a
     directory outside the run). Under mlx.launch rank 0 alone writes them (the ranks are one run)."""
-    from mlx_ssp import distributed as dist
-
     if not dist.is_main():
         return
     root = run.run_dir.resolve()
@@ -466,9 +445,6 @@ def add_table_to_cards(run: Run, table_md: str) -> None:
 def final_model(run: Run) -> str:
     """The run's final model: the distilled student with a ``distill:`` section, else the RL model (with
     ``rl.phases``, the last phase's); a one-line UserError when it is not there."""
-    from mlx_ssp.distill import read_report
-    from mlx_ssp.rl.phases import phase_dir
-
     if run.data.get("distill") is not None:
         path = (read_report(run.stage_dir("distill")) or {}).get("model")
         what = "the distilled student"
@@ -484,8 +460,6 @@ def final_model(run: Run) -> str:
 def upload_final(run: Run, upload, echo: Callable[[str], None]) -> Optional[str]:
     """Upload :func:`final_model` as ``upload.repo`` says; its URL (None: no upload asked, or not rank 0:
     under mlx.launch the ranks are one run, and one upload)."""
-    from mlx_ssp import distributed as dist
-
     if upload is None or upload.repo is None or not dist.is_main():
         return None
     path = final_model(run)
@@ -605,8 +579,6 @@ def _resolved(name: str) -> Callable[[Run], Any]:
 
 def _check_teacher(run: Run) -> Any:
     """A local model or, with an ``endpoint`` key, a server (mlx_ssp.rollout.endpoint); cached for run.section."""
-    from mlx_ssp.rollout.endpoint import teacher_section
-
     run.sections["teacher"] = teacher_section(run.data, run.source)
     return run.sections["teacher"]
 
@@ -649,8 +621,6 @@ assert all(s in SECTIONS for st in STAGE_REGISTRY.values() for s in st.sections)
 def load_run(config_path: str | Path, overrides: tuple[str, ...] = (), progress: bool = True) -> Run:
     """Read and validate the whole run file up front (every section), so a typo in the last stage's
     section fails before the first stage runs."""
-    from mlx_ssp.stage_config import load_stage
-
     st = load_stage(config_path, overrides, with_model=False)  # no section: the seed is the top-level one
     run = Run(run_dir=st.run_dir, data=st.data, source=st.source, seed=st.seed, progress=progress,
               report_to=st.report_to)
@@ -718,8 +688,6 @@ def prepare_run_dir(run: Run) -> dict:
     """Check the run directory (:func:`check_run_dir`) and write config.resolved.yaml; the resolved
     config. Under mlx.launch rank 0 alone does both and a refusal reaches every rank as one line: a
     rank checking while rank 0 writes the marker would see a directory that holds a file but no run."""
-    from mlx_ssp import distributed as dist
-
     error = None
     if dist.is_main():
         try:
@@ -806,8 +774,6 @@ def lock_run(run: Run) -> Iterator[None]:
     holder's pid. Different files from the locks the stages take inside (``rollout/.rollouts.jsonl.lock``),
     so the driver never waits on itself. Under mlx.launch rank 0 alone holds them (the other ranks
     are the same run)."""
-    from mlx_ssp import distributed as dist
-
     if not dist.is_main():
         yield
         return
@@ -844,8 +810,6 @@ def run_stages(run: Run, *, from_stage: Optional[str], only: Optional[str], echo
     Under mlx.launch rank 0 plans and keeps the books (state records, the run's metrics.jsonl, stale
     outputs moved aside) and every rank follows its plan: a rank reading the state rank 0 is writing
     would plan otherwise, and one moving outputs aside would move rank 0's."""
-    from mlx_ssp import distributed as dist
-
     previous = ""
     invalidated = False  # a stage ran: every stage after it must run too
     results: dict[str, dict] = {}
@@ -879,8 +843,6 @@ def run_stages(run: Run, *, from_stage: Optional[str], only: Optional[str], echo
 def act_on_stage(run: Run, stage: str, action: str, why: str, fp: str, log: JsonlAppender,
                  echo: Callable[[str], None]) -> dict:
     """Run, resume or rerun one stage (a rerun first moves the stale outputs aside); its metrics."""
-    from mlx_ssp import distributed as dist
-
     if action == "rerun":
         moved = move_stale(run, stage) if dist.is_main() else None
         dist.barrier(f"stale outputs of {stage} moved")  # before any rank writes the stage's new ones

@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import atomic_path, write_text_atomic
+from mlx_ssp.pipeline import STAGES, STATE_FILE, format_eval_table
+from mlx_ssp.plots import _pyplot
 
 #: RL metric keys we plot, with the aliases a metrics row may use for them
 RL_SERIES = {
@@ -50,8 +52,6 @@ def _read_jsonl(p: Path) -> list[dict]:
 
 
 def _plt():
-    from mlx_ssp.plots import _pyplot
-
     return _pyplot()
 
 
@@ -230,8 +230,6 @@ def _f(x, digits: int = 3) -> str:
 
 
 def _stage_states(run_dir: Path) -> dict[str, dict]:
-    from mlx_ssp.pipeline import STAGES, STATE_FILE
-
     return {s: _read_json(run_dir / s / STATE_FILE) or {} for s in STAGES}
 
 
@@ -246,8 +244,6 @@ def stages_md(run_dir: Path, out: Path) -> list[str]:
 
 def eval_md(run_dir: Path, out: Path) -> list[str]:
     """The held-out table of eval/table.json and its pass@k figure."""
-    from mlx_ssp.pipeline import format_eval_table
-
     table = _read_json(run_dir / "eval" / "table.json")
     md = ["## Held-out evaluation", ""]
     if not table:

@@ -19,7 +19,7 @@ from typing import Any, Optional, get_type_hints
 
 from pydantic import Field, ValidationError, create_model, model_validator
 
-from mlx_ssp.config import StrictModel
+from mlx_ssp.config import StrictModel, load_section
 
 
 def _switch(default: bool, *, policy: bool) -> Any:
@@ -117,7 +117,6 @@ def install_from_config(data: dict, source: str) -> None:
     section bounds them all, also when ``mlx_ssp run`` resumes past the rollout stage."""
     if data.get("sandbox") is None:
         return
-    from mlx_ssp.config import load_section
 
     set_policy(load_section(data, "sandbox", source=source))
 

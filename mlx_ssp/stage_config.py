@@ -28,14 +28,17 @@ The rules, one each:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import sys
-
+from mlx_ssp import distributed as dist
+from mlx_ssp.config import load_file, load_section
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import check_output_path
+from mlx_ssp.sandbox_policy import install_from_config
+from mlx_ssp.trackers import parse_report_to
 
 
 @dataclass(frozen=True)
@@ -131,11 +134,6 @@ def load_stage(
     process-wide setup and validate ``section`` (class ``cls``, default its registered one) and,
     when ``with_model``, the ``model:`` section. ``flags`` (even empty) marks a command with flags:
     with no file, errors name ``flags`` instead of ``--set``."""
-    from mlx_ssp import distributed as dist
-    from mlx_ssp.config import load_file, load_section
-    from mlx_ssp.sandbox_policy import install_from_config
-    from mlx_ssp.trackers import parse_report_to
-
     data = _apply_model_and_flags(load_file(config_path, overrides), section, flags, model)
     source = str(config_path) if config_path else ("flags" if flags is not None else "--set")
     report_to = parse_report_to(data.get("report_to"), source)

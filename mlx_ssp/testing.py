@@ -164,7 +164,7 @@ def make_tiny_agent_model(out_dir: str | Path, n_tasks: int = 80) -> Path:
     and gold conversations, so an episode prompt is ~650 tokens instead of ~4k: for agents tests and
     ``--tiny`` experiments (needs ``bfcl-eval``)."""
     from mlx_ssp.agents.gold import gold_messages
-    from mlx_ssp.tasks import export_source
+    from mlx_ssp.tasks.build import export_source
 
     corpus = []
     for t in export_source("bfcl_multi_turn:base", params={"tools": "used"})[:n_tasks]:

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from mlx_ssp import distributed as dist
 from mlx_ssp.config import plain
 from mlx_ssp.errors import UserError
 
@@ -331,7 +332,6 @@ def session(report_to: Iterable[str], *, dir: str | Path, project: str, command:
     ``<command>-<date>-<time>``); ``scope_name``: the block's namespace (a stage command's stage)."""
     global _active
     # lazy: it imports mlx.core, and every stage command imports this module for --report-to's choices
-    from mlx_ssp import distributed as dist
 
     adapters = [TRACKERS[n] for n in report_to]
     if not adapters:

@@ -81,8 +81,7 @@ def forward_ceiling(model, history: int = 1000, delta: int = 64, batches=(1, 16)
     size (ms per call and per row), and the cost of one float32 exp (MLX's CPU exp dominates
     attention's softmax on small models). Batched/alone per-row ratios bound the engine's gain."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.models.cache import BatchKVCache
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
     def timed(fn, n=10):
         mx.eval(fn())
@@ -122,7 +121,7 @@ def forward_ceiling(model, history: int = 1000, delta: int = 64, batches=(1, 16)
 
 def episode_tasks(backend: str, turns: int, n: int, tools: str):
     from mlx_ssp.agents.calls import parse_ground_truth
-    from mlx_ssp.tasks import export_source
+    from mlx_ssp.tasks.build import export_source
 
     ts = [t for t in export_source("bfcl_multi_turn:base", params={"backend": backend})
           if len(t.metadata["episode"]["ground_truth"]) == turns][:n]

@@ -17,11 +17,12 @@ import json
 import statistics
 from collections import defaultdict
 
-import mlx_ssp  # noqa: F401
 from mlx_lm.utils import load_tokenizer
 
+import mlx_ssp  # noqa: F401
 from mlx_ssp.demo import ensure_demo_model
-from mlx_ssp.tasks import export_source, render_prompt
+from mlx_ssp.tasks import render_prompt
+from mlx_ssp.tasks.build import export_source
 
 
 def lengths(tok, tools: str, render: str, describe: int) -> dict[str, list[int]]:

@@ -43,7 +43,7 @@ IDS = ("multi_turn_base_0", "multi_turn_base_1", "multi_turn_base_2", "multi_tur
 
 
 def episode_tasks(n: int):
-    from mlx_ssp.tasks import export_source
+    from mlx_ssp.tasks.build import export_source
 
     ts = [t for t in export_source("bfcl_multi_turn:base") if t.metadata["bfcl_id"] in IDS[:n]]
     for t in ts:
@@ -55,8 +55,8 @@ def episode_tasks(n: int):
 def instrumented(group_size: int, reuse_cache: bool):
     """Scripted policy, timers around tool execution and verification, and the cache switch."""
     from mlx_ssp.agents import engine
-    from mlx_ssp.agents.environment import Environment
     from mlx_ssp.agents.calls import parse_ground_truth
+    from mlx_ssp.agents.environment import Environment
     from mlx_ssp.agents.episode import Episode
     from mlx_ssp.rollout import scoring
 

@@ -88,10 +88,10 @@ def _result(stamps: _Stamps, tokens_per_step: int) -> dict:
 def child_ours(a: dict) -> dict:
     import types
 
-    import mlx_ssp  # noqa: F401  (OpenBLAS first)
     from mlx_lm import load
     from mlx_lm.tuner.trainer import TrainingArgs, train
 
+    import mlx_ssp  # noqa: F401  (OpenBLAS first)
     from mlx_ssp.finetune.lora import attach_lora
     from mlx_ssp.sft import SFTConfig
     from mlx_ssp.sft.data import load_sft_file
@@ -118,11 +118,11 @@ def child_mlx_lm(a: dict) -> dict:
     import types
 
     import numpy as np
-
-    import mlx_ssp  # noqa: F401  (OpenBLAS first)
     from mlx_lm import load
     from mlx_lm.lora import CONFIG_DEFAULTS, train_model
     from mlx_lm.tuner.datasets import load_dataset
+
+    import mlx_ssp  # noqa: F401  (OpenBLAS first)
 
     args = dict(CONFIG_DEFAULTS)
     args.update(model=a["model"], train=True, data=a["data"], seed=0, num_layers=a["num_layers"], batch_size=a["batch"],
@@ -181,7 +181,7 @@ def quickstart_data(out: Path, n: int = 4) -> Path:
     """Chat records from configs/quickstart.yaml's train tasks: the task prompt and a short worked
     answer ending in the ``Answer:`` line the instruction asks for (like the correct samples the
     quickstart's select stage keeps, max 32 new tokens)."""
-    from mlx_ssp.tasks import build_split
+    from mlx_ssp.tasks.build import build_split
     from mlx_ssp.tasks.export import load_tasks_section
 
     tasks = build_split(load_tasks_section(str(ROOT / "configs" / "quickstart.yaml"), ()), "train")[:n]

@@ -17,15 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
-import platform
 import sys
 import time
 from pathlib import Path
 
 import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core, like every entry point)
-from mlx_ssp.tasks import export_source
+from mlx_ssp.tasks.build import export_source
 from mlx_ssp.verify import verify, verify_many
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ def main(model, per_backend, k, max_tokens, tools, max_steps, render, seed):
     from mlx_ssp.rollout.config import SamplingConfig
     from mlx_ssp.rollout.engine import generate
     from mlx_ssp.rollout.request import RolloutRequest
-    from mlx_ssp.tasks import export_source
+    from mlx_ssp.tasks.build import export_source
 
     tasks = []
     for b in BACKENDS:

@@ -16,7 +16,8 @@ from mlx_ssp.agents.episode import Deltas, Episode
 from mlx_ssp.cli import main
 from mlx_ssp.rollout.config import SamplingConfig
 from mlx_ssp.rollout.request import RolloutRequest
-from mlx_ssp.tasks import export_source, write_tasks
+from mlx_ssp.tasks import write_tasks
+from mlx_ssp.tasks.build import export_source
 from mlx_ssp.verify import verify
 
 IDS = ("multi_turn_base_0", "multi_turn_base_1", "multi_turn_base_180")  # file system x2, irrelevance turn
@@ -146,8 +147,8 @@ def test_partial_reward_is_selectable(tasks):
     res = verify(msgs, t)
     assert res.reward == res.extra["partial"] == 0.0
     t.metadata["episode"]["reward"] = "best"
-    from mlx_ssp.tasks import check_tasks
     from mlx_ssp.errors import UserError
+    from mlx_ssp.tasks import check_tasks
 
     with pytest.raises(UserError, match="accuracy, partial"):
         check_tasks([t])
@@ -243,7 +244,7 @@ def test_select_counts_distinct_call_sequences_not_wording(tasks):
 
 
 def test_eval_reports_pass_at_k_per_backend(tmp_path, tiny_qwen3, scripted):
-    from mlx_ssp.tasks import export_source as export
+    from mlx_ssp.tasks.build import export_source as export
 
     ts = [t for t in export("bfcl_multi_turn:base") if t.metadata["bfcl_id"] in ("multi_turn_base_1", "multi_turn_base_100")]
     for t in ts:

@@ -101,7 +101,8 @@ def test_episode_select_refuses_a_teacher_with_another_tokenizer(tmp_path, tiny_
     model's would train the student on another vocabulary, so the select stage stops, naming why."""
     from mlx_ssp.errors import UserError
     from mlx_ssp.models import ModelConfig
-    from mlx_ssp.tasks import export_source, write_tasks
+    from mlx_ssp.tasks import write_tasks
+    from mlx_ssp.tasks.build import export_source
 
     run = pipeline.Run(run_dir=tmp_path, data={"teacher": {"path": str(tiny_qwen3)}}, source="agents.yaml", seed=0)
     run.sections.update(model=ModelConfig(path=str(tiny_agent_model)), teacher=ModelConfig(path=str(tiny_qwen3)))

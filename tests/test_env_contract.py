@@ -9,20 +9,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import mlx_ssp  # noqa: F401
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from mlx.utils import tree_flatten
 
-from mlx_ssp.agents.environment import Environment, class_world
+import mlx_ssp  # noqa: F401
 from mlx_ssp.agents.calls import Call, parse_ground_truth
 from mlx_ssp.agents.env import load_class, resolve_ref, tool_schemas
+from mlx_ssp.agents.environment import Environment, class_world
 from mlx_ssp.agents.episode import Episode
 from mlx_ssp.agents.gold import gold_messages
 from mlx_ssp.cli import main
 from mlx_ssp.errors import UserError
-from mlx_ssp.tasks import export_source
+from mlx_ssp.tasks.build import export_source
 from mlx_ssp.verify import verify
 
 ENV = '''

@@ -10,7 +10,9 @@ import pytest
 from mlx_ssp.errors import UserError
 from mlx_ssp.rollout import RolloutConfig
 from mlx_ssp.rollout.stage import run_rollouts
-from mlx_ssp.tasks import TasksConfig, build_split, load_tasks, write_tasks
+from mlx_ssp.tasks import load_tasks, write_tasks
+from mlx_ssp.tasks.build import build_split
+from mlx_ssp.tasks.config import TasksConfig
 from mlx_ssp.tasks.file_sources import IMPORTED
 
 

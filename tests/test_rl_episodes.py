@@ -9,20 +9,20 @@ non-zero advantages."""
 
 from __future__ import annotations
 
-import mlx_ssp  # noqa: F401
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+import mlx_ssp  # noqa: F401
 from mlx_ssp.agents.calls import parse_ground_truth
 from mlx_ssp.agents.episode import Episode
 from mlx_ssp.models import load_model
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.loop import Trainer, build_batch, make_loss, setup_model, train
 from mlx_ssp.rl.loss import policy_loss
-from mlx_ssp.tasks import export_source
+from mlx_ssp.tasks.build import export_source
 
 IDS = ("multi_turn_base_0", "multi_turn_base_1")
 

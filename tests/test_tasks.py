@@ -10,7 +10,9 @@ from click.testing import CliRunner
 from mlx_ssp.cli import main
 from mlx_ssp.config import load_section
 from mlx_ssp.errors import UserError
-from mlx_ssp.tasks import TasksConfig, build_split, export_source, load_tasks, render_prompt
+from mlx_ssp.tasks import load_tasks, render_prompt
+from mlx_ssp.tasks.build import build_split, export_source
+from mlx_ssp.tasks.config import TasksConfig
 
 ADD = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+"]}
 
@@ -101,7 +103,7 @@ def test_config_errors_name_the_key(shared_data):
 
 
 def test_jsonl_mapping_and_hf_local(tmp_path):
-    from mlx_ssp.tasks import export_source
+    from mlx_ssp.tasks.build import export_source
 
     rows = [{"q": f"What is {i} + {i}?", "sol": f"Double it. #### {2 * i}", "level": i % 3} for i in range(12)]
     p = tmp_path / "mine.jsonl"
@@ -133,7 +135,7 @@ class _PlainTemplateTokenizer:
 def test_render_prompt_with_tools_and_chat_template(shared_data):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlx_ssp.tasks import export_source
+    from mlx_ssp.tasks.build import export_source
 
     t = export_source("bfcl:simple", size=1)[0]
     real = load_tokenizer(shared_data / "tokenizers" / "qwen3")  # the real Qwen3 template (tools)

@@ -12,9 +12,10 @@ from click.testing import CliRunner
 from mlx_ssp.cli import main
 from mlx_ssp.config import load_section
 from mlx_ssp.errors import UserError
-from mlx_ssp.tasks import build_split, export_source, file_sources, load_tasks
-from mlx_ssp.tasks.item import BUILDER_KEYS
+from mlx_ssp.tasks import file_sources, load_tasks
+from mlx_ssp.tasks.build import build_split, export_source
 from mlx_ssp.tasks.file_sources import MAX_EXTRA_COLUMN_BYTES, load_jsonl
+from mlx_ssp.tasks.item import BUILDER_KEYS
 from mlx_ssp.verify import verify
 
 

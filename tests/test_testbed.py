@@ -47,7 +47,8 @@ def test_countdown_answers_are_parsed_never_evaluated(tmp_path):
 
 def test_source_splits_are_disjoint_graded_and_verified():
     from mlx_ssp.config import validate
-    from mlx_ssp.tasks import TasksConfig, build_split
+    from mlx_ssp.tasks.build import build_split
+    from mlx_ssp.tasks.config import TasksConfig
     from mlx_ssp.verify import verify
 
     cfg = validate(TasksConfig, {"seed": 5, "domains": {"s": {"source": "testbed:sum", "params": {"levels": [2, 4]},

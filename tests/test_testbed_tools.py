@@ -20,7 +20,8 @@ from mlx_ssp.agents.environment import Environment, class_world
 from mlx_ssp.agents.gold import gold_messages
 from mlx_ssp.config import validate
 from mlx_ssp.errors import UserError
-from mlx_ssp.tasks import TasksConfig, build_split, export_source
+from mlx_ssp.tasks.build import build_split, export_source
+from mlx_ssp.tasks.config import TasksConfig
 from mlx_ssp.testbed.tools import episodes as E
 from mlx_ssp.testbed.tools.envs import CLASSES
 from mlx_ssp.testbed.tools.source import split_episodes

@@ -6,7 +6,9 @@ import pytest
 
 from mlx_ssp.config import validate
 from mlx_ssp.errors import UserError
-from mlx_ssp.tasks import Task, TasksConfig, build_split, check_tasks, export_source
+from mlx_ssp.tasks import Task, check_tasks
+from mlx_ssp.tasks.build import build_split, export_source
+from mlx_ssp.tasks.config import TasksConfig
 from mlx_ssp.verify import verify
 from mlx_ssp.verify.instruct import CONSTRAINTS, check_all, parse_constraints
 

@@ -37,7 +37,7 @@ def test_extraction(text, mode, want):
 
 
 def test_gsm8k_all_references_score_one_in_several_writings(shared_data):
-    from mlx_ssp.tasks import export_source
+    from mlx_ssp.tasks.build import export_source
 
     tasks = export_source(f"gsm8k:{shared_data / 'gsm8k' / 'test.jsonl'}", answer_extraction="lenient")
     assert len(tasks) == 1319

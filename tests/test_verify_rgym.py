@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_ssp.tasks import export_source, load_tasks, write_tasks
+from mlx_ssp.tasks import load_tasks, write_tasks
+from mlx_ssp.tasks.build import export_source
 from mlx_ssp.verify import verify
 
 PARAMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"]}

@@ -62,7 +62,7 @@ def _corrupt(v):
 
 @pytest.mark.parametrize("category", ["simple", "multiple", "parallel"])
 def test_bfcl_possible_answers_score_one_and_a_wrong_argument_zero(category):
-    from mlx_ssp.tasks import export_source
+    from mlx_ssp.tasks.build import export_source
 
     tasks = export_source(f"bfcl:{category}")
     assert len(tasks) >= 190

@@ -7,6 +7,7 @@ from __future__ import annotations
 import click
 
 from mlx_ssp.commands.options import set_option
+from mlx_ssp.doctor import kernel_check, report, rl_memory
 from mlx_ssp.errors import UserError
 
 
@@ -25,8 +26,6 @@ def cli(config_path, prompt_tokens, kernels, overrides) -> None:
     missing. With CONFIG_PATH (a run YAML), also the predicted peak memory of one step of its rl:
     stage, from the model's config.json (no weights loaded), and a warning when it exceeds this
     machine's memory. With --kernels, only the custom kernels' check against their reference."""
-    from mlx_ssp.doctor import kernel_check, report, rl_memory
-
     if kernels:
         if config_path is not None or overrides:  # the kernel check reads no run file: say so, not ignore it
             raise UserError("--kernels checks the custom kernels only and takes no CONFIG_PATH or --set; "

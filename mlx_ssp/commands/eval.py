@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import click
 
+from mlx_ssp import distributed as dist
+from mlx_ssp import trackers
 from mlx_ssp.commands.options import (
-    config_option, load_task_stage, no_progress_option, report_to_option, sampling_flags, sampling_options,
+    config_option,
+    load_task_stage,
+    no_progress_option,
+    report_to_option,
+    sampling_flags,
+    sampling_options,
     set_option,
 )
+from mlx_ssp.eval import run_eval
+from mlx_ssp.rollout.summary import format_table
 
 
 @click.command("eval")
@@ -27,10 +36,6 @@ def cli(model, tasks_path, k, n, greedy, system, output, config_path, overrides,
     """pass@1 and pass@k per domain (unbiased estimator), printed and written as JSON."""
     from pathlib import Path
 
-    from mlx_ssp import distributed as dist
-    from mlx_ssp import trackers
-    from mlx_ssp.eval import run_eval
-    from mlx_ssp.rollout.summary import format_table
 
     flags = {"k": k, "n": n, "greedy": greedy, "tasks": tasks_path, "output": output, "system": system, **sampling_flags(kw)}
     cli_trackers = trackers.from_cli(report_to)

@@ -8,6 +8,8 @@ import json
 
 import click
 
+from mlx_ssp.merge.extract_lora import run_extract
+
 
 @click.command("extract-lora")
 @click.argument("base")
@@ -30,7 +32,6 @@ def cli(base, tuned, out_dir, rank, oversample, power_iters, seed, dtype, overwr
     MODEL+ADAPTER); MLX-quantized models are dequantized on read."""
     from pathlib import Path
 
-    from mlx_ssp.merge.extract_lora import run_extract
 
     def show(fit):
         if not quiet:

@@ -12,7 +12,25 @@ import json
 
 import click
 
+from mlx_ssp import trackers
 from mlx_ssp.commands.options import export_gguf_option, report_to_option, set_option, upload_options
+from mlx_ssp.errors import UserError
+from mlx_ssp.gguf_export import check_exportable
+from mlx_ssp.gguf_export import export_gguf as write_gguf
+from mlx_ssp.hub import check_upload, upload_model
+from mlx_ssp.io import output_lock
+from mlx_ssp.merge.config import load_merge_config
+from mlx_ssp.merge.engine import input_paths, output_config, plan_merge, write_merge
+from mlx_ssp.merge.multi import (
+    Layout,
+    default_intermediate_dir,
+    is_multimerge,
+    load_multimerge,
+    read_merge_documents,
+    run_multimerge,
+)
+from mlx_ssp.merge.multi import dry_run as multi_dry_run
+from mlx_ssp.merge.outdir import check_clear_of_inputs
 
 
 @click.command("merge")
@@ -65,18 +83,6 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
 
     import yaml
 
-    from mlx_ssp import trackers
-    from mlx_ssp.errors import UserError
-    from mlx_ssp.gguf_export import check_exportable
-    from mlx_ssp.gguf_export import export_gguf as write_gguf
-    from mlx_ssp.hub import check_upload, upload_model
-    from mlx_ssp.io import output_lock
-    from mlx_ssp.merge.config import load_merge_config
-    from mlx_ssp.merge.engine import input_paths, output_config, plan_merge, write_merge
-    from mlx_ssp.merge.multi import (Layout, default_intermediate_dir, is_multimerge, load_multimerge,
-                                     read_merge_documents, run_multimerge)
-    from mlx_ssp.merge.multi import dry_run as multi_dry_run
-    from mlx_ssp.merge.outdir import check_clear_of_inputs
 
     cli_trackers = trackers.from_cli(report_to) or ()
     check_upload(upload_repo, public)  # a bad repo id or no token stops here, before the merge

@@ -8,6 +8,8 @@ import json
 import click
 
 from mlx_ssp.commands.options import set_option
+from mlx_ssp.io import output_lock
+from mlx_ssp.merge.lora_merge import load_lora_merge_config, run_lora_merge
 
 
 @click.command("merge-lora")
@@ -27,8 +29,6 @@ def cli(config, out_dir, seed, overwrite, quiet, overrides):
     Prints each module's relative truncation error (also in OUT_DIR/lora_merge.json)."""
     from pathlib import Path
 
-    from mlx_ssp.io import output_lock
-    from mlx_ssp.merge.lora_merge import load_lora_merge_config, run_lora_merge
 
     cfg, data = load_lora_merge_config(config, tuple(overrides))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from mlx_ssp.models import load_model, resolve_model
+
 
 @click.group("models")
 def cli() -> None:
@@ -16,8 +18,6 @@ def cli() -> None:
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) for repo ids.")
 def resolve(spec: str, revision: str | None) -> None:
     """Print the local directory of SPEC, converting or downloading it if needed."""
-    from mlx_ssp.models import resolve_model
-
     click.echo(str(resolve_model(spec, revision)))
 
 
@@ -32,7 +32,6 @@ def generate_cmd(spec: str, prompt: str, max_tokens: int) -> None:
     `mlx_ssp models generate demo -p "What is the capital of France?"`)."""
     from mlx_lm import generate
 
-    from mlx_ssp.models import load_model
 
     model, tok, _ = load_model(spec)
     if getattr(tok, "chat_template", None):

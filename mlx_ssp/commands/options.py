@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import click
 
+from mlx_ssp.errors import UserError
+from mlx_ssp.io import check_output_path
+from mlx_ssp.progress import turned_off
+from mlx_ssp.stage_config import load_stage
 from mlx_ssp.trackers import choices
 
 
@@ -27,8 +31,6 @@ def no_progress_option(f):
 
     def turn_off(ctx: click.Context, param, value: bool) -> None:
         if value:
-            from mlx_ssp.progress import turned_off
-
             ctx.with_resource(turned_off())
 
     return click.option("--no-progress", is_flag=True, expose_value=False, callback=turn_off,
@@ -114,10 +116,6 @@ def load_task_stage(config_path, overrides, section: str, flags: dict, model, ou
     """(ModelConfig, section with the seed rule applied, the whole :class:`~mlx_ssp.stage_config.StageConfig`)
     for a command that reads a task file and writes ``output_what`` (rollout, eval), through
     :func:`mlx_ssp.stage_config.load_stage`; both paths must be set, by flag or file."""
-    from mlx_ssp.errors import UserError
-    from mlx_ssp.io import check_output_path
-    from mlx_ssp.stage_config import load_stage
-
     st = load_stage(config_path, overrides, section, flags=flags, model=model)
     cfg = st.seeded()
     if not cfg.tasks:

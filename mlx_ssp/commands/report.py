@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import click
 
+from mlx_ssp.errors import UserError
+from mlx_ssp.report import build_comparison, build_report
+
 
 @click.command("report")
 @click.argument("runs", metavar="RUN_DIR... | LABEL=RUN_DIR...", nargs=-1, required=True)
@@ -20,8 +23,6 @@ def cli(runs: tuple[str, ...], out: str | None) -> None:
     +- 1 standard error across its seeds, and the first / last steps' means with their errors."""
     from pathlib import Path
 
-    from mlx_ssp.errors import UserError
-    from mlx_ssp.report import build_comparison, build_report
 
     if len(runs) == 1 and ("=" not in runs[0] or Path(runs[0]).is_dir()) and out is None:
         click.echo(str(build_report(runs[0])))

@@ -7,8 +7,12 @@ import json
 
 import click
 
+from mlx_ssp import distributed as dist
 from mlx_ssp.commands.options import no_progress_option, report_to_option, set_option, upload_options
 from mlx_ssp.errors import UserError
+from mlx_ssp.hub import check_upload, upload_model
+from mlx_ssp.rl.stage import run
+from mlx_ssp.trackers import from_cli
 
 
 @click.command("rl")
@@ -25,11 +29,6 @@ def cli(config_path, restart, upload_repo, public, overrides, report_to):
     etc. override it. Rerunning resumes from the last checkpoint. With rl.phases the phases run in
     order, each from the previous one's model; finished phases are skipped. --upload-repo fuses the
     final adapters into OUT/fused (with its model card) and uploads that directory."""
-    from mlx_ssp import distributed as dist
-    from mlx_ssp.hub import check_upload, upload_model
-    from mlx_ssp.rl.stage import run
-    from mlx_ssp.trackers import from_cli
-
     if config_path is None and not overrides:
         raise UserError("give a run YAML (mlx_ssp rl CONFIG.yaml) or --set keys")
     cli_trackers = from_cli(report_to)  # a bad name stops here, before training

@@ -7,10 +7,22 @@ from __future__ import annotations
 
 import click
 
+from mlx_ssp import distributed as dist
+from mlx_ssp import trackers
 from mlx_ssp.commands.options import (
-    config_option, load_task_stage, no_progress_option, report_to_option, sampling_flags, sampling_options,
+    config_option,
+    load_task_stage,
+    no_progress_option,
+    report_to_option,
+    sampling_flags,
+    sampling_options,
     set_option,
 )
+from mlx_ssp.config import apply_overrides, load_file, parse_override, validate
+from mlx_ssp.errors import UserError
+from mlx_ssp.rollout.endpoint import EndpointTeacherConfig
+from mlx_ssp.rollout.stage import run_rollouts
+from mlx_ssp.rollout.summary import format_table
 
 
 @click.command("rollout")
@@ -41,10 +53,6 @@ def cli(model, endpoint, api_key_env, concurrency, tokenizer, tasks_path, k, sys
     ROLLOUTS.summary.json (pass@1 / pass@K per domain)."""
     from pathlib import Path
 
-    from mlx_ssp import distributed as dist
-    from mlx_ssp import trackers
-    from mlx_ssp.rollout.stage import run_rollouts
-    from mlx_ssp.rollout.summary import format_table
 
     flags = {"k": k, "tasks": tasks_path, "output": output, "system": system, **sampling_flags(kw)}
     teacher_flags = {"endpoint": endpoint, "api_key_env": api_key_env, "concurrency": concurrency,
@@ -53,8 +61,6 @@ def cli(model, endpoint, api_key_env, concurrency, tokenizer, tasks_path, k, sys
     if teacher is not None:
         model = None  # --model named the server's model
     elif any(v is not None for v in teacher_flags.values()):
-        from mlx_ssp.errors import UserError
-
         raise UserError("--api-key-env, --concurrency and --tokenizer go with --endpoint URL")
     cli_trackers = trackers.from_cli(report_to)
     mcfg, cfg, st = load_task_stage(config_path, overrides, "rollout", flags, model, "ROLLOUTS.jsonl")
@@ -85,9 +91,6 @@ def endpoint_teacher(config_path, overrides, flags: dict):
     extra_body...), then every ``--set teacher.KEY=...`` (with or without ``teacher.endpoint``: with
     ``--endpoint`` they are this teacher's settings, and an unknown key is refused naming the valid
     ones), then the flags. A local ``teacher:`` of the file (no ``endpoint``) plays no part."""
-    from mlx_ssp.config import apply_overrides, load_file, parse_override, validate
-    from mlx_ssp.rollout.endpoint import EndpointTeacherConfig
-
     load_file(config_path, overrides)  # the file and every --set checked, with or without --endpoint
     if flags.get("endpoint") is None:
         return None
@@ -96,13 +99,9 @@ def endpoint_teacher(config_path, overrides, flags: dict):
     mine = [o for o in overrides or () if parse_override(o)[0][0] == "teacher"]
     raw = apply_overrides({"teacher": raw}, mine)["teacher"]
     if not isinstance(raw, dict):
-        from mlx_ssp.errors import UserError
-
         raise UserError("--endpoint: the teacher section set with --set teacher=... must be a mapping of endpoint "
                         "settings (or use --set teacher.KEY=VALUE)")
     if raw.get("model") is None and flags.get("model") is None:
-        from mlx_ssp.errors import UserError
-
         raise UserError("--endpoint needs --model NAME: the model name the server knows")
     raw.update({key: v for key, v in flags.items() if v is not None})
     return validate(EndpointTeacherConfig, raw, source=str(config_path or "--endpoint"), prefix="teacher")

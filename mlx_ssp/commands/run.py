@@ -9,7 +9,8 @@ import click
 
 from mlx_ssp.commands.options import no_progress_option, report_to_option, set_option, upload_options
 from mlx_ssp.errors import UserError
-from mlx_ssp.pipeline import STAGES
+from mlx_ssp.pipeline import STAGES, run_pipeline
+from mlx_ssp.trackers import from_cli
 
 
 @click.command("run")
@@ -38,9 +39,6 @@ def cli(config_path: str, overrides: tuple[str, ...], from_stage: Optional[str],
     With report_to (or --report-to) the metrics also go to one tracker run, each stage its own
     namespace.
     """
-    from mlx_ssp.pipeline import run_pipeline
-    from mlx_ssp.trackers import from_cli
-
     if from_stage and only:
         raise UserError("give --from or --only, not both")
     if upload_repo is not None:  # the flags are the upload: section's keys (beating the file)

@@ -6,7 +6,11 @@ import click
 
 from mlx_ssp.commands.options import config_option, set_option
 from mlx_ssp.errors import UserError
-from mlx_ssp.select import DISTANCE_CHOICES, POLICIES
+from mlx_ssp.io import output_lock
+from mlx_ssp.models import load_tokenizer
+from mlx_ssp.select import DISTANCE_CHOICES, POLICIES, DecontaminateConfig, format_report, gold_records, run_select
+from mlx_ssp.stage_config import load_stage
+from mlx_ssp.tasks import load_tasks
 
 
 @click.command("select")
@@ -27,10 +31,6 @@ from mlx_ssp.select import DISTANCE_CHOICES, POLICIES
 def cli(rollouts, policy, per_prompt, distance, near_duplicate, output, overwrite, gold, tasks_path, model,
         held_out, config_path, overrides):
     """Pick diverse correct solutions from ROLLOUTS.jsonl as mlx-lm chat SFT data, per domain."""
-    from mlx_ssp.io import output_lock
-    from mlx_ssp.select import format_report, run_select
-    from mlx_ssp.stage_config import load_stage
-
     flags = {"policy": policy, "per_prompt": per_prompt, "distance": distance, "near_duplicate": near_duplicate,
              "input": rollouts, "output": output, "gold": gold}
     cfg = load_stage(config_path, overrides, "select", flags=flags, with_model=False).cfg
@@ -42,13 +42,9 @@ def cli(rollouts, policy, per_prompt, distance, near_duplicate, output, overwrit
     if cfg.gold:
         if not tasks_path or not model:
             raise UserError("--gold needs --tasks TASKS.jsonl and --model SPEC (the tokenizer of the student)")
-        from mlx_ssp.models import load_tokenizer
-        from mlx_ssp.select import gold_records
-        from mlx_ssp.tasks import load_tasks
 
         golds = gold_records(load_tasks(tasks_path), load_tokenizer(model))
     if held_out and cfg.decontaminate is None:  # --held-out turns decontamination on, with its defaults
-        from mlx_ssp.select import DecontaminateConfig
 
         cfg = cfg.model_copy(update={"decontaminate": DecontaminateConfig()})
     if cfg.pseudo_label is not None and not tasks_path:

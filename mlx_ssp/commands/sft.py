@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from mlx_ssp import distributed as dist
+from mlx_ssp import trackers
 from mlx_ssp.commands.options import (
     export_gguf_option,
     no_progress_option,
@@ -14,13 +16,18 @@ from mlx_ssp.commands.options import (
     set_option,
     upload_options,
 )
+from mlx_ssp.doctor import model_config_json
+from mlx_ssp.errors import UserError
+from mlx_ssp.gguf_export import check_exportable
+from mlx_ssp.gguf_export import export_gguf as write_gguf
+from mlx_ssp.hub import check_upload, upload_model
+from mlx_ssp.sft.config import SFTConfig
+from mlx_ssp.sft.stage import run_sft, sft_out_dir
+from mlx_ssp.stage_config import load_stage, note_old_default
 
 
 def load_config(config_path: str, overrides, overwrite: bool):
     """The run file's sft section (``--overwrite`` sets ``sft.overwrite``) through the one stage loader."""
-    from mlx_ssp.sft.config import SFTConfig
-    from mlx_ssp.stage_config import load_stage
-
     return load_stage(config_path, overrides, "sft", flags={"overwrite": True} if overwrite else None,
                       cls=SFTConfig)
 
@@ -38,20 +45,10 @@ def cli(config_path: str, overrides: tuple[str, ...], domains: tuple[str, ...], 
         upload_repo: str | None, public: bool, report_to: tuple[str, ...]) -> None:
     """Train one LoRA specialist per domain (sft: section), keep the checkpoint with the best
     probe Pass@K, fuse it into OUT/specialists/<domain>/ with its model card. Re-running resumes."""
-    from mlx_ssp import distributed as dist
-    from mlx_ssp import trackers
-    from mlx_ssp.errors import UserError
-    from mlx_ssp.gguf_export import export_gguf as write_gguf
-    from mlx_ssp.hub import check_upload, upload_model
-    from mlx_ssp.sft.stage import run_sft, sft_out_dir
-    from mlx_ssp.stage_config import note_old_default
-
     cli_trackers = trackers.from_cli(report_to)
     check_upload(upload_repo, public)
     st = load_config(config_path, overrides, overwrite)
     if export_gguf:  # before training: the base's architecture decides whether its specialists convert
-        from mlx_ssp.doctor import model_config_json
-        from mlx_ssp.gguf_export import check_exportable
 
         base = model_config_json(st.model.path, st.model.revision)
         if st.cfg.dequantize:

@@ -1,4 +1,4 @@
-"""``mlx_ssp tasks``: export task files from sources (:func:`mlx_ssp.tasks.export_source`,
+"""``mlx_ssp tasks``: export task files from sources (:func:`mlx_ssp.tasks.build.export_source`,
 :func:`mlx_ssp.tasks.export.export_yaml`), list sources, show a task file."""
 
 from __future__ import annotations
@@ -7,8 +7,17 @@ from collections import Counter
 
 import click
 
+from mlx_ssp.agents.episode import is_episode
+from mlx_ssp.agents.gold import gold_messages
 from mlx_ssp.commands.options import set_option
+from mlx_ssp.config import parse_override
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import write_jsonl_atomic
+from mlx_ssp.tasks import load_tasks, write_tasks
+from mlx_ssp.tasks.build import export_source
+from mlx_ssp.tasks.export import export_yaml, is_yaml
+from mlx_ssp.tasks.sources import SOURCES
+from mlx_ssp.verify import UNAVAILABLE, VERIFIERS, verify
 
 
 @click.group("tasks")
@@ -18,8 +27,6 @@ def cli() -> None:
 
 
 def _kv(items: tuple[str, ...]) -> dict:
-    from mlx_ssp.config import parse_override
-
     out: dict = {}
     for item in items:
         keys, value = parse_override(item)
@@ -50,9 +57,6 @@ def export(source, output, size, seed, split, params, instruction, system, verif
     """Write a task file from SOURCE: a YAML file (a run file with a `tasks:` section, or the section
     itself) or a shorthand: gsm8k:PATH, reasoning_gym:DATASET, humaneval[:PATH], bfcl:CATEGORY,
     jsonl:PATH, hf:DATASET."""
-    from mlx_ssp.tasks import export_source, write_tasks
-    from mlx_ssp.tasks.export import export_yaml, is_yaml
-
     if is_yaml(source):
         if params or instruction is not None or system is not None or verifier or answer_extraction or domain:
             raise UserError("with a YAML source, set domain options in the file or with --set tasks.domains.NAME.KEY=VALUE")
@@ -77,11 +81,6 @@ def export(source, output, size, seed, split, params, instruction, system, verif
 
 def _write_gold(output: str, tasks: list) -> None:
     """One gold conversation per episode task (:func:`mlx_ssp.agents.gold.gold_messages`)."""
-    from mlx_ssp.agents.episode import is_episode
-    from mlx_ssp.agents.gold import gold_messages
-    from mlx_ssp.io import write_jsonl_atomic
-    from mlx_ssp.verify import verify
-
     if not all(is_episode(t) for t in tasks):
         raise UserError("--gold needs an episode source (episodes:PATH or bfcl_multi_turn:CATEGORY)")
     lines = []
@@ -97,15 +96,12 @@ def _write_gold(output: str, tasks: list) -> None:
 @cli.command("list")
 def list_cmd() -> None:
     """List source kinds, reasoning-gym datasets and BFCL categories."""
-    from mlx_ssp.tasks.sources import SOURCES
-
     click.echo("Sources:")
     for k, s in SOURCES.items():
         click.echo(f"  {k + ':' + s.help:64s} verifier: {s.verifier or '(configure)'}")
     for s in SOURCES.values():
         if s.catalogue is not None:
             click.echo(s.catalogue())
-    from mlx_ssp.verify import UNAVAILABLE, VERIFIERS
 
     click.echo("Verifiers: " + ", ".join(sorted(VERIFIERS)) + "".join(f"; {k}: {v}" for k, v in UNAVAILABLE.items()))
 
@@ -117,7 +113,6 @@ def show(path: str, n_examples: int) -> None:
     """Check a task file (records, ids, verifiers) and summarise it by domain, split and verifier."""
     import json
 
-    from mlx_ssp.tasks import load_tasks
 
     tasks = load_tasks(path)
     counts = Counter((t.domain, t.metadata.get("split", "-"), t.verifier) for t in tasks)

@@ -9,6 +9,13 @@ from pathlib import Path
 import click
 
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import check_output_path, exclusive_lock, read_jsonl
+from mlx_ssp.progress import bar as progress_bar
+from mlx_ssp.rollout.resume import lock_path
+from mlx_ssp.sandbox_policy import parse_policy, set_policy
+from mlx_ssp.verify import PARALLEL
+from mlx_ssp.verify.rescore import partial_path, rescore, tasks_of
+from mlx_ssp.verify.sandbox import describe
 
 
 @click.command("verify")
@@ -27,15 +34,7 @@ def cli(in_path: str, output: str, tasks_path: str | None, workers: int | None, 
     OUT.jsonl: the input plus `reward` and `reason` (episodes: also per-turn verdicts). Use it to
     re-score old rollouts after fixing a verifier; prints the mean reward and the counts by reason.
     Each verdict is saved as it comes to OUT.jsonl.partial: rerun a killed run to score only the rest."""
-    from mlx_ssp.io import check_output_path, exclusive_lock, read_jsonl
-    from mlx_ssp.rollout.resume import lock_path
-    from mlx_ssp.progress import bar as progress_bar
-    from mlx_ssp.verify import PARALLEL
-    from mlx_ssp.verify.rescore import partial_path, rescore, tasks_of
-
     if sandbox:
-        from mlx_ssp.sandbox_policy import parse_policy, set_policy
-
         try:
             set_policy(parse_policy(list(sandbox)))
         except ValueError as e:
@@ -51,8 +50,6 @@ def cli(in_path: str, output: str, tasks_path: str | None, workers: int | None, 
     tasks = tasks_of(records, tasks_path, in_path)
     workers = workers or os.cpu_count() or 1
     if any(t.verifier in PARALLEL for t in tasks):
-        from mlx_ssp.verify.sandbox import describe
-
         click.echo(describe(), err=True)
     bar = progress_bar(len(records), unit="completion", desc="verify", enabled=not no_progress)
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from mlx_ssp.errors import UserError
-from mlx_ssp.io import atomic_dir, iter_jsonl, write_json_atomic, write_jsonl_atomic
+from mlx_ssp.io import atomic_dir, iter_jsonl, repair_jsonl_tail, write_json_atomic, write_jsonl_atomic
 
 ADAPTER_FILE = "adapters.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -103,8 +103,6 @@ def check_fingerprint(old: dict, new: dict, *, where: Path, hint: str) -> None:
 def trim_metrics(path: Path, step: int) -> None:
     """On resume, drop metric rows of steps after the checkpoint (they will be redone)."""
     if path.is_file():
-        from mlx_ssp.io import repair_jsonl_tail
-
         repair_jsonl_tail(path)  # a kill mid-write leaves a torn last row
         rows = [r for r in iter_jsonl(path, what="metrics") if int(r.get("step", 0)) <= step]
         write_jsonl_atomic(path, rows)

@@ -27,10 +27,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from mlx_ssp.config import StrictModel, format_validation_error, read_yaml
+import mlx_ssp.merge.passthrough  # noqa: F401  (registers passthrough in METHODS)
+from mlx_ssp.config import StrictModel, apply_overrides, format_validation_error, read_yaml
 from mlx_ssp.errors import UserError
 from mlx_ssp.merge.methods import METHOD_PARAM_TYPES, METHODS, RESCALE_MODES, SIGN_VOTES
-import mlx_ssp.merge.passthrough  # noqa: F401  (registers passthrough in METHODS)
+from mlx_ssp.merge.quant import MODE_PAIRS
 
 Scalar = Union[bool, int, float, str]
 
@@ -111,8 +112,6 @@ class OutQuantization(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _mode_defaults(cls, data):
-        from mlx_ssp.merge.quant import MODE_PAIRS
-
         if isinstance(data, dict) and data.get("mode", "affine") in MODE_PAIRS:
             bits, gs = MODE_PAIRS[data.get("mode", "affine")]
             data = {"bits": bits, "group_size": gs, **data}
@@ -120,8 +119,6 @@ class OutQuantization(StrictModel):
 
     @model_validator(mode="after")
     def _mode_pair(self):
-        from mlx_ssp.merge.quant import MODE_PAIRS
-
         if self.mode == "affine" and self.group_size == 16:
             raise ValueError("group_size 16 is for mode nvfp4 only; affine takes 32, 64 or 128")
         if self.mode != "affine" and (self.bits, self.group_size) != MODE_PAIRS[self.mode]:
@@ -325,7 +322,6 @@ def resolve(name: str, scopes: list[Optional[dict]], tensor: str, t: float, defa
 
 def load_merge_config(path: str | Path, overrides: tuple[str, ...] = ()) -> tuple[MergeConfig, str]:
     """Read and validate a mergekit YAML; returns (config, the YAML text to save beside the output)."""
-    from mlx_ssp.config import apply_overrides
     import yaml
 
     data = read_yaml(path)

@@ -24,24 +24,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
-import mlx_ssp  # noqa: F401
 import mlx.core as mx
 
+import mlx_ssp  # noqa: F401
 from mlx_ssp import trackers
 from mlx_ssp.card import Card, write_card
+from mlx_ssp.config import validate
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import atomic_dir
+from mlx_ssp.merge import quant as Q
 from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.config import MergeConfig, MergeStageConfig
 from mlx_ssp.merge.methods import DTYPES, METHODS, TensorInputs
 from mlx_ssp.merge.outdir import MARK_KEY, MARK_VALUE, Protected, check_out_dir
 from mlx_ssp.merge.parallel import resolve_workers, run_parallel
-from mlx_ssp.merge import quant as Q
 from mlx_ssp.merge.plan import MergeJob, TensorPlan, base_output_config, check_merge_config, code_name, plan_models
 from mlx_ssp.merge.slices import plan_slices
 from mlx_ssp.merge.sparsify import dare_seed
-
 from mlx_ssp.merge.tokenizer import TOKENIZER_FILES, aligned_fetch, copy_tokenizer_files, write_tokenizer
+from mlx_ssp.progress import bar as progress_bar
+from mlx_ssp.stage_config import section_seed
 
 #: Bump when the same config, inputs and options give other output bytes (a method's arithmetic,
 #: rounding, tensor order, side files): a multimerge keeps an intermediate only while its
@@ -174,8 +176,6 @@ def _merge_tensors(job: MergeJob, writer: sio.ShardedWriter, seed: int, n_worker
     """Merge every planned tensor into ``writer`` (on ``n_workers`` threads, largest first); the
     output does not depend on the order (each tensor's result depends only on its inputs, and DARE
     seeds on its name)."""
-    from mlx_ssp.progress import bar as progress_bar
-
     def merge_one(p: TensorPlan) -> None:
         parts = merge_tensor(job, p, seed)
         mx.eval(parts)
@@ -361,7 +361,6 @@ def stage_to_config(models: list[Path], base: Optional[Path], stage: MergeStageC
         if base is None:
             raise UserError(f"merge method {stage.method} needs a base model")
         data["base_model"] = str(base)
-    from mlx_ssp.config import validate
 
     return validate(MergeConfig, data, source="merge", prefix="merge")
 
@@ -370,8 +369,6 @@ def merge_models(models: list[Path], base: Optional[Path], stage_cfg: MergeStage
                  overwrite: bool = False, seed: Optional[int] = None, progress: bool = True) -> dict:
     """The pipeline's merge: fused specialists (+ the run's base) -> one model directory; the
     section's own seed, else ``seed`` (the run's), else 0."""
-    from mlx_ssp.stage_config import section_seed
-
     cfg = stage_to_config([Path(m) for m in models], Path(stage_cfg.base_model) if stage_cfg.base_model else base,
                           stage_cfg)
     return run_merge(cfg, Path(out_dir), overwrite=overwrite, out_shard_size=stage_cfg.out_shard_size,

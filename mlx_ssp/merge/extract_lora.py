@@ -29,14 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import mlx.core as mx
 import numpy as np
 
 import mlx_ssp  # noqa: F401
-import mlx.core as mx
-
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import atomic_dir
 from mlx_ssp.merge.config import layer_index
-from mlx_ssp.merge.sources import Source
+from mlx_ssp.merge.engine import source_paths
+from mlx_ssp.merge.outdir import check_clear_of_inputs
+from mlx_ssp.merge.plan import layer_count
+from mlx_ssp.merge.sources import Source, open_source, read_model_config
 
 #: marks an adapter directory this module wrote (``--overwrite`` replaces only such a directory)
 MARK = ("extracted_by", "mlx_ssp")
@@ -197,12 +200,6 @@ def run_extract(base_ref: str, tuned_ref: str, out_dir: Path, rank: int, *, over
                 power_iters: int = 2, seed: int = 0, dtype: str = "float32", overwrite: bool = False,
                 on_module: Optional[Callable[[ModuleFit], None]] = None) -> dict:
     """Extract and write the adapter directory atomically; returns a summary."""
-    from mlx_ssp.io import atomic_dir
-    from mlx_ssp.merge.engine import source_paths
-    from mlx_ssp.merge.outdir import check_clear_of_inputs
-    from mlx_ssp.merge.plan import layer_count
-    from mlx_ssp.merge.sources import open_source, read_model_config
-
     out_dir = Path(out_dir)
     base, tuned = open_source(base_ref), open_source(tuned_ref)
     check_clear_of_inputs(out_dir, source_paths([base, tuned]))

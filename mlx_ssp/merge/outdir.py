@@ -18,11 +18,12 @@ deletes whatever it held. The rules:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_ssp.errors import UserError
+from mlx_ssp.merge.safetensors_io import read_header
 
 #: the safetensors ``__metadata__`` entry every shard of a merge output carries
 MARK_KEY, MARK_VALUE = "merged_by", "mlx_ssp"
@@ -74,8 +75,6 @@ def check_clear_of_inputs(out_dir: Path, protected: Iterable[Protected]) -> None
 
 def is_merge_output(d: Path) -> bool:
     """True if ``d`` looks like what a merge writes (rule 3)."""
-    from mlx_ssp.merge.safetensors_io import read_header
-
     try:
         entries = list(d.iterdir())
     except OSError:

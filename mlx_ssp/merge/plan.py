@@ -22,6 +22,7 @@ from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.config import MergeConfig, check_parameter_names, layer_index, resolve
 from mlx_ssp.merge.methods import METHODS, MethodSpec
 from mlx_ssp.merge.passthrough import MAX_INPUTS
+from mlx_ssp.merge.quant import quantized_names
 from mlx_ssp.merge.sources import Source, open_source, read_model_config
 from mlx_ssp.merge.tokenizer import plan_vocab
 
@@ -80,7 +81,6 @@ def mark_out_quantization(job: MergeJob) -> MergeJob:
     oq = job.cfg.out_quantization
     if oq is None:
         return job
-    from mlx_ssp.merge.quant import quantized_names
 
     names = quantized_names([(p.name, p.shape) for p in job.plans if not p.copy], base_output_config(job),
                             oq.group_size)

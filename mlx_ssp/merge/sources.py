@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import mlx_ssp  # noqa: F401
 import mlx.core as mx
 
+import mlx_ssp  # noqa: F401
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import read_json
 from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.quant import QuantTensor, dequantize, dequantized_view
+from mlx_ssp.models import resolve_model
 
 
 @dataclass
@@ -51,8 +52,6 @@ class Source:
 
 def open_source(ref: str) -> Source:
     """``dir``, hub id, ``demo``, or ``model+adapter_dir`` -> Source (headers scanned)."""
-    from mlx_ssp.models import resolve_model
-
     model_spec, adapter_spec = ref, None
     if "+" in ref and not Path(ref).expanduser().exists():
         model_spec, _, adapter_spec = ref.rpartition("+")

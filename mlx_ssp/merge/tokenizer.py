@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+import mlx.core as mx
 import numpy as np
 
 import mlx_ssp  # noqa: F401
-import mlx.core as mx
-
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import decode_utf8, parse_json, read_json
+from mlx_ssp.merge.config import ModelTokenEmbedding, ZeroEmbedding
 
 #: files a model's tokenizer may consist of (copied when the output vocabulary is that model's)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -343,8 +343,6 @@ def aligned_fetch(vp: VocabPlan, fetch: Callable[[int], mx.array], cd) -> Callab
 
 
 def _choices(tcfg, sources, vocab_of_src: Callable[[int], Vocab]) -> dict[str, TokenChoice]:
-    from mlx_ssp.merge.config import ModelTokenEmbedding, ZeroEmbedding
-
     refs = {s.ref: i for i, s in enumerate(sources)}
 
     def index(ref: str, tok: str) -> int:

@@ -46,7 +46,7 @@ def load_train_tasks(data: dict, cfg, source: str):
         return load_tasks(cfg.tasks)
     if data.get("tasks"):
         from mlx_ssp.config import load_section
-        from mlx_ssp.tasks import build_split
+        from mlx_ssp.tasks.build import build_split
 
         tasks = build_split(load_section(data, "tasks", source=source), "train")
         if not tasks:

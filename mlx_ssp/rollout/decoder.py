@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from mlx_ssp import progress
+from mlx_ssp import progress, sampling
 from mlx_ssp.rollout.request import RolloutRequest
 
 
@@ -31,7 +31,6 @@ class Decoder:
                  episodes: bool = False):
         from mlx_lm.generate import BatchGenerator
 
-        from mlx_ssp import sampling
 
         s = request.sampling
         self.model = model

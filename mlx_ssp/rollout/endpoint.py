@@ -53,11 +53,17 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
+from mlx_ssp.agents.episode import is_episode
 from mlx_ssp.config import StrictModel, load_section, validate
 from mlx_ssp.errors import UserError
+from mlx_ssp.progress import bar as progress_bar
 from mlx_ssp.rollout.config import RolloutConfig, SamplingConfig
 from mlx_ssp.rollout.endpoint_client import DEFAULT_MAX_RESPONSE_BYTES, ChatClient
+from mlx_ssp.rollout.records import TaskGroups
 from mlx_ssp.rollout.request import RolloutRequest
+from mlx_ssp.rollout.scoring import Scorer
+from mlx_ssp.sampling import sample_stream_seed
+from mlx_ssp.tasks import _tools_text, render_prompt
 
 log = logging.getLogger("mlx_ssp.rollout")
 
@@ -202,8 +208,6 @@ def task_messages(task, system: Optional[str]) -> list[dict]:
     """The chat messages of a task as a server gets them: the rollout system prompt when the task
     has none, and tool schemas described in the system message (as :func:`mlx_ssp.tasks.render_prompt`
     does for templates without tools)."""
-    from mlx_ssp.tasks import _tools_text
-
     messages = [dict(m) for m in task.messages()]
     if system is not None and not any(m.get("role") == "system" for m in messages):
         messages = [{"role": "system", "content": system}] + messages
@@ -240,8 +244,6 @@ class StudentTokens:
         if self.tok is None:
             return None
         if ti not in self.prompts:
-            from mlx_ssp.tasks import render_prompt
-
             self.prompts[ti] = render_prompt(self.tok, self.request.tasks[ti], system=self.request.system)
         return self.prompts[ti]
 
@@ -259,9 +261,6 @@ class EndpointRollout:
     """One pass over a request against a server: the work queue, the requests in flight, scoring."""
 
     def __init__(self, cfg: EndpointTeacherConfig, request: RolloutRequest, samples, stats: dict, tokenizer=None):
-        from mlx_ssp.rollout.records import TaskGroups
-        from mlx_ssp.rollout.scoring import Scorer
-
         self.cfg, self.request, self.stats = cfg, request, stats
         self.client = ChatClient(cfg.endpoint, cfg.model, read_api_key(cfg), cfg.timeout_s, cfg.max_retries,
                                  cfg.backoff_s, cfg.max_response_bytes)
@@ -281,8 +280,6 @@ class EndpointRollout:
         self.listed: Optional[list[str]] = None
 
     def _body(self, ti: int, ss: list[int]) -> dict:
-        from mlx_ssp.sampling import sample_stream_seed
-
         if ti not in self.messages:
             self.messages[ti] = task_messages(self.request.tasks[ti], self.request.system)
         body = {**self.base, "messages": self.messages[ti],
@@ -362,8 +359,6 @@ class EndpointRollout:
         return e
 
     def run(self) -> Iterator[list[dict]]:
-        from mlx_ssp.progress import bar as progress_bar
-
         bar = progress_bar(self.total, unit="sample", desc=f"{self.request.progress_label} (endpoint)",
                            enabled=self.request.progress)
         t0 = time.perf_counter()
@@ -432,8 +427,6 @@ def iter_endpoint_rollouts(cfg: EndpointTeacherConfig, request: RolloutRequest, 
     """Each task's scored records, asked of the server, as soon as all its samples are scored
     (completion order). ``samples``: task id -> the sample indices to ask for (default all K);
     ``stats`` is filled like :func:`mlx_ssp.rollout.engine.run_request`'s."""
-    from mlx_ssp.agents.episode import is_episode
-
     request.check()
     episodes = [t.id for t in request.tasks if is_episode(t)]
     if episodes:

@@ -18,12 +18,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from mlx_ssp import distributed as dist
+from mlx_ssp.agents.episode import is_episode
 from mlx_ssp.models import model_context_length
 from mlx_ssp.rollout.decoder import Decoder
 from mlx_ssp.rollout.records import LiveSequence, TaskGroups, build_record, completion_text
 from mlx_ssp.rollout.request import RolloutRequest
 from mlx_ssp.rollout.scoring import Scorer
 from mlx_ssp.rollout.stops import StopMatcher
+from mlx_ssp.sampling import sample_stream_seed
+from mlx_ssp.tasks import render_prompt
 
 log = logging.getLogger("mlx_ssp.rollout")
 
@@ -42,8 +46,6 @@ class WorkPlan:
 def plan_work(tokenizer, request: RolloutRequest, samples: Optional[dict[str, list[int]]],
               context: Optional[int]) -> WorkPlan:
     """Render every prompt first, so that a template error surfaces before any generation."""
-    from mlx_ssp.tasks import render_prompt
-
     plan = WorkPlan()
     max_tokens = request.sampling.max_tokens
     for ti, task in enumerate(request.tasks):
@@ -98,8 +100,6 @@ class _Generation:
 
     def top_up(self) -> None:
         """Keep about two batches queued: enough to refill, without one cache object per sample up front."""
-        from mlx_ssp.sampling import sample_stream_seed
-
         plan, req = self.plan, self.request
         n = min(2 * req.batch_size - len(self.live), len(plan.work) - self.next_work)
         if n <= 0:
@@ -183,11 +183,10 @@ def run_request(model, tokenizer, request: RolloutRequest, *, samples: Optional[
     request.check()
     stats = stats if stats is not None else {}
     stats.update(skipped=[], gen_tokens=0, prompt_tokens=0, gen_s=0.0, verify_s=0.0, n_samples=0)
-    from mlx_ssp.agents.episode import is_episode
 
     episodes = [t for t in request.tasks if is_episode(t)]
     if episodes:  # multi-turn tasks run as episodes (mlx_ssp.agents.engine); the rest below
-        from mlx_ssp.agents.engine import run_episodes
+        from mlx_ssp.agents.engine import run_episodes  # lazy: agents.engine imports this module
 
         yield from run_episodes(model, tokenizer, request.replace(tasks=episodes), samples=samples, stats=stats)
         if len(episodes) == len(request.tasks):
@@ -222,8 +221,6 @@ def run_request(model, tokenizer, request: RolloutRequest, *, samples: Optional[
 def iter_sharded(model, tokenizer, request: RolloutRequest, samples: dict[str, list[int]], *, stats: Optional[dict],
                  round_size: Optional[int] = None) -> Iterator[list[dict]]:
     """:func:`run_request` over the ranks (one process: exactly that); rank 0 alone shows progress."""
-    from mlx_ssp import distributed as dist
-
     req = request if dist.is_main() else request.replace(progress=False)
     return dist.iter_sharded_groups(lambda subset, st: run_request(model, tokenizer, req, samples=subset, stats=st),
                                     samples, stats=stats, round_size=round_size)
@@ -231,8 +228,6 @@ def iter_sharded(model, tokenizer, request: RolloutRequest, samples: dict[str, l
 
 def generate(model, tokenizer, request: RolloutRequest, *, stats: Optional[dict] = None) -> list[dict]:
     """All records of ``request`` in memory, ordered by (task order, sample index)."""
-    from mlx_ssp import distributed as dist
-
     if dist.size() > 1:  # data parallel: each rank samples its share, records gathered
         request.check()
         groups = iter_sharded(model, tokenizer, request, {t.id: list(range(request.k)) for t in request.tasks}, stats=stats)

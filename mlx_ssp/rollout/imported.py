@@ -26,7 +26,10 @@ import time
 from collections import Counter
 from typing import Iterator, Optional
 
+from mlx_ssp.rollout.endpoint import StudentTokens, join_reasoning
+from mlx_ssp.rollout.records import TaskGroups
 from mlx_ssp.rollout.request import RolloutRequest
+from mlx_ssp.rollout.scoring import Scorer
 from mlx_ssp.tasks import Task
 from mlx_ssp.tasks.file_sources import IMPORTED
 
@@ -37,8 +40,6 @@ def has_imported(task: Task) -> bool:
 
 def trace_text(c) -> str:
     """One imported completion as text (a mapping's reasoning kept in ``<think>`` tags)."""
-    from mlx_ssp.rollout.endpoint import join_reasoning
-
     if isinstance(c, str):
         return c
     return join_reasoning(str(c.get("reasoning_content") or c.get("reasoning") or ""), c["content"])
@@ -49,10 +50,6 @@ def iter_imported(request: RolloutRequest, *, samples: Optional[dict[str, list[i
     """Each task's records built from its imported completions, verified (the scorer of sampled
     rollouts), a task at a time. ``samples``: task id -> the sample indices wanted (default all K);
     indices past a task's completions are not produced."""
-    from mlx_ssp.rollout.endpoint import StudentTokens
-    from mlx_ssp.rollout.records import TaskGroups
-    from mlx_ssp.rollout.scoring import Scorer
-
     request.check()
     stats = stats if stats is not None else {}
     for key, zero in (("skipped", []), ("gen_tokens", 0), ("prompt_tokens", 0), ("gen_s", 0.0), ("verify_s", 0.0),

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mlx_ssp.errors import UserError
+from mlx_ssp.errors import UserError as _E
 from mlx_ssp.rollout.config import SamplingConfig
-from mlx_ssp.tasks import Task
+from mlx_ssp.stage_config import section_seed
+from mlx_ssp.tasks import Task, check_tasks
+from mlx_ssp.verify import check_task
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,6 @@ class RolloutRequest:
         if not self.tasks:
             raise UserError("no tasks to roll out (the task list is empty)")
         if self.verify:
-            from mlx_ssp.tasks import check_tasks
-
             check_tasks([t for t in self.tasks if t.id not in self.unlabelled_ids()])
 
     def unlabelled_ids(self) -> set[str]:
@@ -52,8 +53,6 @@ class RolloutRequest:
         answer whose verifier needs one (its task check fails without it)."""
         if not self.unlabelled:
             return set()
-        from mlx_ssp.errors import UserError as _E
-        from mlx_ssp.verify import check_task
 
         out = set()
         for t in self.tasks:
@@ -92,8 +91,6 @@ class RolloutRequest:
 def stage_settings(cfg) -> dict[str, Any]:
     """The request fields a stage section (``rollout:``, ``eval:``) sets: sampling, seed (None -> 0),
     batch size, context, system prompt, and verify workers and prefill batch where the section has them."""
-    from mlx_ssp.stage_config import section_seed  # the seed rule, with no run file's seed to fall back on
-
     out = {"sampling": cfg.sampling, "seed": section_seed(cfg, 0), "batch_size": cfg.batch_size,
            "max_context": cfg.max_context, "system": cfg.system}
     for name in ("verify_workers", "prefill_batch_size", "unlabelled"):

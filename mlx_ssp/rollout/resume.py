@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import lock_path as output_lock_path
+from mlx_ssp.io import read_jsonl, repair_jsonl_tail, write_jsonl_atomic
 from mlx_ssp.rollout.config import RolloutConfig
 from mlx_ssp.tasks import Task
 
@@ -29,8 +31,6 @@ def lock_path(out: Path) -> Path:
     """The lock file of an output: ``.rollouts.jsonl.lock`` beside it (the output itself is
     replaced by atomic rewrites, so it cannot carry the lock); :func:`mlx_ssp.io.lock_path`, the
     rule every stage command's output lock follows."""
-    from mlx_ssp.io import lock_path as output_lock_path
-
     return output_lock_path(out)
 
 
@@ -121,8 +121,6 @@ def load_resumable(out: Path, meta: dict, run_fp: str, fingerprints: dict[str, s
     ``{"stale_records", "stale_tasks", "repeated_records"}``. ``run_fp``: :func:`run_fingerprint` of
     ``meta``. Other settings are refused; stale and
     repeated records are removed from the file by one atomic rewrite."""
-    from mlx_ssp.io import read_jsonl, repair_jsonl_tail, write_jsonl_atomic
-
     dropped = dict(NOTHING_DROPPED, stale_tasks=[])
     meta_path = sidecar(out, "meta")
     if overwrite:

@@ -9,11 +9,10 @@ from typing import Optional
 
 from mlx_ssp.rollout.records import TaskGroups
 from mlx_ssp.tasks import Task
+from mlx_ssp.verify import PARALLEL, verify
 
 
 def timed_verify(text: str, task: Task):
-    from mlx_ssp.verify import verify
-
     t0 = time.perf_counter()
     res = verify(text, task)
     return res, time.perf_counter() - t0
@@ -24,8 +23,6 @@ class Scorer:
 
     def __init__(self, tasks: list[Task], groups: TaskGroups, stats: dict, *, verify: bool, workers: int,
                  unlabelled: frozenset[str] = frozenset()):
-        from mlx_ssp.verify import PARALLEL
-
         self.parallel = PARALLEL
         self.verify = verify
         self.unlabelled = unlabelled  # task ids sampled without verification (no answer to check)

@@ -14,8 +14,21 @@ import logging
 from collections import defaultdict
 from pathlib import Path
 
+from mlx_ssp import distributed as dist
 from mlx_ssp import trackers
+from mlx_ssp.errors import UserError
+from mlx_ssp.io import JsonlAppender, exclusive_lock, write_json_atomic
+from mlx_ssp.models import ModelConfig, load_model, load_tokenizer, resolve_model
 from mlx_ssp.rollout.config import RolloutConfig
+from mlx_ssp.rollout.endpoint import (
+    effective_sampling,
+    endpoint_meta,
+    is_endpoint,
+    iter_endpoint_rollouts,
+    read_api_key,
+)
+from mlx_ssp.rollout.engine import iter_sharded
+from mlx_ssp.rollout.imported import has_imported, iter_imported
 from mlx_ssp.rollout.request import RolloutRequest, stage_settings
 from mlx_ssp.rollout.resume import (
     NOTHING_DROPPED,
@@ -27,6 +40,7 @@ from mlx_ssp.rollout.resume import (
     task_fingerprint,
 )
 from mlx_ssp.rollout.summary import stage_summary
+from mlx_ssp.tasks import load_tasks
 
 log = logging.getLogger("mlx_ssp.rollout")
 
@@ -38,9 +52,6 @@ class LocalSource:
         self.mcfg, self.model, self.tokenizer = mcfg, model, tokenizer
 
     def groups(self, request: RolloutRequest, missing: dict[str, list[int]], stats: dict, round_size: int):
-        from mlx_ssp.models import load_model
-        from mlx_ssp.rollout.engine import iter_sharded
-
         if self.model is None:
             self.model, self.tokenizer, _ = load_model(self.mcfg)
         return iter_sharded(self.model, self.tokenizer, request, missing, stats=stats, round_size=round_size)
@@ -48,8 +59,6 @@ class LocalSource:
     def student_tokenizer(self):
         """The tokenizer imported traces are tokenized with: the model's (weights not loaded for it)."""
         if self.tokenizer is None:
-            from mlx_ssp.models import load_tokenizer
-
             self.tokenizer = load_tokenizer(str(self.mcfg.path))
         return self.tokenizer
 
@@ -62,15 +71,11 @@ class EndpointSource:
         self.cfg, self.tokenizer = cfg, tokenizer
 
     def groups(self, request: RolloutRequest, missing: dict[str, list[int]], stats: dict, round_size: int):
-        from mlx_ssp.rollout.endpoint import iter_endpoint_rollouts
-
         return iter_endpoint_rollouts(self.cfg, request, samples=missing, stats=stats,
                                       tokenizer=self.student_tokenizer())
 
     def student_tokenizer(self):
         if self.tokenizer is None and self.cfg.tokenizer is not None:
-            from mlx_ssp.models import load_tokenizer
-
             self.tokenizer = load_tokenizer(self.cfg.tokenizer)
         return self.tokenizer
 
@@ -78,8 +83,6 @@ class EndpointSource:
 def iter_sources(source, request: RolloutRequest, missing: dict[str, list[int]], stats: dict, round_size: int):
     """The missing samples' task groups: tasks with imported completions (:mod:`.imported`) from
     those, the rest from ``source`` (which is not started when nothing is left for it)."""
-    from mlx_ssp.rollout.imported import has_imported, iter_imported
-
     imported = [t for t in request.tasks if has_imported(t) and missing.get(t.id)]
     rest = [t for t in request.tasks if not has_imported(t) and missing.get(t.id)]
     if rest:
@@ -97,12 +100,6 @@ def run_rollouts(model_spec, tasks_path: str | Path, cfg: RolloutConfig, out: st
     locked for the whole call (see :mod:`mlx_ssp.rollout` for what a resume keeps).
     ``model_spec``: a model (path or ModelConfig) or an endpoint teacher
     (:class:`~mlx_ssp.rollout.endpoint.EndpointTeacherConfig`; ``tokenizer`` is then the student's)."""
-    from mlx_ssp import distributed as dist
-    from mlx_ssp.io import exclusive_lock
-    from mlx_ssp.models import ModelConfig, resolve_model
-    from mlx_ssp.rollout.endpoint import effective_sampling, endpoint_meta, is_endpoint, read_api_key
-    from mlx_ssp.tasks import load_tasks
-
     out = Path(out)
     main = dist.is_main()  # under mlx.launch rank 0 alone reads/writes the output
     # empty file / bad record / unknown verifier: UserError (unlabelled tasks: checked by the request)
@@ -110,8 +107,6 @@ def run_rollouts(model_spec, tasks_path: str | Path, cfg: RolloutConfig, out: st
     settings = stage_settings(cfg)
     if is_endpoint(model_spec):
         if dist.size() > 1:
-            from mlx_ssp.errors import UserError
-
             raise UserError("an endpoint teacher runs in one process (the server does the parallel work); "
                             "run the rollout without mlx.launch")
         read_api_key(model_spec)  # a missing key fails before the lock and the first request
@@ -139,9 +134,6 @@ def _missing(records: list[dict], request: RolloutRequest) -> dict[str, list[int
 
 
 def _run_locked(source, request: RolloutRequest, out: Path, meta: dict, *, overwrite: bool) -> dict:
-    from mlx_ssp import distributed as dist
-    from mlx_ssp.io import write_json_atomic
-
     main = dist.is_main()
     meta_path = sidecar(out, "meta")
     fingerprints = {t.id: task_fingerprint(t, request.system) for t in request.tasks}
@@ -175,9 +167,6 @@ def _append_missing(source, request: RolloutRequest, missing: dict[str, list[int
                     stats: dict, fingerprints: dict[str, str], run_fp: str) -> list[dict]:
     """Generate the missing samples, stamp each record with what a later resume checks it against,
     and append each round to ``out`` (rank 0); returns the new records."""
-    from mlx_ssp import distributed as dist
-    from mlx_ssp.io import JsonlAppender
-
     new: list[dict] = []
     # several ranks: rounds of 8 batches per rank, each round appended whole by rank 0
     round_size = 8 * request.batch_size * dist.size()

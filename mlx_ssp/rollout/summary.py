@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Optional
 
+from mlx_ssp.metrics import pass_at_k
+
 
 def group_by_task(records: list[dict], k: Optional[int] = None) -> dict[str, list[dict]]:
     """task id -> its records (only samples < k when k is given), in file order."""
@@ -30,8 +32,6 @@ def summarize(records: list[dict], k: int, max_samples: Optional[int] = None) ->
     has ``pass@k: None`` and is left out of the domain's pass@k, whose ``pass@k_tasks`` says how
     many tasks it averages (``None`` when none has k samples), rather than reporting its pass@n
     under the pass@k label."""
-    from mlx_ssp.metrics import pass_at_k
-
     by_task = group_by_task(records, max_samples)
     rows: dict[str, list[dict]] = defaultdict(list)
     for tid, recs in by_task.items():

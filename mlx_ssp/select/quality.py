@@ -231,7 +231,11 @@ def _norm(s: str) -> str:
 
 def _math_answer(completion: str, metadata: dict) -> Optional[str]:
     # lazy: mlx_ssp.verify.math loads math_verify (sympy, seconds); only pseudo-labels of math need it
-    from mlx_ssp.verify.math import MAX_ANSWER_CHARS, reduce_grouping, too_complex
+    from mlx_ssp.verify.math import (  # lazy: math_verify (sympy) loads in seconds
+        MAX_ANSWER_CHARS,
+        reduce_grouping,
+        too_complex,
+    )
 
     ex = extract(completion or "", metadata.get("answer_extraction", DEFAULT_MODE), last_resort="last_number")
     if ex is None or not ex.text or len(ex.text) > MAX_ANSWER_CHARS:

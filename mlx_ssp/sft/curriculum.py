@@ -31,6 +31,7 @@ from typing import Iterable, Optional
 from pydantic import Field
 
 from mlx_ssp.config import StrictModel
+from mlx_ssp.io import iter_jsonl_numbered
 
 
 class CurriculumConfig(StrictModel):
@@ -103,6 +104,4 @@ def stage2_iters(cfg: CurriculumConfig, n_records: int, batch_size: int) -> int:
 
 
 def read_rollouts(path: Path) -> list[dict]:
-    from mlx_ssp.io import iter_jsonl_numbered
-
     return [rec for _, rec in iter_jsonl_numbered(path, what="curriculum reference rollouts")]

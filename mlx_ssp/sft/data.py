@@ -11,10 +11,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mlx_ssp import distributed as dist
+from mlx_ssp.config import load_section
 from mlx_ssp.errors import UserError
 from mlx_ssp.finetune.lora import check_lora_targets
+from mlx_ssp.io import iter_jsonl_numbered
+from mlx_ssp.select import safe_dirname
 from mlx_ssp.sft.config import DomainSpec, SFTConfig
 from mlx_ssp.sft.episodes import is_token_record, load_token_records
+from mlx_ssp.tasks import check_tasks, load_tasks
+from mlx_ssp.tasks.build import build_split
 
 
 @dataclass
@@ -33,8 +38,6 @@ class DomainPlan:
 
 def _read_records(path: Path) -> list[tuple[int, dict]]:
     """(line number, record) for each non-blank line; bad JSON is an error naming file:line."""
-    from mlx_ssp.io import iter_jsonl_numbered
-
     out = list(iter_jsonl_numbered(path, what="SFT data"))
     if not out:
         raise UserError(f"{path}: the SFT data file is empty")
@@ -168,8 +171,6 @@ def load_sft_file(path: Path, tokenizer, *, mask_prompt: bool, max_seq_length: i
 
 
 def _resolve_data(domain: str, spec: DomainSpec, data_dir: Path) -> tuple[Path, Optional[Path]]:
-    from mlx_ssp.select import safe_dirname  # the directory name `mlx_ssp select` writes
-
     p = Path(spec.data) if spec.data else data_dir / safe_dirname(domain)
     if p.is_dir():
         train = p / "train.jsonl"
@@ -190,15 +191,10 @@ def _resolve_data(domain: str, spec: DomainSpec, data_dir: Path) -> tuple[Path, 
 
 
 def _probe_tasks(domain: str, spec: DomainSpec, cfg: SFTConfig, run_data: dict, source: str) -> tuple[list, str]:
-    from mlx_ssp.tasks import check_tasks, load_tasks
-
     if spec.probe_tasks:
         tasks = load_tasks(spec.probe_tasks)
         where = spec.probe_tasks
     elif run_data.get("tasks") is not None:
-        from mlx_ssp.config import load_section
-        from mlx_ssp.tasks import build_split  # type: ignore[attr-defined]
-
         tcfg = load_section(run_data, "tasks", source=source)
         tasks = build_split(tcfg, "probe")
         check_tasks(tasks, source=f"{source}: tasks (probe split)")

@@ -9,9 +9,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from mlx_ssp.errors import UserError
+from mlx_ssp.eval import evaluate
 from mlx_ssp.finetune.checkpoints import list_checkpoints
 from mlx_ssp.io import write_jsonl_atomic
+from mlx_ssp.plots import line_chart
 from mlx_ssp.sft.config import SELECT_RULES, ProbeConfig, SFTConfig
+from mlx_ssp.stage_config import section_seed
 
 
 def _neg(x: Optional[float]) -> float:
@@ -55,8 +58,6 @@ def select_checkpoint(rows: list[dict], rule: str) -> int:
 
 def probe_seed(cfg: SFTConfig, seed: int) -> int:
     """The seed rule one level down: ``sft.probe.seed``, else the sft stage's seed."""
-    from mlx_ssp.stage_config import section_seed
-
     return section_seed(cfg.probe, seed)
 
 
@@ -84,8 +85,6 @@ def read_curve(ddir: Path) -> list[dict]:
 
 def write_curve(ddir: Path, domain: str, rule: str) -> Optional[dict]:
     """Write probe_curve.jsonl (+ PNG) from the checkpoints; ``chosen`` marks the current choice."""
-    from mlx_ssp.plots import line_chart
-
     rows = read_curve(ddir)
     if not rows:
         return None
@@ -118,8 +117,6 @@ ProbeFn = Callable[..., dict]
 
 def default_probe(model, tokenizer, tasks: list, probe: ProbeConfig, seed: int) -> dict:
     """K samples per probe task through the rollout engine; Pass@K (unbiased) and Pass@1."""
-    from mlx_ssp.eval import evaluate
-
     res = evaluate(
         model, tokenizer, tasks, k=probe.k, n=probe.n, sampling=probe.sampling, seed=seed,
         batch_size=probe.batch_size, progress=probe.progress, progress_label="sft probe", system=probe.system,

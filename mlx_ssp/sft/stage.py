@@ -21,11 +21,15 @@ from mlx_ssp.finetune.lora import adapter_config as lora_adapter_config
 from mlx_ssp.finetune.lora import attach_lora
 from mlx_ssp.finetune.optim import build_optimizer as _build
 from mlx_ssp.finetune.seed import step_seed
-from mlx_ssp.io import JsonlAppender, write_json_atomic
+from mlx_ssp.io import JsonlAppender, write_json_atomic, write_jsonl_atomic
+from mlx_ssp.models import load_model
 from mlx_ssp.progress import mlx_lm_train_ui
+from mlx_ssp.select import safe_dirname
+from mlx_ssp.sft import curriculum as C
 from mlx_ssp.sft.batches import make_iterate_batches, make_masked_iterate_batches
 from mlx_ssp.sft.config import SFTConfig
-from mlx_ssp.sft.data import DomainPlan, plan_domains, val_batch_size
+from mlx_ssp.sft.curriculum import CurriculumConfig
+from mlx_ssp.sft.data import DomainPlan, _read_records, load_sft_file, plan_domains, val_batch_size
 from mlx_ssp.sft.loss import chunked_is_exact, make_loss
 from mlx_ssp.sft.packing import check_packable
 from mlx_ssp.sft.probe import ProbeFn, default_probe, probe_seed, read_curve, write_curve  # noqa: F401
@@ -260,8 +264,6 @@ def train_specialist(
 ) -> dict:
     """Train, probe, choose and fuse one domain's specialist on the (shared) base ``model``.
     The model is the base model again when this returns (also on error)."""
-    from mlx_ssp.select import safe_dirname
-
     ddir = out_dir / safe_dirname(plan.name)
     spec_dir = out_dir / "specialists" / safe_dirname(plan.name)
     done = _open_domain_dir(cfg, plan, model_path, ddir, spec_dir, seed)
@@ -319,9 +321,6 @@ def _curriculum_stage(cfg: SFTConfig, plan: DomainPlan, stage1: "_DomainRun", to
     Returns what it did and ``(chosen, checkpoint)``, or None in its place when the subset is empty."""
     import dataclasses
 
-    from mlx_ssp.io import write_jsonl_atomic
-    from mlx_ssp.sft import curriculum as C
-    from mlx_ssp.sft.data import _read_records, load_sft_file
 
     cc = cfg.curriculum
     if cc.reference is None:
@@ -369,7 +368,6 @@ def _curriculum_settings(result: dict) -> Optional[dict]:
     cur = result.get("curriculum")
     if cur is None:
         return None
-    from mlx_ssp.sft.curriculum import CurriculumConfig
 
     return CurriculumConfig.model_validate({k: cur[k] for k in CurriculumConfig.model_fields if k in cur}).model_dump(mode="json")
 
@@ -443,8 +441,6 @@ def run_sft(
     """Train every domain's specialist, one after another, on one loaded base model.
     All inputs are checked first. Returns the summary written to ``OUT/summary.json``.
     ``card_kind`` is the recipe its model cards name (:data:`mlx_ssp.card.KINDS`)."""
-    from mlx_ssp.models import load_model
-
     if not cfg.domains:
         raise UserError(f"{source or 'sft'}: sft.domains is empty; list the domains to train (e.g. domains: [math])")
     if cfg.batch_size % dist.size():

@@ -13,7 +13,10 @@ from typing import Any, Literal, Optional
 from pydantic import Field, ValidationInfo, field_validator
 
 from mlx_ssp.config import StrictModel
+from mlx_ssp.tasks.sources import parse_source
+from mlx_ssp.verify import UNAVAILABLE, VERIFIERS
 from mlx_ssp.verify.extract import MODES
+from mlx_ssp.verify.sandbox import Limits
 
 SPLITS = ("train", "probe", "eval")
 
@@ -42,16 +45,12 @@ class DomainConfig(StrictModel):
     @field_validator("source")
     @classmethod
     def _source_ok(cls, v: str) -> str:
-        from mlx_ssp.tasks.sources import parse_source
-
         parse_source(v)  # raises ValueError naming the valid kinds
         return v
 
     @field_validator("params")
     @classmethod
     def _params_ok(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        from mlx_ssp.tasks.sources import parse_source
-
         if "source" not in info.data:  # the source itself was invalid: that error is reported
             return v
         src, _ = parse_source(info.data["source"])
@@ -64,7 +63,6 @@ class DomainConfig(StrictModel):
     def _verifier_ok(cls, v: Optional[str]) -> Optional[str]:
         if v is None:
             return v
-        from mlx_ssp.verify import UNAVAILABLE, VERIFIERS
 
         if v not in VERIFIERS and v not in UNAVAILABLE:
             raise ValueError(f"unknown verifier '{v}'; valid: {', '.join(sorted(VERIFIERS))}")
@@ -75,7 +73,6 @@ class DomainConfig(StrictModel):
     def _sandbox_ok(cls, v: dict[str, Any]) -> dict[str, Any]:
         from dataclasses import fields
 
-        from mlx_ssp.verify.sandbox import Limits
 
         valid = {f.name: f.type for f in fields(Limits)}
         bad = sorted(set(v) - set(valid))

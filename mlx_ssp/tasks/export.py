@@ -7,7 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from mlx_ssp.tasks.config import SPLITS
+from mlx_ssp.config import apply_overrides, read_yaml, validate
+from mlx_ssp.stage_config import load_stage
+from mlx_ssp.tasks.build import build_split
+from mlx_ssp.tasks.config import SPLITS, TasksConfig
 
 
 def is_yaml(source: str) -> bool:
@@ -17,13 +20,8 @@ def is_yaml(source: str) -> bool:
 def load_tasks_section(source: str, overrides: tuple[str, ...]):
     """The validated ``tasks:`` section of ``source`` (+ ``--set``): a run file through
     :func:`mlx_ssp.stage_config.load_stage`, a bare section (not a run file) as written."""
-    from mlx_ssp.config import apply_overrides, read_yaml, validate
-    from mlx_ssp.tasks.config import TasksConfig
-
     raw = read_yaml(source)
     if "tasks" in raw:
-        from mlx_ssp.stage_config import load_stage
-
         return load_stage(source, overrides, "tasks", with_model=False).cfg
     section = apply_overrides({"tasks": raw}, overrides)["tasks"]
     return validate(TasksConfig, section, source=source, prefix="tasks")
@@ -33,8 +31,6 @@ def export_yaml(source: str, overrides: tuple[str, ...] = (), *, seed: Optional[
                 size: Optional[int] = None, split: Optional[str] = None) -> list:
     """The tasks of ``split`` (``None``/``all``: every split, each task tagged with metadata.split);
     ``seed`` replaces ``tasks.seed`` and ``size`` every domain's size of the chosen splits."""
-    from mlx_ssp.tasks import build_split
-
     cfg = load_tasks_section(source, overrides)
     if seed is not None:
         cfg.seed = seed

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import iter_jsonl_numbered
 
 ORDER = ("eval", "probe", "train")  # eval is drawn first: it stays fixed when train/probe change
 
@@ -36,8 +37,6 @@ class Item:
 
 
 def read_rows(path: str) -> list[dict]:
-    from mlx_ssp.io import iter_jsonl_numbered
-
     rows = [rec for _, rec in iter_jsonl_numbered(path, what="source")]
     if not rows:
         raise UserError(f"{Path(path).expanduser()}: no rows")

@@ -44,6 +44,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from mlx_ssp.agents.bfcl.source import SYSTEM_PROMPT as MULTI_TURN_SYSTEM
+from mlx_ssp.agents.bfcl.source import catalogue as multi_turn_catalogue
+from mlx_ssp.agents.bfcl.source import load_multi_turn
+from mlx_ssp.agents.source import load_episodes
 from mlx_ssp.tasks.file_sources import (  # noqa: F401  (bfcl_schema, gsm8k_answer: re-exported)
     bfcl_catalogue,
     bfcl_categories,
@@ -62,10 +66,9 @@ from mlx_ssp.tasks.file_sources import (  # noqa: F401  (bfcl_schema, gsm8k_answ
 from mlx_ssp.tasks.instruct import TEMPLATES as INSTRUCT_TEMPLATES
 from mlx_ssp.tasks.instruct import instruct_items
 from mlx_ssp.tasks.item import ORDER, Item  # noqa: F401  (re-exported)
-from mlx_ssp.agents.bfcl.source import SYSTEM_PROMPT as MULTI_TURN_SYSTEM
-from mlx_ssp.agents.bfcl.source import catalogue as multi_turn_catalogue
-from mlx_ssp.agents.bfcl.source import load_multi_turn
 from mlx_ssp.tasks.procedural import problem_key, rg_catalogue, rg_items, split_seed  # noqa: F401
+from mlx_ssp.testbed.source import testbed_items
+from mlx_ssp.testbed.tools.source import tools_items
 
 ANSWER_INSTRUCTION = "Give your final answer on the last line in the form:\nAnswer: <your answer>"
 CODE_INSTRUCTION = "Complete this Python function. Reply with the whole function in a ```python code block."
@@ -137,20 +140,14 @@ SOURCES: dict[str, Source] = {
 
 
 def _load_episodes(arg: str, params: dict):
-    from mlx_ssp.agents.source import load_episodes  # at the top it would close a cycle: agents.source -> tasks.item -> tasks
-
     return load_episodes(arg, params)
 
 
 def _testbed_items(*args):
-    from mlx_ssp.testbed.source import testbed_items  # imports the verifier registry: only when used
-
     return testbed_items(*args)
 
 
 def _testbed_tools_items(*args):
-    from mlx_ssp.testbed.tools.source import tools_items  # at use: agents.source imports mlx_ssp.tasks (a cycle)
-
     return tools_items(*args)
 
 

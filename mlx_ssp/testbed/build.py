@@ -36,9 +36,13 @@ import types
 from pathlib import Path
 from typing import Optional
 
+from mlx_ssp.agents.episode import replay
+from mlx_ssp.errors import UserError
 from mlx_ssp.io import cache_dir
 from mlx_ssp.progress import is_on, mlx_lm_train_ui
 from mlx_ssp.testbed.problems import DOMAINS, LEVELS, draw, held_out, strategies, trace
+from mlx_ssp.testbed.tools.corpus import corpus as tools_corpus
+from mlx_ssp.testing import make_tiny_model, train_tokenizer
 
 VERSION = 2  # 2: the held-out quarter of the problem space is left out of the corpus
 LEVEL_DECAY = 0.6
@@ -120,8 +124,6 @@ def corpus(n_per_domain: int, seed: int, domains: tuple[str, ...] = DOMAINS,
 def _episode_item(tok, rec: dict, max_seq: int) -> tuple[list[int], list[int]]:
     """A corpus episode as ``(token ids, mask)``, as the rollout engine would have produced it (the
     task's rendered prompt, then each message's tokens), cut to ``max_seq``."""
-    from mlx_ssp.agents.episode import replay  # the agents stack: only for the tool-use size
-
     prompt, ids, mask = replay(tok, rec["task"], rec["messages"])
     return (prompt + ids)[:max_seq], ([0] * len(prompt) + mask)[:max_seq]
 
@@ -132,8 +134,6 @@ def testbed_dir(size: str, seed: int) -> Path:
 
 def parse_spec(spec: str) -> tuple[str, int]:
     """``testbed`` | ``testbed:SIZE`` | ``testbed:SIZE:SEED`` -> (size, seed)."""
-    from mlx_ssp.errors import UserError
-
     parts = spec.split(":")
     size = parts[1] if len(parts) > 1 and parts[1] else "small"
     try:
@@ -148,8 +148,6 @@ def parse_spec(spec: str) -> tuple[str, int]:
 def cached(size: str, seed: int) -> Optional[Path]:
     """The cache directory of ``testbed:SIZE:SEED`` if it is built (None if not); a build whose
     settings differ from :data:`SIZES` now is refused, never silently reused."""
-    from mlx_ssp.errors import UserError
-
     out = testbed_dir(size, seed)
     if not (out / "build.json").is_file():
         return None
@@ -177,15 +175,17 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
     leaves nothing half-written). ``steps`` / ``corpus_size`` override the size's (tests)."""
     import mlx.core as mx
     import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
     from mlx_lm.tuner.datasets import CacheDataset, create_dataset
     from mlx_lm.tuner.trainer import TrainingArgs, train
-    from mlx.utils import tree_flatten
     from mlx_lm.utils import load, save_model
 
-    from mlx_ssp.sft.batches import make_iterate_batches, make_masked_iterate_batches
+    from mlx_ssp.sft.batches import (  # lazy: sft -> models -> this module
+        make_iterate_batches,
+        make_masked_iterate_batches,
+    )
     from mlx_ssp.sft.episodes import TokenDataset
     from mlx_ssp.sft.loss import masked_loss
-    from mlx_ssp.testing import make_tiny_model, train_tokenizer
 
     s = dict(SIZES[size])
     overrides = [k for k, v in (("steps", steps), ("corpus", corpus_size)) if v]  # recorded: not stale settings
@@ -195,7 +195,6 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
     tools = s.get("kind") == "tools"
     if tools:
         # the task and agents stack, only for the tool-use size
-        from mlx_ssp.testbed.tools.corpus import corpus as tools_corpus
 
         recs = tools_corpus(corpus_size or s["corpus"], seed, unreliable=s.get("unreliable", 0.0))
     else:

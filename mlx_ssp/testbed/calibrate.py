@@ -7,6 +7,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Optional
 
+from mlx_ssp.config import validate
+from mlx_ssp.rollout import SamplingConfig, generate_rollouts
+from mlx_ssp.tasks.build import build_split
+from mlx_ssp.tasks.config import TasksConfig
 from mlx_ssp.testbed.problems import LEVELS, problem_from_meta, strategies
 
 
@@ -25,10 +29,6 @@ def calibrate(model, tokenizer, *, n_per_domain: int = 48, k: int = 8, seed: int
               temperature: float = 1.0, batch_size: int = 256, levels: Optional[dict] = None) -> dict:
     """Pass@1 by domain and level, the pass band and the strategies of the correct samples, on
     held-out problems of every domain in ``levels`` (domain -> (lo, hi); default: all, full range)."""
-    from mlx_ssp.config import validate
-    from mlx_ssp.rollout import SamplingConfig, generate_rollouts
-    from mlx_ssp.tasks import TasksConfig, build_split
-
     out: dict = {"k": k, "domains": {}}
     for d, lv in (levels or LEVELS).items():
         cfg = validate(TasksConfig, {"seed": seed, "domains": {d: {"source": f"testbed:{d}", "params": {"levels": list(lv)},

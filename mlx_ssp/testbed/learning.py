@@ -11,7 +11,7 @@ either of the recipe's two phases (``stage``):
   (:func:`mlx_ssp.sft.run_sft`).
 
 Both start from the same train / probe / eval splits of one ``testbed:DOMAIN`` source
-(:func:`mlx_ssp.tasks.build_split`; eval and probe are held out from pretraining) and end with
+(:func:`mlx_ssp.tasks.build.build_split`; eval and probe are held out from pretraining) and end with
 held-out pass@1 of the base and of the trained model on the same eval tasks with the same sampling
 seed (:func:`mlx_ssp.eval.evaluate`), so the gain is a paired difference.
 
@@ -31,7 +31,18 @@ from typing import Literal
 
 from pydantic import Field
 
-from mlx_ssp.config import StrictModel
+from mlx_ssp.config import StrictModel, validate
+from mlx_ssp.eval import evaluate
+from mlx_ssp.io import write_jsonl_atomic
+from mlx_ssp.models import load_model
+from mlx_ssp.rl.config import RLConfig
+from mlx_ssp.rl.loop import setup_model, train
+from mlx_ssp.rollout import SamplingConfig, generate_rollouts
+from mlx_ssp.select import SelectConfig, select
+from mlx_ssp.sft import SFTConfig, run_sft
+from mlx_ssp.tasks import write_tasks
+from mlx_ssp.tasks.build import build_split
+from mlx_ssp.tasks.config import TasksConfig
 
 
 class SFTRound(StrictModel):
@@ -83,12 +94,6 @@ def learning_round(model_dir: str | Path, work: str | Path, cfg: LearningConfig 
     ``seed`` drives the training (rollout sampling, LoRA init, batch order) and the eval sampling.
     Returns base and trained pass@1, their paired gain, the amount of training data, and the wall
     time of each part."""
-    from mlx_ssp.config import validate
-    from mlx_ssp.eval import evaluate
-    from mlx_ssp.models import load_model
-    from mlx_ssp.rollout import SamplingConfig
-    from mlx_ssp.tasks import TasksConfig, build_split
-
     work = Path(work)
     times: dict[str, float] = {}
     tic = time.perf_counter()
@@ -122,14 +127,6 @@ def learning_round(model_dir: str | Path, work: str | Path, cfg: LearningConfig 
 
 
 def _sft(cfg: LearningConfig, model, tok, path, splits, sampling, work: Path, seed: int, times: dict):
-    from mlx_ssp.config import validate
-    from mlx_ssp.io import write_jsonl_atomic
-    from mlx_ssp.models import load_model
-    from mlx_ssp.rollout import generate_rollouts
-    from mlx_ssp.select import SelectConfig, select
-    from mlx_ssp.sft import SFTConfig, run_sft
-    from mlx_ssp.tasks import write_tasks
-
     c = cfg.sft
     tic = time.perf_counter()
     write_tasks(work / "probe.jsonl", splits["probe"])
@@ -158,9 +155,6 @@ def _sft(cfg: LearningConfig, model, tok, path, splits, sampling, work: Path, se
 def _rl(cfg: LearningConfig, model, tok, path, splits, sampling, work: Path, seed: int, times: dict):
     import json
 
-    from mlx_ssp.config import validate
-    from mlx_ssp.rl.config import RLConfig
-    from mlx_ssp.rl.loop import setup_model, train
 
     c = cfg.rl
     tic = time.perf_counter()

@@ -23,6 +23,8 @@ from mlx_ssp import io
 from mlx_ssp.errors import UserError
 from mlx_ssp.rollout.resume import run_fingerprint, task_fingerprint
 from mlx_ssp.sandbox_policy import get_policy
+from mlx_ssp.tasks import Task, check_tasks, load_tasks
+from mlx_ssp.verify import verify_many
 
 #: records verified per verify_many call: bounds the memory held while the writer streams
 CHUNK = 256
@@ -32,7 +34,6 @@ def tasks_of(records: list[dict], tasks_path: str | None, in_path: str):
     """The task of each record, checked (errors name ``in_path`` and the record)."""
     from pydantic import ValidationError
 
-    from mlx_ssp.tasks import Task, check_tasks, load_tasks
 
     by_id = {t.id: t for t in load_tasks(tasks_path)} if tasks_path else {}
     out = []
@@ -112,8 +113,6 @@ def rescore(records: list[dict], tasks: list, output: str, *, workers: int,
             progress: Optional[Callable[[int], None]] = None) -> Scores:
     """Score ``records`` against ``tasks`` and write them to ``output`` (atomically, at the end),
     resuming the verdicts a killed run left in :func:`partial_path`."""
-    from mlx_ssp.verify import verify_many
-
     part = partial_path(output)
     keys = record_keys(records, tasks)
     done = load_partial(part, keys)

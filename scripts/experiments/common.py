@@ -260,7 +260,7 @@ class Ctx:
         from mlx_ssp.rl.config import RLConfig
         from mlx_ssp.rollout import RolloutConfig
         from mlx_ssp.select import SelectConfig
-        from mlx_ssp.tasks import TasksConfig
+        from mlx_ssp.tasks.config import TasksConfig
 
         self.raw, self.work, self.tiny, self.progress = cfg, work, tiny, progress
         self.seed = int(cfg["seed"])
@@ -315,7 +315,8 @@ class Ctx:
     # -- cached steps ------------------------------------------------------------------------
     def tasks(self, split: str) -> Path:
         """The split's task JSONL (built once from the tasks config)."""
-        from mlx_ssp.tasks import build_split, write_tasks
+        from mlx_ssp.tasks import write_tasks
+        from mlx_ssp.tasks.build import build_split
 
         p = self.path("tasks", self.k_tasks, f"{split}.jsonl")
         if not p.exists():

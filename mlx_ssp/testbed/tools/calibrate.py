@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from mlx_ssp.config import validate
 from mlx_ssp.rollout import SamplingConfig, generate_rollouts
-from mlx_ssp.tasks import TasksConfig, build_split
+from mlx_ssp.tasks.build import build_split
+from mlx_ssp.tasks.config import TasksConfig
 from mlx_ssp.testbed.tools.episodes import BACKENDS
 
 

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 
 from mlx_ssp.agents.gold import gold_messages
 from mlx_ssp.config import validate
-from mlx_ssp.tasks import Task, TasksConfig, build_split
+from mlx_ssp.tasks import Task
+from mlx_ssp.tasks.build import build_split
+from mlx_ssp.tasks.config import TasksConfig
 from mlx_ssp.testbed.tools.episodes import BACKENDS, Episode, alternative_orders, unreliable_variants
 from mlx_ssp.testbed.tools.source import split_episodes
 
