@@ -217,15 +217,15 @@ def run_lora(python: str, model: Path, work: Path, steps: int, shape: Shape) -> 
     data.mkdir(exist_ok=True)
     system = {"system": shape.system} if shape.settings == "matched" else {}
     recs = [{"prompt": p, "answer": a, **system} for p, a in zip(PROMPTS, ANSWERS)]
-    for name in ("train", "valid"):
-        (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    # no valid.jsonl: its validation (a generation and a loss at the first and the last step) is skipped
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     log = work / "lora_steps.jsonl"
     log.unlink(missing_ok=True)
     cmd = [python, str(HERE / "bench_rl_lora.py"), str(log), "--", "--model", str(model), "--train",
            "--train-mode", "grpo", "--data", str(data), "--batch-size", str(shape.batch),
            "--group-size", str(shape.group), "--max-completion-length", str(shape.max_tokens), "--iters", str(steps),
            "--steps-per-report", "1", "--num-layers", "-1", "--adapter-path", str(work / "lora"),
-           "--steps-per-eval", "100000", "--val-batches", "1", "--save-every", "100000"]
+           "--save-every", "100000"]
     if shape.settings == "matched":
         conf = work / "lora.yaml"
         conf.write_text(json.dumps({"lora_parameters": {"rank": 8, "dropout": 0.0, "scale": MATCHED["scale"]}}))
