@@ -299,6 +299,47 @@ def preflight(name: str, config: dict, rl: dict, prompt_tokens: int, limit_bytes
                         f"limit of {limit_bytes / 2**30:.1f} GiB (--memory-limit-gb)")
 
 
+def markdown(report: dict) -> str:
+    """The JSON's runs as one markdown table per model and setting: figure | each tool | ours / the
+    fastest peer (by tokens per second)."""
+    out = [f"{report['date']}, {report['machine']}; `{report['command']}`"]
+    groups: dict = {}
+    for r in report["runs"]:
+        groups.setdefault((r["model"], r["settings"]), {})[r["tool"]] = r
+    for (model, setting), res in groups.items():
+        tools = list(res)
+        peers = [t for t in tools if t != "mlx_ssp"]
+        best = max(peers, key=lambda t: res[t]["tok_per_s"]) if peers else None
+        sh = res[tools[0]]["shape"]
+        out += ["", f"**{model}, {setting}** (batch {sh['batch']}, G {sh['group']}, {sh['max_tokens']} tokens; "
+                f"median of {res[tools[0]]['steps']} measured step(s))", "",
+                "| figure | " + " | ".join(tools) + (f" | ours / {best} |" if best else " |"),
+                "|---" * (len(tools) + 1 + bool(best)) + "|"]
+        rows = [("step time, median (s)", lambda r: r["step_s"], "{:.1f}", True),
+                ("step time, min (s)", lambda r: r["min_step_s"], "{:.1f}", True),
+                ("CPU s per step", lambda r: r["cpu_s"], "{:.1f}", True),
+                ("completion tokens per step", lambda r: r["gen_tokens"], "{:.0f}", None),
+                ("completion tokens/s", lambda r: r["tok_per_s"], "{:.2f}", False),
+                ("peak MLX memory (MB)", lambda r: r["peak_mb"], "{:,.0f}", None),
+                ("generation (s)", lambda r: r["split"].get("gen_s"), "{:.1f}", None),
+                ("reference (s)", lambda r: r["split"].get("ref_s"), "{:.1f}", None),
+                ("update (s)", lambda r: r["split"].get("update_s"), "{:.1f}", None),
+                ("reference + update, not split (s)", lambda r: r["split"].get("ref_update_s"), "{:.1f}", None),
+                ("load average (before-after)", lambda r: "{}-{}".format(*r["load"]), "{}", None)]
+        for name, get, fmt, lower_better in rows:
+            vals = [get(res[t]) for t in tools]
+            cells = ["" if v is None else fmt.format(v) for v in vals]
+            ratio = ""
+            if best and get(res["mlx_ssp"]) is not None and get(res[best]) is not None and name.startswith(
+                    ("step time", "CPU", "completion tokens/s", "peak")):
+                o, b = get(res["mlx_ssp"]), get(res[best])
+                ratio = f"x{(b / o if lower_better else o / b):.2f}" + (" faster" if lower_better is not None else "")
+                if name.startswith("peak"):
+                    ratio = f"x{o / b:.2f} of theirs"
+            out.append(f"| {name} | " + " | ".join(cells) + (f" | {ratio} |" if best else " |"))
+    return "\n".join(out)
+
+
 def load1() -> float:
     return round(os.getloadavg()[0], 2)
 
@@ -327,7 +368,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="refuse a shape whose predicted peak is over this (default: this machine's memory)")
     ap.add_argument("--work", default=None, help="working directory (kept; a random model built there is reused)")
     ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--report", default=None, metavar="JSON", help="print an earlier run's JSON as markdown tables")
     a = ap.parse_args(argv)
+    if a.report:
+        print(markdown(json.loads(Path(a.report).read_text())))
+        return 0
     if a.steps <= a.warmup:
         ap.error("--steps must exceed --warmup")
     limit = a.memory_limit_gb * 2**30 if a.memory_limit_gb else (machine_memory_bytes() or float("inf"))
