@@ -271,7 +271,8 @@ def auto_micro_batch(config: Mapping[str, Any], rl, *, prompt_tokens: int, dtype
 
     one = at(1)
     floor = max(one.gen_bytes, one.train_bytes)
-    n = fixed.micro_batch_size
-    while n > 1 and at(n).train_bytes > floor:
-        n -= 1
-    return n
+    lo, hi = 1, fixed.micro_batch_size  # the update's peak does not fall as the rows grow: bisect
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if at(mid).train_bytes <= floor else (lo, mid - 1)
+    return lo
