@@ -313,12 +313,14 @@ def markdown(report: dict) -> str:
         sh = res[tools[0]]["shape"]
         out += ["", f"**{model}, {setting}** (batch {sh['batch']}, G {sh['group']}, {sh['max_tokens']} tokens; "
                 f"median of {res[tools[0]]['steps']} measured step(s))", "",
-                "| figure | " + " | ".join(tools) + (f" | ours / {best} |" if best else " |"),
+                "| figure | " + " | ".join(tools) + (f" | ratio vs {best} (>1: ours faster; memory: ours/theirs) |"
+                                                     if best else " |"),
                 "|---" * (len(tools) + 1 + bool(best)) + "|"]
         rows = [("step time, median (s)", lambda r: r["step_s"], "{:.1f}", True),
                 ("step time, min (s)", lambda r: r["min_step_s"], "{:.1f}", True),
                 ("CPU s per step", lambda r: r["cpu_s"], "{:.1f}", True),
                 ("completion tokens per step", lambda r: r["gen_tokens"], "{:.0f}", None),
+                ("CPU s per completion token", lambda r: r["cpu_s"] / r["gen_tokens"], "{:.3f}", True),
                 ("completion tokens/s", lambda r: r["tok_per_s"], "{:.2f}", False),
                 ("peak MLX memory (MB)", lambda r: r["peak_mb"], "{:,.0f}", None),
                 ("generation (s)", lambda r: r["split"].get("gen_s"), "{:.1f}", None),
@@ -333,9 +335,9 @@ def markdown(report: dict) -> str:
             if best and get(res["mlx_ssp"]) is not None and get(res[best]) is not None and name.startswith(
                     ("step time", "CPU", "completion tokens/s", "peak")):
                 o, b = get(res["mlx_ssp"]), get(res[best])
-                ratio = f"x{(b / o if lower_better else o / b):.2f}" + (" faster" if lower_better is not None else "")
+                ratio = f"x{(b / o if lower_better else o / b):.2f}"
                 if name.startswith("peak"):
-                    ratio = f"x{o / b:.2f} of theirs"
+                    ratio = f"x{o / b:.2f}"
             out.append(f"| {name} | " + " | ".join(cells) + (f" | {ratio} |" if best else " |"))
     return "\n".join(out)
 
