@@ -195,6 +195,12 @@ def test_auto_micro_batch_leaves_earlier_runs_resolved_config_alone():
     fingerprints), and micro_batch_size still reads 16: runs made before it keep their fingerprints."""
     from mlx_ssp.rl.config import RLConfig
 
+    from mlx_ssp.rl.loop import config_record, fingerprint
+
     dump = RLConfig().model_dump(mode="json")
     assert "auto_micro_batch" not in dump and dump["micro_batch_size"] == 16
+    # the resume's and the finished phases' fingerprint: the same keys as before the new one
+    fp = fingerprint(config_record(RLConfig(), 0, ""))
+    assert fp["rl.micro_batch_size"] == 16 and "rl.auto_micro_batch" not in fp
+    assert fingerprint(config_record(RLConfig(auto_micro_batch=False), 0, "")) == fp
     assert RLConfig(auto_micro_batch=False).model_dump(mode="json")["auto_micro_batch"] is False

@@ -785,8 +785,9 @@ def latest_checkpoint(out_dir: Path) -> Optional[Path]:
 
 #: rl: keys a resumed run may change (how long, how often, how verbose); any other change stops it
 RESUMABLE_KEYS = ("steps", "checkpoint_every", "max_bad_steps", "progress", "kernels", "output",
-                  # the update's layout: gradients accumulate, so the update is the same whatever they are
-                  "micro_batch_size", "auto_micro_batch")
+                  # the update's layout (gradients accumulate, so the update is the same); a key that
+                  # every earlier record holds stays out of here: finished phases hash these fingerprints
+                  "auto_micro_batch")
 
 
 def config_record(cfg: RLConfig, seed: int, model_path: str) -> dict:
