@@ -108,9 +108,13 @@ def make_tiny_model(
     dtype: str = "float32",
     vocab_size: int = 512,
     corpus: list[str] | None = None,
+    config_overrides: dict | None = None,
 ) -> Path:
     """Write a random ``arch`` model (``qwen3`` or ``llama``) in HF layout and return its path. The
-    trained tokenizer has ``vocab_size`` tokens learnt from the built-in corpus and ``corpus``."""
+    trained tokenizer has ``vocab_size`` tokens learnt from the built-in corpus and ``corpus``.
+    ``config_overrides``: config.json keys that replace the derived ones (a real model's
+    ``head_dim``, ``rope_theta`` or a ``vocab_size`` larger than the tokenizer's, whose extra ids
+    decode to nothing)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import save_config
@@ -141,6 +145,7 @@ def make_tiny_model(
         "head_dim": head_dim,
         "eos_token_id": _eos_id(out),
         "torch_dtype": dtype,
+        **(config_overrides or {}),
     }
     if arch == "qwen3":
         from mlx_lm.models.qwen3 import Model, ModelArgs

@@ -1,26 +1,44 @@
-"""Benchmark: one MGPO-GRPO step of `mlx_ssp rl` vs mlx-lm-lora's GRPO trainer, side by side.
+"""Benchmark: one MGPO-GRPO step of `mlx_ssp rl` side by side with two MLX peers: mlx-lm-lora's
+GRPO trainer and inductive-mlxrl's GRPO.
 
-Same random float32 Qwen3-shaped models (built here, offline), same settings for both: batch 2
-prompts, group 4, 32-token completions (min 32: EOS is suppressed for neither, so lengths vary),
-temperature 0.8, LoRA rank 8 on every linear layer of every block, Adam lr 1e-5, beta 0.1 (k3 KL;
-ours: reference = adapters off, theirs: a second model). Each tool runs in its own process
-(`mlx_ssp rl` and `python -m mlx_lm_lora.train --train-mode grpo`) for --steps steps; we report
-the median (and min: the machine is shared, the min is the least disturbed) step wall time
-over the steps after the first two (warm-up), completion tokens per
-second of step time (generated tokens / step time, the same definition for both), and MLX peak
-memory (theirs: since process start, as it reports it; ours: the largest per-step peak).
-CPU seconds per step (all threads; ours from the metrics, theirs from a second run whose
-clock is swapped for process CPU time) are reported too: they suffer far less than wall time when
-other jobs share the cores. mlx-lm-lora gets OpenBLAS through LD_PRELOAD (as `import mlx_ssp` does for us) so BLAS is equal.
+Each tool runs in its own process on the same model, prompts, batch (prompts per step), group G,
+completion length (EOS is suppressed by none, so lengths vary where a model stops), LoRA rank 8 on
+every linear layer of every block, float32. Two settings per model:
 
-    python -m venv /tmp/lora-venv && /tmp/lora-venv/bin/pip install "mlx[cpu]" mlx-lm-lora
-    python scripts/bench_rl.py --lora-python /tmp/lora-venv/bin/python
+- ``defaults``: everything else at each tool's own default (sampling, KL beta, LoRA scale,
+  optimizer, micro-batching, prompt template; ours: beta 0, so no reference pass);
+- ``matched``: the same chat-rendered prompt with the same system prompt for all, T 0.8, top-p
+  0.95, top-k 20 (mlx-lm-lora's training sampler, which its CLI does not change), beta 0.1 (k3 KL: ours and mlxrl switch the adapters off for the reference,
+  mlx-lm-lora keeps a second model), Adam at lr 1e-5, LoRA scale 20.
 
-At a real model's shape: ``--model demo`` (SmolLM2-135M, vocabulary 49,152) or any model
-directory, with ``--prompt-tokens 256`` (a shared system prompt padded so that every rendered prompt
-is about that long; both tools get the same one), ``--group 8 --batch 1 --max-tokens 128``. Ours
-also reports the step split: generation, the reference forward (adapters off: the same cost as a
-forward-only log-prob pass) and the update (forward with log-probs, backward, optimizer).
+Reported per tool: the median (and min: the machine is shared, the min is the least disturbed)
+step wall time over the steps after the warm-up, CPU seconds per step (all threads; they suffer far
+less than wall time when other jobs share the cores), completion tokens per second of step time
+(generated tokens / step time, the same definition for all), each step's MLX peak memory (the
+largest over the measured steps), and the step split: generation / reference / update (ours from
+its metrics; mlxrl from scripts/bench_rl_mlxrl.py, which calls its training loop's three
+functions in its order; mlx-lm-lora: generation / reference + update, from
+scripts/bench_rl_lora.py, which times its generation function and its per-step report from
+outside: its reference forward runs inside its loss graph). The peers get OpenBLAS through
+LD_PRELOAD (as `import mlx_ssp` does for us) so BLAS is equal.
+
+Each peer lives in its own venv; one that is not given or not installed is skipped with a note:
+
+    python -m venv /tmp/lora-venv && /tmp/lora-venv/bin/pip install "mlx[cpu]" mlx-lm-lora==5.10.2
+    python -m venv /tmp/mlxrl-venv && /tmp/mlxrl-venv/bin/pip install "mlx[cpu]" mlx-lm inductive-mlxrl==0.2.4
+    python scripts/bench_rl.py --model demo --batch 1 --group 4 --max-tokens 256 --steps 3 --warmup 1 \
+        --lora-python /tmp/lora-venv/bin/python --mlxrl-python /tmp/mlxrl-venv/bin/python --json bench_rl.json
+
+(mlxrl declares mlx and mlx-lm only for Apple Silicon: on Linux install them by name.) Models:
+``--model demo`` (SmolLM2-135M, vocabulary 49,152), ``--model qwen3-0.6b`` (Qwen3-0.6B's
+architecture from its config, random float32 weights, built offline with the demo model's tokenizer:
+its 151,936-row vocabulary is the real one, the tokenizer's 49,152 ids are a subset and the other
+ids decode to nothing), any model directory, or without ``--model`` the small random ``--sizes``.
+``--prompt-tokens N`` pads the shared system prompt (matched setting) so every prompt is about N
+tokens. Before a model is built or loaded, our step's peak is predicted by the memory model
+(mlx_ssp.rl.memory, as ``mlx_ssp doctor``) and a shape over ``--memory-limit-gb`` (default: this
+machine's memory) is refused in one line. ``--json`` writes every figure with the shape, load
+averages, versions, date and command.
 """
 
 from __future__ import annotations
@@ -30,30 +48,61 @@ import datetime
 import json
 import os
 import platform
-import re
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
-import mlx_ssp  # noqa: F401
+import mlx_ssp  # noqa: F401  (loads OpenBLAS before mlx)
 from mlx_ssp._blas import loaded_path
+from mlx_ssp.doctor import machine_memory_bytes
+from mlx_ssp.errors import UserError
+from mlx_ssp.io import write_json_atomic
+from mlx_ssp.rl import memory
 
+HERE = Path(__file__).resolve().parent
 SIZES = {  # name -> make_tiny_model kwargs (vocab 512 from the built-in tokenizer)
     "0.46M": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384),
     "3.3M": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768),
 }
+#: real architectures built with random weights: make_tiny_model kwargs (Qwen3-0.6B's config.json)
+ARCHS = {
+    "qwen3-0.6b": dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, intermediate_size=3072,
+                       tie_word_embeddings=True,
+                       config_overrides={"head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                                         "vocab_size": 151936, "max_position_embeddings": 40960}),
+}
 PAIRS = [(2, 3), (7, 4), (12, 30), (5, 9), (8, 8), (1, 6), (20, 22), (3, 14), (9, 9), (4, 11), (6, 7), (15, 5)]
 PROMPTS = [f"What is {a} + {b}? Give the answer." for a, b in PAIRS]
 ANSWERS = [str(a + b) for a, b in PAIRS]
-# the shared system prompt at --prompt-tokens: this paragraph repeated, cut to length in tokens
+# the shared system prompt of the matched setting: this paragraph, cut to --prompt-tokens if given
 SYSTEM_TEXT = ("You are a careful assistant that solves arithmetic questions. Read the question, work out the "
                "result step by step, check each step, and end with the final number on its own line. ")
+#: the matched setting's sampling and objective, for every tool
+MATCHED = dict(temperature=0.8, top_p=0.95, top_k=20, beta=0.1, learning_rate=1e-5, scale=20.0)
+SETTINGS = ("defaults", "matched")
+
+
+@dataclass(frozen=True)
+class Peer:
+    module: str  # what its venv must import
+    dist: str  # its package on the registry
+    option: str  # the bench's option naming its python
+    install: str  # how to make its venv
+
+
+PEERS = {
+    "mlx-lm-lora": Peer("mlx_lm_lora", "mlx-lm-lora", "--lora-python",
+                        'python -m venv /tmp/lora-venv && /tmp/lora-venv/bin/pip install "mlx[cpu]" mlx-lm-lora==5.10.2'),
+    "mlxrl": Peer("mlxrl", "inductive-mlxrl", "--mlxrl-python",
+                  'python -m venv /tmp/mlxrl-venv && /tmp/mlxrl-venv/bin/pip install "mlx[cpu]" mlx-lm inductive-mlxrl==0.2.4'),
+}
 
 
 @dataclass
@@ -61,23 +110,40 @@ class Shape:
     batch: int = 2
     group: int = 4
     max_tokens: int = 32
-    system: Optional[str] = None  # None: each tool's own default
+    settings: str = "matched"
+    system: Optional[str] = None  # the matched setting's system prompt
     warmup: int = 2
     micro_batch_size: Optional[int] = None  # ours only; None: the rl default
     ours_set: tuple = ()  # ours only: extra rl keys, ("share_prefix", False), ...
+    prompts: list = field(default_factory=lambda: list(PROMPTS))
 
 
-def padded_system(model: Path, n_tokens: int) -> tuple[str, list[int]]:
-    """A system prompt such that the first task's rendered prompt is ``n_tokens`` long (the others
-    differ by their question's length only), and every prompt's length."""
+def peer_version(python: Optional[str], peer: Peer) -> tuple[Optional[str], str]:
+    """(the peer's installed version, "") or (None, why it is skipped): a missing interpreter or a
+    venv without the package is a note, never a traceback."""
+    if not python:
+        return None, f"not given ({peer.option}; install: {peer.install})"
+    probe = (f"import importlib.metadata as m, importlib.util as u; "
+             f"print(m.version({peer.dist!r}) if u.find_spec({peer.module!r}) else '')")
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"{python} does not run ({type(e).__name__}: {e})"
+    version = out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else ""
+    if not version:
+        return None, f"{python} has no {peer.module} package (install: {peer.install})"
+    return version, ""
+
+
+def chat_system(model: Path, n_tokens: Optional[int]) -> tuple[str, list[int]]:
+    """The matched setting's system prompt (SYSTEM_TEXT, or with ``n_tokens`` cut so that the first
+    task's rendered prompt is that long) and every rendered prompt's length."""
     from mlx_lm import load
 
     _, tok = load(str(model), lazy=True)
-
-    def render(system: str, q: str) -> list[int]:
-        return tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
-                                       add_generation_prompt=True, tokenize=True)
-
+    render = lambda system, q: render_chat(tok, system, q)  # noqa: E731
+    if not n_tokens:
+        return SYSTEM_TEXT.strip(), [len(render(SYSTEM_TEXT.strip(), q)) for q in PROMPTS]
     ids = tok.encode(SYSTEM_TEXT * (1 + n_tokens // 20), add_special_tokens=False)
     lo, hi = 0, len(ids)
     while lo < hi:  # the longest cut of the paragraph whose rendered prompt fits n_tokens
@@ -90,107 +156,209 @@ def padded_system(model: Path, n_tokens: int) -> tuple[str, list[int]]:
     return system, [len(render(system, q)) for q in PROMPTS]
 
 
+def render_chat(tok, system: str, question: str, tokenize: bool = True):
+    return tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": question}],
+                                   add_generation_prompt=True, tokenize=tokenize)
+
+
 def count_params(path: Path) -> int:
     import mlx.core as mx
 
-    return sum(v.size for v in mx.load(str(path / "model.safetensors")).values())
+    return sum(v.size for f in sorted(path.glob("*.safetensors")) for v in mx.load(str(f)).values())
+
+
+def ours_rl(work: Path, steps: int, shape: Shape) -> dict:
+    """Our rl: section for this shape and setting (our defaults for everything the setting leaves out)."""
+    rl = {"tasks": str(work / "tasks.jsonl"), "output": str(work / "ours"), "steps": steps, "batch_size": shape.batch,
+          "group_size": shape.group, "sampling": {"max_tokens": shape.max_tokens}, "lora": {"rank": 8, "num_layers": -1},
+          "progress": False, "checkpoint_every": 1000}
+    if shape.settings == "matched":
+        rl["sampling"].update(temperature=MATCHED["temperature"], top_p=MATCHED["top_p"], top_k=MATCHED["top_k"])
+        rl["lora"]["scale"] = MATCHED["scale"]
+        rl.update(optimizer="adam", learning_rate=MATCHED["learning_rate"], beta=MATCHED["beta"], system=shape.system)
+    if shape.micro_batch_size is not None:
+        rl["micro_batch_size"] = shape.micro_batch_size
+    rl.update(dict(shape.ours_set))
+    return rl
 
 
 def run_ours(model: Path, work: Path, steps: int, shape: Shape) -> dict:
     from mlx_ssp.tasks import Task, write_tasks
 
-    tasks = work / "tasks.jsonl"
-    write_tasks(tasks, [Task(id=f"q{i}", domain="math", prompt=p, answer=a, verifier="exact")
-                        for i, (p, a) in enumerate(zip(PROMPTS, ANSWERS))])
-    rl = {"tasks": str(tasks), "output": str(work / "ours"), "steps": steps, "batch_size": shape.batch,
-          "group_size": shape.group, "sampling": {"temperature": 0.8, "max_tokens": shape.max_tokens},
-          "lora": {"rank": 8, "num_layers": -1}, "optimizer": "adam", "learning_rate": 1e-5, "beta": 0.1,
-          "progress": False, "checkpoint_every": 1000, "eps_low": 0.2, "eps_high": 0.2}
-    if shape.system is not None:
-        rl["system"] = shape.system
-    if shape.micro_batch_size is not None:
-        rl["micro_batch_size"] = shape.micro_batch_size
-    rl.update(dict(shape.ours_set))
+    write_tasks(work / "tasks.jsonl", [Task(id=f"q{i}", domain="math", prompt=p, answer=a, verifier="exact")
+                                       for i, (p, a) in enumerate(zip(PROMPTS, ANSWERS))])
     path = work / "ours.yaml"
-    path.write_text(json.dumps({"model": str(model), "seed": 0, "rl": rl}))
+    path.write_text(json.dumps({"model": str(model), "seed": 0, "rl": ours_rl(work, steps, shape)}))
     subprocess.run([sys.executable, "-m", "mlx_ssp.cli", "rl", str(path), "--restart"], check=True,
                    stdout=subprocess.DEVNULL)
-    rows = [json.loads(x) for x in (work / "ours" / "metrics.jsonl").read_text().splitlines()]
-    rows = rows[shape.warmup:]
-    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
-    split = {"gen_s": med("gen_s"), "ref_s": med("ref_s"),
-             "update_s": statistics.median(r["train_s"] - r["ref_s"] for r in rows),
-             "peak_gen_mb": max(r["peak_memory_gen_mb"] for r in rows),
-             "peak_train_mb": max(r["peak_memory_train_mb"] for r in rows)}
-    return {"split": split,
-        "step_s": statistics.median(r["step_s"] for r in rows),
-        "min_step_s": min(r["step_s"] for r in rows),
-        "cpu_s": statistics.median(r["step_cpu_s"] for r in rows),
-        "gen_tok_per_step_s": statistics.median(r["gen_tokens"] / r["step_s"] for r in rows),
-        "peak_mb": max(r["peak_memory_mb"] for r in rows),
-        "clip_or_ratio": f"ratio_max {max(r['ratio_max'] for r in rows):.4f}",
-    }
+    rows = [json.loads(x) for x in (work / "ours" / "metrics.jsonl").read_text().splitlines()][shape.warmup:]
+    steps_ = [{"step_s": r["step_s"], "cpu_s": r["step_cpu_s"], "gen_tokens": r["gen_tokens"], "gen_s": r["gen_s"],
+               "ref_s": r["ref_s"], "update_s": r["train_s"] - r["ref_s"], "peak_mb": r["peak_memory_mb"],
+               "peak_gen_mb": r["peak_memory_gen_mb"], "peak_train_mb": r["peak_memory_train_mb"]} for r in rows]
+    return summarize(steps_, ("gen_s", "ref_s", "update_s"))
 
 
-def run_theirs(python: str, model: Path, work: Path, steps: int, shape: Shape, cpu_rerun: bool = True) -> dict:
-    data = work / "data"
-    data.mkdir(exist_ok=True)
-    recs = [{"prompt": p, "answer": a, **({"system": shape.system} if shape.system is not None else {})}
-            for p, a in zip(PROMPTS, ANSWERS)]
-    for name in ("train", "valid"):
-        (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    conf = work / "lora.yaml"
-    conf.write_text(json.dumps({"lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 10.0}}))
+def _peer_env() -> dict:
     env = dict(os.environ)
     if loaded_path:
         env["LD_PRELOAD"] = loaded_path
-    cmd = [python, "-m", "mlx_lm_lora.train", "--model", str(model), "--train", "--train-mode", "grpo",
-           "--data", str(data), "--batch-size", str(shape.batch), "--group-size", str(shape.group),
-           "--max-completion-length", str(shape.max_tokens),
-           "--iters", str(steps), "--steps-per-report", "1", "--num-layers", "-1", "--temperature", "0.8",
-           "--beta", "0.1", "--learning-rate", "1e-5", "--adapter-path", str(work / "theirs"),
-           "--steps-per-eval", "100000", "--val-batches", "1", "--save-every", "100000", "-c", str(conf)]
-    text = _run_lora(cmd, env)
-    its = [float(x) for x in re.findall(r"Speed: ([\d.]+) it/s", text)]
-    # the same run again with its clock swapped for process CPU time (its it/s then reads CPU s/step)
-    wrap = ("import runpy, sys, time; time.perf_counter = time.process_time; sys.argv = ['mlx_lm_lora.train'] + "
-            "sys.argv[1:]; runpy.run_module('mlx_lm_lora.train', run_name='__main__')")
-    if cpu_rerun:
-        cpu_text = _run_lora([python, "-c", wrap] + cmd[3:], env)
-        cpu = [1.0 / float(x) for x in re.findall(r"Speed: ([\d.]+) it/s", cpu_text)][shape.warmup:]
-    else:
-        cpu = [float("nan")]
-    avg_tok = [float(x) for x in re.findall(r"Avg tokens: ([\d.]+)", text)]
-    mem = [float(x) for x in re.findall(r"Memory: ([\d.]+)GB", text)]
-    clip = re.findall(r"Clipping:\s+low=([\d.]+), high=([\d.]+)", text)
-    step_s = [1.0 / x for x in its][shape.warmup:]
-    return {
-        "step_s": statistics.median(step_s),
-        "min_step_s": min(step_s),
-        "cpu_s": statistics.median(cpu),
-        "gen_tok_per_step_s": statistics.median(a * shape.batch * shape.group / s
-                                                for a, s in zip(avg_tok[shape.warmup:], step_s)),
-        "peak_mb": max(mem) * 1e9 / 2**20,
-        "clip_or_ratio": f"clip total max {max(float(a) + float(b) for a, b in clip):.3f}" if clip else "",
-    }
+    return env
 
 
-def _run_lora(cmd: list[str], env: dict) -> str:
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+def _run_peer(name: str, cmd: list[str], cwd: Path) -> str:
+    out = subprocess.run(cmd, env=_peer_env(), capture_output=True, text=True, cwd=cwd)
     if out.returncode != 0:
-        raise RuntimeError(f"mlx-lm-lora failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return out.stdout + out.stderr
+        raise RuntimeError(f"{name} failed (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out.stdout
 
 
-def main() -> None:
+def run_lora(python: str, model: Path, work: Path, steps: int, shape: Shape) -> dict:
+    data = work / "data"
+    data.mkdir(exist_ok=True)
+    system = {"system": shape.system} if shape.settings == "matched" else {}
+    recs = [{"prompt": p, "answer": a, **system} for p, a in zip(PROMPTS, ANSWERS)]
+    # no valid.jsonl: its validation (a generation and a loss at the first and the last step) is skipped
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    log = work / "lora_steps.jsonl"
+    log.unlink(missing_ok=True)
+    cmd = [python, str(HERE / "bench_rl_lora.py"), str(log), "--", "--model", str(model), "--train",
+           "--train-mode", "grpo", "--data", str(data), "--batch-size", str(shape.batch),
+           "--group-size", str(shape.group), "--max-completion-length", str(shape.max_tokens), "--iters", str(steps),
+           "--steps-per-report", "1", "--num-layers", "-1", "--adapter-path", str(work / "lora"),
+           "--save-every", "100000"]
+    if shape.settings == "matched":
+        conf = work / "lora.yaml"
+        conf.write_text(json.dumps({"lora_parameters": {"rank": 8, "dropout": 0.0, "scale": MATCHED["scale"]}}))
+        cmd += ["--temperature", str(MATCHED["temperature"]), "--beta", str(MATCHED["beta"]), "--learning-rate", str(MATCHED["learning_rate"]), "-c", str(conf)]
+    _run_peer("mlx-lm-lora", cmd, work)
+    rows = [json.loads(x) for x in log.read_text().splitlines()][shape.warmup:]
+    return summarize(rows, ("gen_s", "ref_update_s"))
+
+
+def run_mlxrl(python: str, model: Path, work: Path, steps: int, shape: Shape) -> dict:
+    spec = {"model": str(model), "answers": ANSWERS, "steps": steps, "batch": shape.batch,
+            "group_size": shape.group, "max_tokens": shape.max_tokens, "rank": 8, "prompts": PROMPTS}
+    if shape.settings == "matched":
+        from mlx_lm import load
+
+        _, tok = load(str(model), lazy=True)
+        spec.update(MATCHED, use_chat_template=False,
+                    prompts=[render_chat(tok, shape.system, q, tokenize=False) for q in PROMPTS])
+    (work / "mlxrl.json").write_text(json.dumps(spec))
+    text = _run_peer("mlxrl", [python, str(HERE / "bench_rl_mlxrl.py"), str(work / "mlxrl.json")], work)
+    rows = [json.loads(x) for x in text.splitlines() if x.startswith("{")][shape.warmup:]
+    return summarize(rows, ("gen_s", "ref_s", "update_s"))
+
+
+def summarize(rows: list[dict], split: tuple[str, ...]) -> dict:
+    """Medians over the measured steps (min of the step time; the largest peak)."""
+    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+    return {"steps": len(rows), "step_s": med("step_s"), "min_step_s": min(r["step_s"] for r in rows),
+            "cpu_s": med("cpu_s"), "gen_tokens": med("gen_tokens"),
+            "tok_per_s": statistics.median(r["gen_tokens"] / r["step_s"] for r in rows),
+            "peak_mb": max(r["peak_mb"] for r in rows), "peak_gen_mb": max(r["peak_gen_mb"] for r in rows),
+            "split": {k: med(k) for k in split}, "per_step": rows}
+
+
+def build_model(spec: str, work: Path) -> tuple[Path, dict]:
+    """(model directory, config.json) of ``spec``: a random architecture of ARCHS or SIZES is built
+    in ``work`` (reused when already there), 'demo' or a directory resolved."""
+    from mlx_ssp.models import resolve_model
+    from mlx_ssp.testing import make_tiny_model
+
+    if spec in ARCHS or spec in SIZES:
+        out = work / "model"
+        if not (out / "model.safetensors").is_file():
+            if spec in ARCHS:
+                make_tiny_model(out, "qwen3", seed=0, tokenizer_dir=resolve_model("demo"), **ARCHS[spec])
+            else:
+                make_tiny_model(out, "qwen3", seed=0, **SIZES[spec])
+        path = out
+    else:
+        path = resolve_model(spec)
+    return path, json.loads((path / "config.json").read_text())
+
+
+def arch_config(spec: str) -> Optional[dict]:
+    """config.json of a random architecture before building it (None for other specs)."""
+    if spec not in ARCHS:
+        return None
+    a = ARCHS[spec]
+    return {"hidden_size": a["hidden_size"], "num_hidden_layers": a["num_layers"],
+            "intermediate_size": a["intermediate_size"], "num_attention_heads": a["num_heads"],
+            "num_key_value_heads": a["num_kv_heads"], "tie_word_embeddings": a["tie_word_embeddings"],
+            "torch_dtype": "float32", **a["config_overrides"]}
+
+
+def preflight(name: str, config: dict, rl: dict, prompt_tokens: int, limit_bytes: float) -> None:
+    """Refuse a shape whose predicted step peak (ours, float32 on the CPU) is over the limit."""
+    est = memory.predict(config, rl, prompt_tokens=prompt_tokens, dtype="float32")
+    if est.peak_bytes > limit_bytes:
+        raise UserError(f"{name}: refused before loading: mlx_ssp's step is predicted to peak at "
+                        f"{est.peak_bytes / 2**30:.1f} GiB (mlx_ssp.rl.memory, {prompt_tokens}-token prompts), over the "
+                        f"limit of {limit_bytes / 2**30:.1f} GiB (--memory-limit-gb)")
+
+
+def markdown(report: dict) -> str:
+    """The JSON's runs as one markdown table per model and setting: figure | each tool | ours / the
+    fastest peer (by tokens per second)."""
+    out = [f"{report['date']}, {report['machine']}; `{report['command']}`"]
+    groups: dict = {}
+    for r in report["runs"]:
+        groups.setdefault((r["model"], r["settings"]), {})[r["tool"]] = r
+    for (model, setting), res in groups.items():
+        tools = list(res)
+        peers = [t for t in tools if t != "mlx_ssp"]
+        best = max(peers, key=lambda t: res[t]["tok_per_s"]) if peers else None
+        sh = res[tools[0]]["shape"]
+        out += ["", f"**{model}, {setting}** (batch {sh['batch']}, G {sh['group']}, {sh['max_tokens']} tokens; "
+                f"median of {res[tools[0]]['steps']} measured step(s))", "",
+                "| figure | " + " | ".join(tools) + (f" | ratio vs {best} (>1: ours faster; memory: ours/theirs) |"
+                                                     if best else " |"),
+                "|---" * (len(tools) + 1 + bool(best)) + "|"]
+        rows = [("step time, median (s)", lambda r: r["step_s"], "{:.1f}", True),
+                ("step time, min (s)", lambda r: r["min_step_s"], "{:.1f}", True),
+                ("CPU s per step", lambda r: r["cpu_s"], "{:.1f}", True),
+                ("completion tokens per step", lambda r: r["gen_tokens"], "{:.0f}", None),
+                ("CPU s per completion token", lambda r: r["cpu_s"] / r["gen_tokens"], "{:.3f}", True),
+                ("completion tokens/s", lambda r: r["tok_per_s"], "{:.2f}", False),
+                ("peak MLX memory (MB)", lambda r: r["peak_mb"], "{:,.0f}", None),
+                ("generation (s)", lambda r: r["split"].get("gen_s"), "{:.1f}", None),
+                ("reference (s)", lambda r: r["split"].get("ref_s"), "{:.1f}", None),
+                ("update (s)", lambda r: r["split"].get("update_s"), "{:.1f}", None),
+                ("reference + update, not split (s)", lambda r: r["split"].get("ref_update_s"), "{:.1f}", None),
+                ("load average (before-after)", lambda r: "{}-{}".format(*r["load"]), "{}", None)]
+        for name, get, fmt, lower_better in rows:
+            vals = [get(res[t]) for t in tools]
+            cells = ["" if v is None else fmt.format(v) for v in vals]
+            ratio = ""
+            if best and get(res["mlx_ssp"]) is not None and get(res[best]) is not None and name.startswith(
+                    ("step time", "CPU", "completion tokens/s", "peak")):
+                o, b = get(res["mlx_ssp"]), get(res[best])
+                ratio = f"x{(b / o if lower_better else o / b):.2f}"
+                if name.startswith("peak"):
+                    ratio = f"x{o / b:.2f}"
+            out.append(f"| {name} | " + " | ".join(cells) + (f" | {ratio} |" if best else " |"))
+    return "\n".join(out)
+
+
+def load1() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lora-python", default=None, help="python with mlx-lm-lora installed (skip theirs if absent)")
+    for name, peer in PEERS.items():
+        ap.add_argument(peer.option, default=None, help=f"python with {peer.dist} installed (skipped if absent)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--sizes", default=",".join(SIZES), help="random models to build (ignored with --model)")
-    ap.add_argument("--model", default=None, help="a real model instead: 'demo' or a model directory")
+    ap.add_argument("--model", default=None,
+                    help=f"'demo', a random architecture ({', '.join(ARCHS)}) or a model directory")
+    ap.add_argument("--settings", default="matched", choices=[*SETTINGS, "both"],
+                    help="peers at their own defaults, at matched settings, or both (in that order)")
     ap.add_argument("--prompt-tokens", type=int, default=None,
-                    help="pad a shared system prompt so each prompt is about this long (default: each tool's own)")
-    ap.add_argument("--batch", type=int, default=2)
+                    help="pad the matched setting's system prompt so each prompt is about this long")
+    ap.add_argument("--batch", type=int, default=2, help="prompts per step")
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
@@ -198,57 +366,92 @@ def main() -> None:
                     help="ours: sequences per training forward/backward (default: the rl default)")
     ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=YAML",
                     help="ours: one more rl key, e.g. share_prefix=false (repeatable)")
-    ap.add_argument("--no-cpu-rerun", action="store_true", help="skip mlx-lm-lora's second run that reads CPU time")
-    a = ap.parse_args()
+    ap.add_argument("--memory-limit-gb", type=float, default=None,
+                    help="refuse a shape whose predicted peak is over this (default: this machine's memory)")
+    ap.add_argument("--work", default=None, help="working directory (kept; a random model built there is reused)")
+    ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--report", default=None, metavar="JSON", help="print an earlier run's JSON as markdown tables")
+    a = ap.parse_args(argv)
+    if a.report:
+        print(markdown(json.loads(Path(a.report).read_text())))
+        return 0
     if a.steps <= a.warmup:
         ap.error("--steps must exceed --warmup")
-    from mlx_ssp.models import resolve_model
-    from mlx_ssp.testing import make_tiny_model
-
-    shape = Shape(batch=a.batch, group=a.group, max_tokens=a.max_tokens, warmup=a.warmup,
-                  micro_batch_size=a.micro_batch_size,
-                  ours_set=tuple((k, yaml.safe_load(v)) for k, v in (kv.split("=", 1) for kv in a.ours_set)))
-    with tempfile.TemporaryDirectory(prefix="bench_rl_") as tmp:
-        if a.model:
-            models = [(a.model, lambda work: resolve_model(a.model))]
+    limit = a.memory_limit_gb * 2**30 if a.memory_limit_gb else (machine_memory_bytes() or float("inf"))
+    peers = {}
+    for name, peer in PEERS.items():
+        version, why = peer_version(getattr(a, peer.option[2:].replace("-", "_")), peer)
+        if version:
+            peers[name] = (getattr(a, peer.option[2:].replace("-", "_")), version)
         else:
-            models = [(name, lambda work, name=name: make_tiny_model(work / "model", "qwen3", seed=0, **SIZES[name]))
-                      for name in a.sizes.split(",")]
-        header = False
-        for name, build in models:
-            work = Path(tmp) / name.replace("/", "_")
-            work.mkdir(parents=True)
-            model = build(work)
-            if a.prompt_tokens:
-                shape.system, lens = padded_system(model, a.prompt_tokens)
-                prompt_note = f"shared system prompt, prompts {min(lens)}-{max(lens)} tokens"
-            else:
-                prompt_note = "each tool's default system prompt"
-            if not header:
-                print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} "
-                      f"{platform.system()}, {os.cpu_count()} cores (shared, load avg {os.getloadavg()[0]:.1f}); "
-                      f"batch {shape.batch}, group {shape.group}, {shape.max_tokens} tokens, {prompt_note}, "
-                      f"LoRA r8 all layers, T 0.8, beta 0.1; median step over steps {shape.warmup + 1}..{a.steps}")
-                print(f"{'model':8s} {'tool':12s} {'step_s':>7s} {'min_s':>7s} {'cpu_s':>7s} {'gen_tok/s':>9s} "
-                      f"{'peak_MB':>8s}  note")
-                header = True
+            print(f"# {name} skipped: {why}")
+    settings = list(SETTINGS) if a.settings == "both" else [a.settings]
+    ours_set = tuple((k, yaml.safe_load(v)) for k, v in (kv.split("=", 1) for kv in a.ours_set))
+    report = {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+              "command": shlex.join([sys.executable, *sys.argv]), "machine": f"{platform.machine()} {platform.system()}, "
+              f"{os.cpu_count()} cores", "peers": {n: v for n, (_, v) in peers.items()}, "matched": MATCHED, "runs": []}
+    models = [a.model] if a.model else a.sizes.split(",")
+    with tempfile.TemporaryDirectory(prefix="bench_rl_") as tmp:
+        root = Path(a.work or tmp)
+        refused = 0
+        for spec in models:
+            work = root / spec.replace("/", "_")
+            work.mkdir(parents=True, exist_ok=True)
+            probe = Shape(batch=a.batch, group=a.group, max_tokens=a.max_tokens)
+            try:
+                cfg = arch_config(spec)
+                if cfg is not None:  # a random architecture: refuse before building it
+                    preflight(spec, cfg, ours_rl(work, a.steps, probe), a.prompt_tokens or 64, limit)
+                model, cfg = build_model(spec, work)
+                system, lens = chat_system(model, a.prompt_tokens)
+                preflight(spec, cfg, ours_rl(work, a.steps, probe), max(lens), limit)
+            except UserError as e:
+                print(f"bench_rl: {e}")
+                refused += 1
+                continue
             n = count_params(model)
-            res = {"mlx_ssp": run_ours(model, work, a.steps, shape)}
-            if a.lora_python:
-                res["mlx-lm-lora"] = run_theirs(a.lora_python, model, work, a.steps, shape, cpu_rerun=not a.no_cpu_rerun)
-            for tool, r in res.items():
-                print(f"{name:8s} {tool:12s} {r['step_s']:7.3f} {r['min_step_s']:7.3f} {r['cpu_s']:7.3f} "
-                      f"{r['gen_tok_per_step_s']:9.1f} {r['peak_mb']:8.1f}  {r['clip_or_ratio']} ({n / 1e6:.2f}M params)")
-            sp = res["mlx_ssp"]["split"]
-            print(f"{name:8s} mlx_ssp split: generation {sp['gen_s']:.2f} s, reference forward {sp['ref_s']:.2f} s, "
-                  f"update {sp['update_s']:.2f} s; peak {sp['peak_gen_mb']:.0f} MB generating, "
-                  f"{sp['peak_train_mb']:.0f} MB training")
-            if len(res) == 2:
-                o, t = res["mlx_ssp"], res["mlx-lm-lora"]
-                print(f"{name:8s} ratio        throughput x{t['step_s'] / o['step_s']:.2f} (median), "
-                      f"x{t['min_step_s'] / o['min_step_s']:.2f} (min), x{t['cpu_s'] / o['cpu_s']:.2f} (CPU s/step), "
-                      f"peak memory x{o['peak_mb'] / t['peak_mb']:.2f} (ours/theirs)")
+            print(f"# {report['date']}, {report['machine']}; model {spec} ({n / 1e6:.1f}M params, float32); "
+                  f"batch {a.batch}, G {a.group}, {a.max_tokens} tokens, LoRA r8 all layers; matched prompts "
+                  f"{min(lens)}-{max(lens)} tokens; median over steps {a.warmup + 1}..{a.steps}")
+            print(f"{'settings':9s} {'tool':12s} {'step_s':>8s} {'min_s':>8s} {'cpu_s':>8s} {'tok/s':>7s} "
+                  f"{'peak_MB':>8s} {'load':>10s}  split")
+            for setting in settings:
+                shape = Shape(batch=a.batch, group=a.group, max_tokens=a.max_tokens, settings=setting,
+                              system=system, warmup=a.warmup, micro_batch_size=a.micro_batch_size, ours_set=ours_set)
+                runs = [("mlx_ssp", lambda w: run_ours(model, w, a.steps, shape))]
+                if "mlx-lm-lora" in peers:
+                    runs.append(("mlx-lm-lora", lambda w: run_lora(peers["mlx-lm-lora"][0], model, w, a.steps, shape)))
+                if "mlxrl" in peers:
+                    runs.append(("mlxrl", lambda w: run_mlxrl(peers["mlxrl"][0], model, w, a.steps, shape)))
+                res = {}
+                for tool, fn in runs:
+                    w = work / setting / tool
+                    w.mkdir(parents=True, exist_ok=True)
+                    before = load1()
+                    r = fn(w)
+                    r.update(tool=tool, model=spec, params=n, settings=setting, load=[before, load1()],
+                             shape={"batch": a.batch, "group": a.group, "max_tokens": a.max_tokens,
+                                    "matched_prompt_tokens": [min(lens), max(lens)]})
+                    res[tool] = r
+                    report["runs"].append({k: v for k, v in r.items()})
+                    split = ", ".join(f"{k} {v:.2f}" for k, v in r["split"].items())
+                    print(f"{setting:9s} {tool:12s} {r['step_s']:8.2f} {r['min_step_s']:8.2f} {r['cpu_s']:8.2f} "
+                          f"{r['tok_per_s']:7.2f} {r['peak_mb']:8.0f} {before:4.1f}-{load1():4.1f}  {split}", flush=True)
+                    if a.json:
+                        write_json_atomic(a.json, report)
+                others = [t for t in res if t != "mlx_ssp"]
+                if others:
+                    o = res["mlx_ssp"]
+                    best = max(others, key=lambda t: res[t]["tok_per_s"])
+                    for t in others:
+                        print(f"{setting:9s} ratio vs {t:12s} throughput x{o['tok_per_s'] / res[t]['tok_per_s']:.2f} "
+                              f"(tok/s), x{res[t]['cpu_s'] / o['cpu_s'] * o['gen_tokens'] / res[t]['gen_tokens']:.2f} "
+                              f"(CPU s per token), peak memory x{o['peak_mb'] / res[t]['peak_mb']:.2f} (ours/theirs)"
+                              + ("  <- fastest peer" if t == best else ""))
+        if a.json:
+            write_json_atomic(a.json, report)
+        return 2 if refused == len(models) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

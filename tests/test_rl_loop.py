@@ -242,3 +242,45 @@ def test_cli_runs_and_resumes(tiny_qwen3, tmp_path):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     r = CliRunner().invoke(main, ["rl", str(cfg), "--set", "rl.bogus=1"])
     assert r.exit_code == 2 and "rl.bogus" in r.output
+
+
+@pytest.mark.slow
+def test_auto_micro_batch_cuts_pieces_and_old_runs_resume(tiny_llama, tmp_path):
+    """With long rows the memory model cuts a group into one-row pieces (auto_micro_batch, the
+    default) where micro_batch_size alone would take 4, with the same update; a run directory
+    written before the key existed (its rl_config.json without it) resumes under the new default."""
+    from mlx_ssp.rl.loop import Trainer, build_batch
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 300, 40).tolist()
+    recs = [{"prompt_token_ids": prompt, "token_ids": rng.integers(0, 300, 400).tolist(), "logprobs": [-1.0] * 400}
+            for _ in range(4)]
+    adv = rng.normal(size=4).astype(np.float32)
+    moved, pieces = {}, {}
+    for auto in (True, False):
+        cfg = _cfg(batch_size=1, micro_batch_size=4, auto_micro_batch=auto, optimizer="sgd", learning_rate=1.0,
+                   max_grad_norm=None, chunk_size=4096)
+        model, tok = _policy(tiny_llama, cfg)
+        before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+        tr = Trainer(model, tok, _tasks(), cfg, tmp_path, seed=0)
+        batch = build_batch(recs, adv)
+        pieces[auto] = [j - i for _, ps in tr._layout(batch) for i, j in ps]
+        ok, _ = tr._update(batch)
+        assert ok
+        moved[auto] = {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
+    assert pieces == {True: [1, 1, 1, 1], False: [4]}
+    for k in moved[False]:
+        np.testing.assert_allclose(moved[True][k], moved[False][k], rtol=1e-3, atol=1e-5, err_msg=k)
+
+    old = _cfg(steps=1, checkpoint_every=1, auto_micro_batch=False)  # the layout before the key existed
+    m, tok = _policy(tiny_llama, old)
+    train(m, tok, _tasks(), old, tmp_path / "run", seed=1)
+    saved = tmp_path / "run" / "rl_config.json"
+    record = json.loads(saved.read_text())
+    del record["rl"]["auto_micro_batch"]  # as the code before the key wrote it
+    saved.write_text(json.dumps(record))
+    new = _cfg(steps=2, checkpoint_every=1)
+    m, tok = _policy(tiny_llama, new)
+    train(m, tok, _tasks(), new, tmp_path / "run", seed=1)
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "auto_micro_batch" not in json.loads(saved.read_text())["rl"]

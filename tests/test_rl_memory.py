@@ -14,8 +14,9 @@ QWEN3_06B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, int
 RL = {"batch_size": 2, "group_size": 4, "sampling": {"temperature": 1.0, "max_tokens": 256}, "micro_batch_size": 16,
       "lora": {"rank": 16, "num_layers": -1}}
 # a fixed log-prob chunk, so that the pieces' rows follow micro_batch_size (with the automatic one a
-# larger vocabulary means smaller pieces, and less activation memory: a real effect, not monotonic)
-RL_CHUNK = {**RL, "chunk_size": 4096}
+# larger vocabulary means smaller pieces, and less activation memory: a real effect, not monotonic),
+# and the pieces at micro_batch_size itself, not the automatic choice (tested on its own below)
+RL_CHUNK = {**RL, "chunk_size": 4096, "auto_micro_batch": False}
 
 # Measured by scripts/bench_rl_memory.py (BENCHMARKS.md, "RL step memory"; float32, Linux CPU,
 # 2026-12-01 21:11 UTC, the trainer's block layout): the held-out grid point of another shape than
@@ -163,3 +164,43 @@ def test_shared_prefixes_and_pieces_in_the_update_term():
     window = memory.predict(dict(QWEN3_06B, sliding_window=512), rl, prompt_tokens=1024, dtype="float32")
     dropout = memory.predict(QWEN3_06B, _with(rl, "lora.dropout", 0.1), prompt_tokens=1024, dtype="float32")
     assert window.train_terms["activations"] == dropout.train_terms["activations"] == unshared
+
+
+# SmolLM2-135M (the demo model): the shape where a group of 256-token completions in one piece
+# more than doubles the step's peak (BENCHMARKS.md, "RL step at the demo model's real shape")
+SMOLLM2 = dict(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+               tie_word_embeddings=True, torch_dtype="bfloat16")
+
+
+def test_auto_micro_batch_keeps_the_step_at_its_floor():
+    """The automatic rows per piece (the default) never raise the step's peak above its floor, the
+    larger of generation and a one-row update; they take more rows where generation's peak leaves room."""
+    rl = {"batch_size": 1, "group_size": 4, "sampling": {"max_tokens": 256}}
+    fixed = memory.predict(SMOLLM2, {**rl, "auto_micro_batch": False}, prompt_tokens=64, dtype="float32")
+    one = memory.predict(SMOLLM2, {**rl, "micro_batch_size": 1}, prompt_tokens=64, dtype="float32")
+    auto = memory.predict(SMOLLM2, rl, prompt_tokens=64, dtype="float32")
+    assert memory.auto_micro_batch(SMOLLM2, rl, prompt_tokens=64, dtype="float32") == 1
+    assert auto.peak_bytes == max(one.gen_bytes, one.train_bytes) < fixed.peak_bytes / 2
+    # 16 prompts of 8 decoded together: generation's KV cache leaves room for larger pieces
+    big = {"batch_size": 16, "group_size": 8, "gen_batch_size": 128, "sampling": {"max_tokens": 256}}
+    rows = memory.auto_micro_batch(SMOLLM2, big, prompt_tokens=64, dtype="float32")
+    est = memory.predict(SMOLLM2, big, prompt_tokens=64, dtype="float32")
+    assert 1 < rows <= 16 and est.train_bytes <= est.gen_bytes
+    assert memory.auto_micro_batch(SMOLLM2, {**big, "micro_batch_size": 2}, prompt_tokens=64, dtype="float32") == 2
+
+
+def test_auto_micro_batch_leaves_earlier_runs_resolved_config_alone():
+    """Unset, the new key is not in the resolved config (the pipeline's and the resume's
+    fingerprints), and micro_batch_size still reads 16: runs made before it keep their fingerprints."""
+    from mlx_ssp.rl.config import RLConfig
+
+    from mlx_ssp.rl.loop import config_record, fingerprint
+
+    dump = RLConfig().model_dump(mode="json")
+    assert "auto_micro_batch" not in dump and dump["micro_batch_size"] == 16
+    # the resume's and the finished phases' fingerprint: the same keys as before the new one
+    fp = fingerprint(config_record(RLConfig(), 0, ""))
+    assert fp["rl.micro_batch_size"] == 16 and "rl.auto_micro_batch" not in fp
+    assert fingerprint(config_record(RLConfig(auto_micro_batch=False), 0, "")) == fp
+    assert RLConfig(auto_micro_batch=False).model_dump(mode="json")["auto_micro_batch"] is False

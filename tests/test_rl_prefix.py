@@ -163,7 +163,7 @@ def test_layout_and_the_two_phase_gradient(tiny_llama, monkeypatch):
     for share, chunk in ((False, None), (True, None), (True, 5), (False, 5), (True, 24)):
         cfg = RLConfig(batch_size=1, group_size=4, micro_batch_size=4, optimizer="sgd", learning_rate=1.0,
                        max_grad_norm=None, chunk_size=chunk, beta=0.1, progress=False, lora={"rank": 4},
-                       share_prefix=share)
+                       share_prefix=share, auto_micro_batch=False)  # pieces by micro_batch_size and chunk alone
         del calls[:]
         tr, batch, moved[share, chunk] = _update(tiny_llama, cfg, recs, adv)
         layout = tr._layout(batch)

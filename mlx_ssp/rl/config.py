@@ -71,6 +71,7 @@ class RLConfig(StrictModel):
         "loss", "importance_sampling_level", "seq_eps_low", "seq_eps_high", "cispo_eps_low", "cispo_eps_high",
         "overlong", "mask_truncated_completions", "top_entropy_quantile", "tis_cap", "tis_mode", "entropy_coef",
         "share_prefix",  # shared prompt prefixes in training
+        "auto_micro_batch",  # the memory model's rows per update piece
     })
 
     # data
@@ -85,7 +86,9 @@ class RLConfig(StrictModel):
     group_size: int = Field(8, ge=2)  # G rollouts per prompt
     sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=1.0, max_tokens=256))
     gen_batch_size: int = Field(64, ge=1)  # sequences decoded together by the rollout engine
-    micro_batch_size: int = Field(16, ge=1)  # sequences per training forward/backward (grads accumulate)
+    micro_batch_size: int = Field(16, ge=1)  # at most this many sequences per training forward/backward (grads accumulate)
+    # fewer rows per piece where the memory model (rl/memory.py) says more would raise the step's peak
+    auto_micro_batch: bool = True
     # run the prompt prefix a block of rows (a group) shares once per pass, as a broadcast KV cache (rl/prefix.py)
     share_prefix: bool = True
     mu: int = Field(1, ge=1)  # inner updates per batch

@@ -57,6 +57,7 @@ from mlx_ssp.finetune.lora import adapter_config as lora_adapter_config
 from mlx_ssp.finetune.lora import adapters_disabled, attach_lora
 from mlx_ssp.finetune.optim import OPTIMIZERS, build_optimizer, warmup_constant
 from mlx_ssp.finetune.seed import step_seed
+from mlx_ssp.rl import memory
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.logprobs import chunk_tokens, head_of, head_trainable, token_logprobs
 from mlx_ssp.rl.prefix import blocks, hidden_after, prefix_kv, shareable, suffix_hidden
@@ -79,6 +80,17 @@ def resolve_train_dtype(cfg: RLConfig):
     if cfg.train_dtype == "auto":
         return mx.float32 if mx.default_device() == mx.cpu else None
     return getattr(mx, cfg.train_dtype)
+
+
+def memory_config(model: nn.Module) -> Optional[dict]:
+    """The model's mlx-lm arguments as a config.json dict for :mod:`mlx_ssp.rl.memory`, or None where
+    the memory model does not cover it (no ``args``, experts, a missing size)."""
+    try:
+        cfg = dict(vars(model.args))
+        memory.shape_from_config(cfg)
+    except (AttributeError, TypeError, ValueError, KeyError):
+        return None
+    return cfg
 
 
 def setup_model(model: nn.Module, cfg: RLConfig, seed: int = 0) -> nn.Module:
@@ -384,6 +396,9 @@ class Trainer:
         # a forward computed twice (prefix kv, two-phase) must be the same function both times
         self._recompute_safe = cfg.fine_tune_type != "lora" or not cfg.lora.dropout
         self._frozen_head = not head_trainable(head_of(model))
+        # the memory model's view of the policy, for auto_micro_batch (None: a model it does not cover)
+        self._memory_config = memory_config(model) if cfg.auto_micro_batch else None
+        self._piece_rows: dict[tuple[int, int], int] = {}
         sched = warmup_constant(cfg.learning_rate, cfg.warmup_steps)
         wd = {"weight_decay": cfg.weight_decay} if OPTIMIZERS[cfg.optimizer].weight_decay else {}
         self.opt = build_optimizer(cfg.optimizer, sched, wd, what="rl.optimizer")
@@ -589,17 +604,34 @@ class Trainer:
         same whatever the layout (tests/test_rl_prefix.py). With LoRA dropout the layout is the
         unshared one and there is no two-phase path: both recompute a forward, which would draw
         other dropout masks than the loss saw."""
-        inputs = np.asarray(batch["inputs"])
+        inputs, mask = np.asarray(batch["inputs"]), np.asarray(batch["mask"])
         n, L = inputs.shape
         if self.cfg.share_prefix and self._shareable and self._recompute_safe:
-            spans = blocks(inputs, np.asarray(batch["mask"]))
+            spans = blocks(inputs, mask)
         else:
             spans = [(0, n, 0)] if n else []  # a rank with no rows has nothing to lay out
+        cap = self._rows_cap(mask)
         out = []
         for i, j, p in spans:
-            per = max(1, min(self.cfg.micro_batch_size, self._chunk_tokens // max(1, L - p)))
+            per = max(1, min(cap, self._chunk_tokens // max(1, L - p)))
             out.append((p, [(a, min(a + per, j)) for a in range(i, j, per)]))
         return out
+
+    def _rows_cap(self, mask: np.ndarray) -> int:
+        """Rows per piece at most: ``micro_batch_size``, or with ``auto_micro_batch`` the memory
+        model's choice for this batch's longest prompt and completion (:func:`memory.auto_micro_batch`)."""
+        if self._memory_config is None or not mask.size:
+            return self.cfg.micro_batch_size
+        # mask[r, t] marks the targets t + 1 that are completion tokens: the first is the prompt's end
+        prompt = int(mask.argmax(axis=1).max()) + 1
+        completion = max(1, mask.shape[1] + 1 - prompt)
+        key = (prompt, completion)
+        if key not in self._piece_rows:
+            rl = self.cfg.model_copy(update={"sampling": self.cfg.sampling.model_copy(update={"max_tokens": completion})})
+            device = "cpu" if mx.default_device() == mx.cpu else "gpu"
+            dtype = memory.train_dtype(self.cfg, memory.shape_from_config(self._memory_config), device)
+            self._piece_rows[key] = memory.auto_micro_batch(self._memory_config, rl, prompt_tokens=prompt, dtype=dtype)
+        return self._piece_rows[key]
 
     def _accumulate(self, loss_fn, batch: dict, layout, inner: int, old_parts: list, parts: list):
         """(summed gradients, summed loss) of one inner update over this rank's pieces of rows;
@@ -743,7 +775,10 @@ def latest_checkpoint(out_dir: Path) -> Optional[Path]:
 
 
 #: rl: keys a resumed run may change (how long, how often, how verbose); any other change stops it
-RESUMABLE_KEYS = ("steps", "checkpoint_every", "max_bad_steps", "progress", "kernels", "output")
+RESUMABLE_KEYS = ("steps", "checkpoint_every", "max_bad_steps", "progress", "kernels", "output",
+                  # the update's layout (gradients accumulate, so the update is the same); a key that
+                  # every earlier record holds stays out of here: finished phases hash these fingerprints
+                  "auto_micro_batch")
 
 
 def config_record(cfg: RLConfig, seed: int, model_path: str) -> dict:

@@ -234,12 +234,16 @@ def predict(config: Mapping[str, Any], rl, *, prompt_tokens: int = 256, dtype: O
             device: str = "cpu", coefficients: Optional[Mapping[str, list[float]]] = None) -> MemoryEstimate:
     """Predicted peak of one step of ``rl`` (an RLConfig or its dict) on the model of ``config``
     (config.json as a dict) with prompts of ``prompt_tokens`` tokens; ``dtype`` defaults to the
-    loop's training dtype on ``device`` ("cpu" or "gpu")."""
+    loop's training dtype on ``device`` ("cpu" or "gpu"). With ``auto_micro_batch`` the update's
+    pieces are the ones :func:`auto_micro_batch` picks, as the trainer does."""
     rl = _rl(rl)
     shape = shape_from_config(config)
     dtype = dtype or train_dtype(rl, shape, device)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    if rl.auto_micro_batch:
+        rows = auto_micro_batch(config, rl, prompt_tokens=prompt_tokens, dtype=dtype, coefficients=coefficients)
+        rl = rl.model_copy(update={"micro_batch_size": rows, "auto_micro_batch": False})
     coef = coefficients or COEFFICIENTS
     out = {}
     for phase, names in (("gen", GEN_TERMS), ("train", TRAIN_TERMS)):
@@ -250,3 +254,25 @@ def predict(config: Mapping[str, Any], rl, *, prompt_tokens: int = 256, dtype: O
     return MemoryEstimate(dtype=dtype, prompt_tokens=prompt_tokens, weights=float(shape.params * DTYPE_BYTES[dtype]),
                           gen_terms=out["gen"], train_terms=out["train"], gen_bytes=sum(out["gen"].values()),
                           train_bytes=sum(out["train"].values()))
+
+
+def auto_micro_batch(config: Mapping[str, Any], rl, *, prompt_tokens: int, dtype: str,
+                     coefficients: Optional[Mapping[str, list[float]]] = None) -> int:
+    """Rows per update piece (``rl.auto_micro_batch``): the largest number, at most
+    ``rl.micro_batch_size``, whose predicted update peak stays within the step's floor, the larger
+    of the generation's peak and a one-row piece's update. Pieces cannot lower the step's peak
+    below that floor, and larger ones would only raise it; since the gradients accumulate, the
+    update is the same whatever the rows per piece."""
+    fixed = _rl(rl).model_copy(update={"auto_micro_batch": False})
+
+    def at(n: int) -> MemoryEstimate:
+        return predict(config, fixed.model_copy(update={"micro_batch_size": n}), prompt_tokens=prompt_tokens,
+                       dtype=dtype, coefficients=coefficients)
+
+    one = at(1)
+    floor = max(one.gen_bytes, one.train_bytes)
+    lo, hi = 1, fixed.micro_batch_size  # the update's peak does not fall as the rows grow: bisect
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if at(mid).train_bytes <= floor else (lo, mid - 1)
+    return lo
