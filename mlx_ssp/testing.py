@@ -12,6 +12,9 @@ import json
 import shutil
 from pathlib import Path
 
+from mlx_ssp.agents.gold import gold_messages
+from mlx_ssp.tasks.build import export_source
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -168,9 +171,6 @@ def make_tiny_agent_model(out_dir: str | Path, n_tasks: int = 80) -> Path:
     """A tiny random model whose tokenizer (4096 tokens) was trained on BFCL multi-turn tool schemas
     and gold conversations, so an episode prompt is ~650 tokens instead of ~4k: for agents tests and
     ``--tiny`` experiments (needs ``bfcl-eval``)."""
-    from mlx_ssp.agents.gold import gold_messages
-    from mlx_ssp.tasks.build import export_source
-
     corpus = []
     for t in export_source("bfcl_multi_turn:base", params={"tools": "used"})[:n_tasks]:
         corpus += [json.dumps(x) for x in t.metadata["tools"]] + [m["content"] for m in gold_messages(t)]

@@ -15,14 +15,23 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import ConfigDict, Field, ValidationError, create_model, field_validator, model_serializer, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from mlx_ssp.config import StrictModel
+from mlx_ssp.config import StrictModel, format_validation_error
 from mlx_ssp.finetune.lora import LoRAConfig
 from mlx_ssp.finetune.optim import OPTIMIZERS
 from mlx_ssp.rl.mgpo import SCALE_REWARDS
 from mlx_ssp.rl.objectives import AGGREGATIONS, RATIOS, SURROGATES, TIS_MODES
 from mlx_ssp.rollout import SamplingConfig
+from mlx_ssp.verify import VERIFIERS
 
 
 class RLLoRAConfig(LoRAConfig):
@@ -173,8 +182,6 @@ class RLConfig(StrictModel):
             try:
                 out.append((ph, RLConfig.model_validate(merged)))
             except ValidationError as e:
-                from mlx_ssp.config import format_validation_error
-
                 raise ValueError(format_validation_error(e, RLConfig, "", prefix=f"phases.{i}")) from None
         return out
 
@@ -223,8 +230,6 @@ class _PhaseBase(StrictModel):
     @classmethod
     def _known_verifier(cls, v):
         if v is not None:
-            from mlx_ssp.verify import VERIFIERS
-
             if v not in VERIFIERS:
                 raise ValueError(f"unknown verifier {v!r}; valid: {', '.join(sorted(VERIFIERS))}")
         return v

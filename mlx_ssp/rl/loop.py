@@ -51,21 +51,22 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_ssp import distributed as dist
 from mlx_ssp import progress, trackers
 from mlx_ssp.errors import UserError
-from mlx_ssp.io import write_json_atomic
 from mlx_ssp.finetune import checkpoints as ckpts
 from mlx_ssp.finetune.lora import adapter_config as lora_adapter_config
 from mlx_ssp.finetune.lora import adapters_disabled, attach_lora
 from mlx_ssp.finetune.optim import OPTIMIZERS, build_optimizer, warmup_constant
 from mlx_ssp.finetune.seed import step_seed
-from mlx_ssp.rl import memory
+from mlx_ssp.io import write_json_atomic
+from mlx_ssp.models import load_model
+from mlx_ssp.rl import kernels, memory, objectives
 from mlx_ssp.rl.config import RLConfig
+from mlx_ssp.rl.kernels import grouped_advantages
 from mlx_ssp.rl.logprobs import chunk_tokens, head_of, head_trainable, token_logprobs
-from mlx_ssp.rl.prefix import blocks, hidden_after, prefix_kv, shareable, suffix_hidden
 from mlx_ssp.rl.loss import finalize_totals, merge_totals, policy_loss, token_totals
 from mlx_ssp.rl.objectives import aggregation_units
-from mlx_ssp.rl.kernels import grouped_advantages
-from mlx_ssp.rl import objectives
+from mlx_ssp.rl.prefix import blocks, hidden_after, prefix_kv, shareable, suffix_hidden
 from mlx_ssp.rl.shaping import apply_shapings, correct_length_metrics, shaping_on
+from mlx_ssp.rollout import generate_rollouts
 from mlx_ssp.tasks import Task, render_prompt
 
 ADAPTER_FILE = ckpts.ADAPTER_FILE
@@ -406,8 +407,6 @@ class Trainer:
 
     # -- generation --------------------------------------------------------------------------
     def _rollouts(self, idx: list[int], round_no: int) -> tuple[list[list[dict]], dict]:
-        from mlx_ssp.rollout import generate_rollouts
-
         tasks = [self.tasks[i] for i in idx]
         stats: dict = {}
         recs = generate_rollouts(
@@ -828,8 +827,6 @@ def train(model, tokenizer, tasks: list[Task], cfg: RLConfig, out_dir: str | Pat
 def _check_inputs(tokenizer, tasks: list[Task], cfg: RLConfig) -> None:
     """Select the kernel mode and fail early on prompts the tokenizer cannot render."""
     if cfg.kernels is not None:
-        from mlx_ssp.rl import kernels
-
         kernels.set_mode(cfg.kernels)
     for t in tasks:
         render_prompt(tokenizer, t, cfg.system)
@@ -874,8 +871,6 @@ def load_policy(model_cfg, cfg: RLConfig, seed: int = 0):
     """Load the policy (plus a frozen reference copy only for full fine-tuning with a KL term: with
     LoRA the reference is the same model with adapters off) and set it up.
     Returns ``(model, tokenizer, model_path, ref_model)``."""
-    from mlx_ssp.models import load_model
-
     model, tokenizer, path = load_model(model_cfg)
     ref = None
     if cfg.beta > 0 and cfg.fine_tune_type == "full":

@@ -35,6 +35,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
 from mlx_ssp.finetune.optim import OPTIMIZERS
+from mlx_ssp.rl.config import RLConfig
+from mlx_ssp.rl.logprobs import auto_chunk_size
+from mlx_ssp.rl.prefix import MIN_PREFIX
 
 #: bytes per element of the training dtypes
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -125,8 +128,6 @@ def lora_params(shape: ModelShape, rank: int, num_layers: int, keys: Optional[li
 
 
 def _rl(rl) -> Any:
-    from mlx_ssp.rl.config import RLConfig
-
     return rl if isinstance(rl, RLConfig) else RLConfig.model_validate(dict(rl))
 
 
@@ -144,9 +145,6 @@ def _sizes(shape: ModelShape, rl, prompt_tokens: int) -> dict:
     with ``share_prefix`` a group's G rows share its prompt (all but its last token), which runs
     once per pass, and the rows' suffixes (the completions) go in pieces of at most
     ``micro_batch_size`` rows whose log-prob tokens fit one chunk of the op."""
-    from mlx_ssp.rl.logprobs import auto_chunk_size
-    from mlx_ssp.rl.prefix import MIN_PREFIX
-
     rows = rl.batch_size * rl.group_size
     seq = prompt_tokens + rl.sampling.max_tokens - 1  # the padded training length (inputs)
     chunk = rl.chunk_size or auto_chunk_size(shape.vocab)

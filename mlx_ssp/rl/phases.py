@@ -29,10 +29,16 @@ import json
 from pathlib import Path
 from typing import Callable, Optional
 
+from mlx_ssp import distributed as dist
 from mlx_ssp import trackers
 from mlx_ssp.card import Card
 from mlx_ssp.errors import UserError
+from mlx_ssp.finetune.fuse import fuse_and_save
 from mlx_ssp.io import write_json_atomic
+from mlx_ssp.rl.loop import config_record, fingerprint, load_policy, train
+from mlx_ssp.rl.prompt_filter import filter_prompts
+from mlx_ssp.stage_config import section_seed
+from mlx_ssp.tasks import load_tasks
 
 PHASE_FILE = "phase.json"
 
@@ -45,8 +51,6 @@ def phase_tasks(tasks: list, phase, cfg) -> list:
     """The phase's tasks: ``tasks`` (its own JSONL) or the stage's, kept to ``domains``, each scored
     by ``verifier`` when the phase names one."""
     if phase.overrides().get("tasks"):
-        from mlx_ssp.tasks import load_tasks
-
         tasks = load_tasks(cfg.tasks)
     if phase.domains is not None:
         want = set(phase.domains)
@@ -63,8 +67,6 @@ def phase_tasks(tasks: list, phase, cfg) -> list:
 def phase_fingerprint(previous: str, phase, cfg, seed: int) -> str:
     """Hash of what a finished phase's model depends on: the earlier phases' fingerprints, the phase's
     tasks selection and its resolved settings (those a resume may change left out, steps kept)."""
-    from mlx_ssp.rl.loop import config_record, fingerprint
-
     payload = {"previous": previous, "name": phase.name, "domains": phase.domains, "verifier": phase.verifier,
                "rl": fingerprint(config_record(cfg, seed, "")), "steps": cfg.steps}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -90,13 +92,9 @@ def train_one(model_cfg, tasks: list, cfg, out: Path, *, seed: int, resume: bool
     """One RL run in ``out``: load the policy, the 0/1 filter (when ``prompt_filter`` is set), train.
     Returns ``(summary, model, tokenizer, model_path)``; the summary has ``prompt_filter`` (its counts)
     when the filter ran."""
-    from mlx_ssp.rl.loop import load_policy, train
-
     model, tokenizer, path, ref = load_policy(model_cfg, cfg, seed)
     report = None
     if cfg.prompt_filter is not None:
-        from mlx_ssp.rl.prompt_filter import filter_prompts
-
         Path(out).mkdir(parents=True, exist_ok=True)
         tasks, report = filter_prompts(model, tokenizer, tasks, cfg, Path(out), seed=seed, resume=resume, where=where)
     summary = train(model, tokenizer, tasks, cfg, out, seed=seed, resume=resume, ref_model=ref, model_path=str(path))
@@ -111,10 +109,6 @@ def run_phases(model_cfg, tasks: list, cfg, out: Path, *, seed: int, resume: boo
     """Every phase of ``cfg.phases`` in order (see the module docstring); each one's fused model is
     ``phases/<name>/model``. Returns the stage summary: the last phase's ``last``/``checkpoint``, the
     total ``steps``/``skipped_total`` and ``phases`` (one entry per phase)."""
-    from mlx_ssp import distributed as dist
-    from mlx_ssp.finetune.fuse import fuse_and_save
-    from mlx_ssp.stage_config import section_seed
-
     out = Path(out)
     previous, start = "", model_cfg
     done: list[dict] = []

@@ -20,8 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from mlx_ssp import distributed as dist
 from mlx_ssp.errors import UserError
+from mlx_ssp.io import write_json_atomic
 from mlx_ssp.rl.shaping import is_correct
+from mlx_ssp.rollout import generate_rollouts
 
 FILE = "prompt_filter.json"
 #: why a prompt is removed, by its accuracy
@@ -69,9 +72,6 @@ def filter_prompts(model, tokenizer, tasks: list, cfg, out_dir: Path, *, seed: i
     """(the tasks kept, the report written to ``out_dir/prompt_filter.json``). With ``resume`` and a
     report of the same tasks and settings already there, its kept ids are used as they are (a resumed
     phase trains on the same prompts, and its starting policy is no longer in memory)."""
-    from mlx_ssp import distributed as dist
-    from mlx_ssp.io import write_json_atomic
-
     path = Path(out_dir) / FILE
     key = _key(tasks, cfg, seed)
     report = None
@@ -94,8 +94,6 @@ def filter_prompts(model, tokenizer, tasks: list, cfg, out_dir: Path, *, seed: i
 
 def measure(model, tokenizer, tasks: list, cfg, *, seed: int = 0) -> dict:
     """K rollouts per task from ``model`` and the 0/1 split of their accuracies (counts and ids)."""
-    from mlx_ssp.rollout import generate_rollouts
-
     stats: dict = {}
     recs = generate_rollouts(
         model, tokenizer, tasks, k=cfg.prompt_filter.k, sampling=_sampling(cfg),

@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mlx_ssp.rl.objectives import overlong_penalty
+
 #: a reward at or above this is a correct trajectory (as :class:`mlx_ssp.verify.VerifyResult.correct`)
 CORRECT_AT = 0.999
 
@@ -73,8 +75,6 @@ def _long2short(cfg: Any, rewards, lengths, group_ids, rl_cfg: Any) -> np.ndarra
 
 def _overlong(cfg: Any, rewards, lengths, group_ids, rl_cfg: Any) -> np.ndarray:
     """DAPO's soft overlong punishment (arXiv:2503.14476 section 3.4; :func:`mlx_ssp.rl.objectives.overlong_penalty`)."""
-    from mlx_ssp.rl.objectives import overlong_penalty
-
     pen = overlong_penalty([int(n) for n in lengths], rl_cfg.sampling.max_tokens, cfg.buffer, cfg.penalty)
     return np.asarray(rewards, np.float64) + np.asarray(pen, np.float64)
 

@@ -18,14 +18,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mlx_ssp import distributed as dist
+from mlx_ssp import trackers
+from mlx_ssp.config import load_section
 from mlx_ssp.errors import UserError
+from mlx_ssp.finetune.fuse import fuse_and_save
+from mlx_ssp.rl.phases import rl_card, run_phases, train_one
+from mlx_ssp.stage_config import load_stage, note_old_default
+from mlx_ssp.tasks import load_tasks
+from mlx_ssp.tasks.build import build_split
 
 
 def load_stage_config(config_path, overrides):
     """(:class:`~mlx_ssp.stage_config.StageConfig` of the rl section, output directory) through the one
     stage loader; the output is ``rl.output``, else ``<run_dir>/rl``."""
-    from mlx_ssp.stage_config import load_stage, note_old_default
-
     st = load_stage(config_path, overrides, "rl")
     out = Path(st.cfg.output) if st.cfg.output else st.run_dir / "rl"
     if not st.cfg.output:
@@ -40,14 +46,9 @@ def load_config(config_path, overrides):
 
 
 def load_train_tasks(data: dict, cfg, source: str):
-    from mlx_ssp.tasks import load_tasks
-
     if cfg.tasks:
         return load_tasks(cfg.tasks)
     if data.get("tasks"):
-        from mlx_ssp.config import load_section
-        from mlx_ssp.tasks.build import build_split
-
         tasks = build_split(load_section(data, "tasks", source=source), "train")
         if not tasks:
             raise UserError(f"{source}: the tasks: section gives no train tasks")
@@ -78,16 +79,12 @@ def run(config_path, overrides=(), *, restart: bool = False, fuse: bool = False,
     ``fuse`` (without phases, whose models are always fused): fuse the final adapters into
     ``<output>/fused`` with its model card (the summary's ``model``). ``report_to``: the trackers
     (None: the run file's ``report_to``; :mod:`mlx_ssp.trackers`)."""
-    from mlx_ssp import distributed as dist
-    from mlx_ssp import trackers
-
     st, out = load_stage_config(config_path, overrides)
     cfg, mcfg, seed = st.cfg, st.model, st.seed
     if fuse and not cfg.phases:  # before training, not after it
         check_fused_dir(out / FUSED, mcfg.path)
     source = str(config_path or "--set")
     tasks = load_train_tasks(st.data, cfg, source)
-    from mlx_ssp.rl.phases import run_phases, train_one
 
     with dist.output_lock(out), trackers.for_stage(st, report_to, command="rl", dir=out, section="rl"):
         if cfg.phases:
@@ -97,9 +94,6 @@ def run(config_path, overrides=(), *, restart: bool = False, fuse: bool = False,
                               echo=lambda m: print(m, file=sys.stderr, flush=True))
         summary, model, tokenizer, path = train_one(mcfg, tasks, cfg, out, seed=seed, resume=not restart)
         if fuse:
-            from mlx_ssp.finetune.fuse import fuse_and_save
-            from mlx_ssp.rl.phases import rl_card
-
             with dist.main_first("rl: fuse the final model") as do_it:
                 if do_it:
                     fuse_and_save(model, tokenizer, Path(path), out / FUSED, dequantize=False, overwrite=True,
