@@ -554,8 +554,6 @@ def test_shipped_smoke_config_keeps_every_stage_fingerprint():
 def test_distill_stage_defaults_to_the_rl_models(tmp_path, monkeypatch):
     """distill: sources default to every kept RL model (phases in order), the student to the last,
     the sft: settings (minus its domains) are the student's SFT base; eval gets a distilled row."""
-    import mlx_ssp.distill as D
-
     cfg = tmp_path / "run.yaml"
     cfg.write_text(CONFIG.format(run_dir=tmp_path / "run", k=2) + "sft: {iters: 3, domains: [addition]}\ndistill: {k: 2}\n")
     run = pipeline.load_run(cfg)
@@ -565,7 +563,7 @@ def test_distill_stage_defaults_to_the_rl_models(tmp_path, monkeypatch):
         seen.update(kw, k=dcfg.k)
         return {"model": str(tmp_path / "student")}
 
-    monkeypatch.setattr(D, "run_distill", fake)
+    monkeypatch.setattr(pipeline, "run_distill", fake)
     monkeypatch.setattr(pipeline, "rl_models", lambda run: {"rl:math": "/m1", "rl:code": "/m2"})
     out = pipeline.stage_distill(run)
     assert seen["sources"] == {"rl:math": "/m1", "rl:code": "/m2"} and seen["student"] == "/m2" and seen["k"] == 2

@@ -178,7 +178,7 @@ def _rl(**kw):
 
 
 def test_phases_run_in_order_skip_when_finished_and_resume(tiny_qwen3, tmp_path, monkeypatch):
-    from mlx_ssp.rl import loop
+    from mlx_ssp.rl import loop, phases
     from mlx_ssp.rl.phases import phase_models, run_phases
 
     cfg = _rl(phases=[{"name": "first", "domains": ["a"], "prompt_filter": {"k": 8}},
@@ -201,7 +201,7 @@ def test_phases_run_in_order_skip_when_finished_and_resume(tiny_qwen3, tmp_path,
     # a rerun trains nothing; a killed second phase (no phase.json, no model) is the only one redone
     calls = []
     real_train = loop.train
-    monkeypatch.setattr(loop, "train", lambda *a, **k: calls.append(a[4]) or real_train(*a, **k))
+    monkeypatch.setattr(phases, "train", lambda *a, **k: calls.append(a[4]) or real_train(*a, **k))
     run_phases(ModelConfig(path=str(tiny_qwen3)), _tasks(), cfg, out, seed=0)
     assert calls == []
     (second / "phase.json").unlink()
