@@ -38,12 +38,15 @@ def lines(path):
 
 def test_imported_completions_verified_selected_and_resumed(tmp_path, tiny_qwen3, monkeypatch):
     from mlx_ssp import models
+    from mlx_ssp.rollout import stage as rollout_stage
     from mlx_ssp.select import SelectConfig, run_select
 
     tf = tasks_from(traces_file(tmp_path / "gens.jsonl"), {"completions_field": "gens"}, tmp_path)
     tasks = load_tasks(tf)
     assert all(len(t.metadata[IMPORTED]) == 3 for t in tasks)
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("no model is needed for imported traces"))
+    never = lambda *a, **k: pytest.fail("no model is needed for imported traces")  # noqa: E731
+    monkeypatch.setattr(models, "load_model", never)
+    monkeypatch.setattr(rollout_stage, "load_model", never)  # the name the stage calls
     out = tmp_path / "r.jsonl"
     summ = run_rollouts(str(tiny_qwen3), tf, RolloutConfig(k=2), out, progress=False)
     recs = lines(out)
