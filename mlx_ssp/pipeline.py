@@ -677,28 +677,21 @@ def resolved_config(run: Run) -> dict:
     return resolved
 
 
-def write_resolved_config(run: Run) -> dict:
-    """RUN_DIR/config.resolved.yaml: :func:`resolved_config`, which it returns (the trackers' params)."""
-    resolved = resolved_config(run)
-    write_text_atomic(run.run_dir / "config.resolved.yaml", yaml.safe_dump(resolved, sort_keys=False))
-    return resolved
-
-
 def prepare_run_dir(run: Run) -> dict:
     """Check the run directory (:func:`check_run_dir`) and write config.resolved.yaml; the resolved
     config. Under mlx.launch rank 0 alone does both and a refusal reaches every rank as one line: a
     rank checking while rank 0 writes the marker would see a directory that holds a file but no run."""
-    error = None
+    resolved, error = resolved_config(run), None
     if dist.is_main():
         try:
             check_run_dir(run.run_dir)
-            write_resolved_config(run)
+            write_text_atomic(run.run_dir / RUN_MARKER, yaml.safe_dump(resolved, sort_keys=False))
         except UserError as e:
             error = str(e)
     error = dist.broadcast_object(error, what="the check of the run directory")
     if error is not None:
         raise UserError(error)
-    return resolved_config(run)
+    return resolved
 
 
 def execute_stage(run: Run, stage: str, fp: str, log: JsonlAppender) -> dict:
