@@ -165,7 +165,8 @@ def test_one_dispatcher_and_no_import_circle():
     pkg = ROOT / "mlx_ssp"
     for f in (pkg / "rl" / "kernels").glob("*.py"):
         mods = _imported_modules(ast.parse(f.read_text()))
-        assert not any(m.startswith("mlx_ssp.rl.logprobs") for m in mods), f"{f.name} imports the log-prob op"
+        op = ("mlx_ssp.rl.logprobs", "mlx_ssp.rl.chunked_op", "mlx_ssp.rl.chunk_engines", "mlx_ssp.rl.lm_heads")
+        assert not any(m.startswith(op) for m in mods), f"{f.name} imports the log-prob op"
     readers = sorted(
         f.relative_to(pkg).as_posix() for f in pkg.rglob("*.py")
         if any(isinstance(n, ast.Constant) and n.value == K.ENV for n in ast.walk(ast.parse(f.read_text())))
@@ -351,7 +352,7 @@ def test_kernel_path_keeps_a_trained_head_gradient_on_the_device(monkeypatch):
     The gradients into the hidden states and the head equal the reference path's."""
     import mlx.nn as nn
 
-    from mlx_ssp.rl import logprobs as LP
+    from mlx_ssp.rl import chunked_op as LP
 
     monkeypatch.setitem(KD._PROBES, "metal", lambda: True)
     bwd_calls = []
@@ -403,7 +404,7 @@ def test_kernel_path_keeps_a_trained_head_gradient_on_the_device(monkeypatch):
 @pytest.mark.parametrize("entropy", [False, True])
 def test_kernel_path_with_save_grad_matches_reference(monkeypatch, chunk, entropy):
     """save_grad (frozen head: the RL training path) through a kernel back-end (emulated) equals the
-    reference path; _Impl.saved once lacked the entropy_grad argument _make_saved_op passes (found on an H200)."""
+    reference path; KernelEngine.saved once lacked the entropy_grad argument make_saved_op passes (found on an H200)."""
     import mlx.nn as nn
 
     monkeypatch.setitem(KD._PROBES, "metal", lambda: True)

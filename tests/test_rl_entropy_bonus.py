@@ -13,7 +13,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_ssp.rl import objectives
-from mlx_ssp.rl.logprobs import _engine, _Fused, _Impl, token_logprobs
+from mlx_ssp.rl.chunk_engines import FusedEngine, KernelEngine, chunk_engine
+from mlx_ssp.rl.logprobs import token_logprobs
 from mlx_ssp.rl.loop import Trainer, build_batch, make_loss
 from mlx_ssp.rl.loss import policy_loss
 from mlx_ssp.rl.objectives import aggregate, aggregation_units
@@ -112,8 +113,8 @@ def test_kernels_fall_back_to_the_reference_for_the_entropy_gradient():
     def fake_kernel(logits, targets, temperature):  # stands for a Metal / CUDA launcher
         raise AssertionError("not called")
 
-    assert isinstance(_engine(fake_kernel, T, entropy_grad=False), _Impl)
-    assert isinstance(_engine(fake_kernel, T, entropy_grad=True), _Fused)
+    assert isinstance(chunk_engine(fake_kernel, T, entropy_grad=False), KernelEngine)
+    assert isinstance(chunk_engine(fake_kernel, T, entropy_grad=True), FusedEngine)
 
 
 @pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from mlx_ssp.rl import naive_token_logprobs, selective_log_softmax_reference, token_logprobs
+from mlx_ssp.rl.lm_heads import head_of
 from mlx_ssp.rl.logprobs import (
     CHUNK_BYTES,
     LIVE_CHUNK_BUFFERS,
     _chunk_impl,
     auto_chunk_size,
-    head_of,
     model_token_logprobs,
 )
 

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from mlx_ssp.models import load_model
 from mlx_ssp.rl.config import RLConfig
-from mlx_ssp.rl.logprobs import head_of, head_vocab
+from mlx_ssp.rl.lm_heads import head_of, head_vocab
 from mlx_ssp.rl.loop import Trainer, build_batch, make_loss, sequence_logprobs, setup_model
 from mlx_ssp.rl.prefix import MIN_PREFIX, blocks, shareable, shared_prefix_len
 from mlx_ssp.tasks import Task

@@ -25,7 +25,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_ssp.rl.logprobs import CHUNK_BYTES, LIVE_CHUNK_BUFFERS, auto_chunk_size, head_of, head_vocab, token_logprobs
+from mlx_ssp.rl.lm_heads import head_of, head_vocab
+from mlx_ssp.rl.logprobs import CHUNK_BYTES, LIVE_CHUNK_BUFFERS, auto_chunk_size, token_logprobs
 from mlx_ssp.sft.packing import packed_hidden
 
 
