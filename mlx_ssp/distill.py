@@ -39,8 +39,8 @@ from mlx_ssp.config import StrictModel, validate
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import iter_jsonl_numbered, write_json_atomic, write_jsonl_atomic
 from mlx_ssp.models import load_model
+from mlx_ssp.rl.batch import build_batch
 from mlx_ssp.rl.logprobs import model_token_logprobs
-from mlx_ssp.rl.loop import build_batch
 from mlx_ssp.rollout import RolloutConfig, run_rollouts
 from mlx_ssp.rollout.config import SamplingConfig
 from mlx_ssp.select import to_chat

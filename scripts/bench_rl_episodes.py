@@ -1,7 +1,7 @@
 """Benchmark: one MGPO-GRPO step on BFCL multi-turn episodes, with and without KV-cache
 reuse across turns.
 
-Each step is :meth:`mlx_ssp.rl.loop.Trainer.step` on ``bfcl_multi_turn:base`` file-system tasks
+Each step is :meth:`mlx_ssp.rl.trainer.Trainer.step` on ``bfcl_multi_turn:base`` file-system tasks
 (tool schemas left out of the prompt: with them a prompt is ~10k tokens, far too long for a CPU
 benchmark of a random model). A random model calls no tools, so a scripted policy (as in the
 tests: samples 0..G-2 "call" each turn's ground truth, sample G-1 calls nothing) makes the tool path
@@ -99,7 +99,9 @@ def one_config(path: str, tasks, *, reuse_cache: bool, steps: int, batch_size: i
 
     from mlx_ssp.models import load_model
     from mlx_ssp.rl.config import RLConfig
-    from mlx_ssp.rl.loop import Trainer, sequence_logprobs, setup_model
+    from mlx_ssp.rl.pieces import sequence_logprobs
+    from mlx_ssp.rl.policy import setup_model
+    from mlx_ssp.rl.trainer import Trainer
 
     cfg = RLConfig(steps=steps + 1, batch_size=batch_size, group_size=group_size, learning_rate=1e-5,
                    sampling={"temperature": 1.0, "max_tokens": max_tokens}, progress=False, checkpoint_every=1000,
@@ -109,13 +111,13 @@ def one_config(path: str, tasks, *, reuse_cache: bool, steps: int, batch_size: i
     tr = Trainer(model, tok, tasks, cfg, work, seed=0)
     rows = []
     captured = {}
-    orig = tr._advantage_batch
+    orig = tr.updater.update
 
-    def keep_batch(groups, rec):  # the step's batch, for the separate log-prob timing
-        captured["batch"] = orig(groups, rec)
-        return captured["batch"]
+    def keep_batch(batch):  # the step's batch, for the separate log-prob timing
+        captured["batch"] = batch
+        return orig(batch)
 
-    tr._advantage_batch = keep_batch
+    tr.updater.update = keep_batch
     for i in range(steps + 1):
         with instrumented(group_size, reuse_cache) as clock:
             rec = tr.step()

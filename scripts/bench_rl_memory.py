@@ -3,7 +3,7 @@
 Each point runs in its own process (so its peak RSS is its own): a random float32 model of mlx-lm's
 qwen3 class built in memory from a config dict (real hidden / layer / head / vocab sizes for
 Qwen3-0.6B and 1.7B, a cheap shape for the grid; nothing written to disk), LoRA attached as
-`mlx_ssp rl` does, then ``--steps`` calls of :meth:`mlx_ssp.rl.loop.Trainer.step` on synthetic
+`mlx_ssp rl` does, then ``--steps`` calls of :meth:`mlx_ssp.rl.trainer.Trainer.step` on synthetic
 prompts of a set token length. A random model almost never samples EOS, so every completion is
 ``max_tokens`` long and the padded training length is prompt + completion - 1. The tokenizer is the
 tiny trained one of :func:`mlx_ssp.testing.make_tiny_model` (ids beyond its vocabulary decode to
@@ -105,7 +105,8 @@ def measure(point: dict, tok_dir: str) -> dict:
 
     import mlx_ssp  # noqa: F401  (OpenBLAS first)
     from mlx_ssp.rl.config import RLConfig
-    from mlx_ssp.rl.loop import Trainer, setup_model
+    from mlx_ssp.rl.policy import setup_model
+    from mlx_ssp.rl.trainer import Trainer
     from mlx_ssp.tasks import Task
 
     import gc

@@ -6,13 +6,13 @@ naive full logits (BENCHMARKS.md, "RL step memory": the chunked op's excess at 4
     python scripts/probe_update_memory.py 2,4 384 logp
 
 ``twophase``: the trainer's path for a piece over more than one log-prob chunk
-(:func:`mlx_ssp.rl.loop.piece_value_and_grad` with ``two_phase``: the body's output evaluated
+(:func:`mlx_ssp.rl.pieces.piece_value_and_grad` with ``two_phase``: the body's output evaluated
 outside the trace, then the body's vjp), on the same summed log-probs.
 """
 import sys, time, mlx_ssp, mlx.core as mx, mlx.nn as nn
 from mlx_ssp.models import load_model
 from mlx_ssp.finetune.lora import LoRAConfig, attach_lora
-from mlx_ssp.rl.loop import sequence_logprobs
+from mlx_ssp.rl.pieces import sequence_logprobs
 model, tok = load_model("demo")[:2]
 attach_lora(model, LoRAConfig(rank=8, num_layers=-1), seed=0)
 L = int(sys.argv[2]) if len(sys.argv) > 2 else 384
@@ -34,7 +34,7 @@ for B in [int(x) for x in sys.argv[1].split(",")]:
     mx.reset_peak_memory(); t = time.perf_counter()
     if mode == "twophase":
         from mlx.utils import tree_flatten
-        from mlx_ssp.rl.loop import piece_value_and_grad
+        from mlx_ssp.rl.pieces import piece_value_and_grad
         names, arrays = zip(*tree_flatten(model.trainable_parameters()))
         lfn = lambda m, mb, h: (sequence_logprobs(m, mb["inputs"], x[:, 1:], 0.8, None, save_grad=True, hidden=h).sum(), ())  # noqa: E731
         (l, _), g, _ = piece_value_and_grad(model, lfn, {"inputs": x[:, :-1]}, None, list(names), list(arrays), True)

@@ -137,7 +137,8 @@ def rl_steps(out: Path) -> dict:
     script runs as one process or under mlx.launch, and rank 0 writes OUT/rl."""
     from mlx_ssp.models import load_model
     from mlx_ssp.rl.config import RLConfig
-    from mlx_ssp.rl.loop import setup_model, train
+    from mlx_ssp.rl.policy import setup_model
+    from mlx_ssp.rl.trainer import train
     from mlx_ssp.tasks import Task
     from mlx_ssp.verify import VerifyResult, register
 

@@ -41,7 +41,8 @@ def rl_config(micro_batch_size: int):
 
 def constructed_case(model, temperature: float = 0.8):
     """(records, advantages) of the constructed batch for this model."""
-    from mlx_ssp.rl.loop import build_batch, sequence_logprobs
+    from mlx_ssp.rl.batch import build_batch
+    from mlx_ssp.rl.pieces import sequence_logprobs
 
     rng = np.random.default_rng(0)
     recs = [{"prompt_token_ids": rng.integers(3, 200, 3).tolist(), "token_ids": rng.integers(3, 200, len(r)).tolist(),
@@ -59,14 +60,16 @@ def constructed_case(model, temperature: float = 0.8):
 def logged_stats(model_dir: str, micro_batch_size: int) -> dict:
     """The statistics one training update of the constructed batch logs."""
     from mlx_ssp.models import load_model
-    from mlx_ssp.rl.loop import Trainer, build_batch, setup_model
+    from mlx_ssp.rl.batch import build_batch
+    from mlx_ssp.rl.policy import setup_model
+    from mlx_ssp.rl.trainer import Trainer
 
     cfg = rl_config(micro_batch_size)
     model, tok, _ = load_model(model_dir)
     setup_model(model, cfg)
     recs, adv = constructed_case(model, cfg.sampling.temperature)
     tr = Trainer(model, tok, [], cfg, "/nonexistent", seed=0)
-    ok, stats = tr._update(build_batch(recs, adv))
+    ok, stats = tr.updater.update(build_batch(recs, adv))
     assert ok
     return stats
 

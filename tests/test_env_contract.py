@@ -192,7 +192,8 @@ def test_rollout_sft_and_rl_on_a_user_environment(env_dir, tiny_qwen3, tmp_path,
     from mlx_ssp.agents.episode import replay
     from mlx_ssp.models import load_model
     from mlx_ssp.rl.config import RLConfig
-    from mlx_ssp.rl.loop import setup_model, train
+    from mlx_ssp.rl.policy import setup_model
+    from mlx_ssp.rl.trainer import train
     from mlx_ssp.rollout.config import SamplingConfig
     from mlx_ssp.rollout.request import RolloutRequest
     from mlx_ssp.sft.config import SFTConfig

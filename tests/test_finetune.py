@@ -76,7 +76,7 @@ def test_aggregation_units_are_registry_entries():
 def _train(tiny_qwen3, out, **kw):
     from test_rl_loop import _cfg, _policy, _tasks
 
-    from mlx_ssp.rl.loop import train
+    from mlx_ssp.rl.trainer import train
 
     cfg = _cfg(**kw)
     model, tok = _policy(tiny_qwen3, cfg)

@@ -385,7 +385,7 @@ def test_eval_table_breadth_counts_every_domain_once():
 def test_smoke_end_to_end_and_resume(tmp_path, monkeypatch):
     """configs/smoke.yaml on the demo model, every real stage; then kill-and-resume gives the same table."""
     from mlx_ssp.report import build_report
-    from mlx_ssp.rl.loop import Trainer
+    from mlx_ssp.rl.trainer import Trainer
 
     # the first RL checkpoint as a kill right after it would leave it (step 2's drops its optimizer state)
     at_kill = tmp_path / "rl_checkpoint_1"

@@ -81,7 +81,7 @@ def test_bfloat16_training_step_with_several_chunks(tiny_qwen3, tmp_path):
 
     from test_rl_loop import _cfg, _policy, _tasks
 
-    from mlx_ssp.rl.loop import train
+    from mlx_ssp.rl.trainer import train
 
     cfg = _cfg(steps=1, mu=2, train_dtype="bfloat16", chunk_size=8)
     model, tok = _policy(tiny_qwen3, cfg)
@@ -112,7 +112,9 @@ def test_logged_statistics_do_not_depend_on_micro_batch_size(tiny_llama):
     import rl_defects_worker as w
 
     from mlx_ssp.models import load_model
-    from mlx_ssp.rl.loop import build_batch, sequence_logprobs, setup_model
+    from mlx_ssp.rl.batch import build_batch
+    from mlx_ssp.rl.pieces import sequence_logprobs
+    from mlx_ssp.rl.policy import setup_model
 
     runs = {mbs: w.logged_stats(str(tiny_llama), mbs) for mbs in (1, 2, 3, 4)}
     for mbs, stats in runs.items():
@@ -132,8 +134,9 @@ def test_logged_statistics_do_not_depend_on_micro_batch_size(tiny_llama):
 def test_totals_reduce_exactly_over_parts_and_ranks():
     """Pure reduction: per-micro-batch / per-rank totals give the whole batch's values, the count
     summed once (the data-parallel bug divided each rank's sum by its own count and summed)."""
-    from mlx_ssp.rl.loop import behaviour_totals, reduce_totals
     from mlx_ssp.rl.loss import finalize_totals, policy_loss
+    from mlx_ssp.rl.pieces import behaviour_totals
+    from mlx_ssp.rl.step import reduce_totals
 
     rng = np.random.default_rng(0)
     lens = [2, 5, 8]
@@ -218,7 +221,7 @@ def test_step_skipped_at_a_later_inner_update_changes_nothing(tiny_qwen3, tmp_pa
 
     from test_rl_loop import _cfg, _policy, _tasks, poison_loss
 
-    import mlx_ssp.rl.loop as loop
+    from mlx_ssp.rl.trainer import train
 
     cfg = _cfg(steps=3, mu=2, micro_batch_size=4, max_bad_steps=5, checkpoint_every=1, optimizer="adamw")
     model, tok = _policy(tiny_qwen3, cfg)
@@ -235,7 +238,7 @@ def test_step_skipped_at_a_later_inner_update_changes_nothing(tiny_qwen3, tmp_pa
             saved[tr.step_no - 1] = {name: mx.load(str(ck / f"step_{tr.step_no - 1:07d}" / name))
                                      for name in ("adapters.safetensors", "optimizer.safetensors")}
 
-    loop.train(model, tok, _tasks(), cfg, tmp_path / "run", seed=0, on_step=on_step)
+    train(model, tok, _tasks(), cfg, tmp_path / "run", seed=0, on_step=on_step)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in rows] == [False, True, False]
     assert _same(states[1], states[0])
@@ -252,7 +255,7 @@ def test_step_skipped_at_a_later_inner_update_changes_nothing(tiny_qwen3, tmp_pa
 def _rollout_case(model, tok, temperature):
     from test_rl_loop import PROMPTS
 
-    from mlx_ssp.rl.loop import build_batch
+    from mlx_ssp.rl.batch import build_batch
     from mlx_ssp.rollout import SamplingConfig, generate_rollouts
     from mlx_ssp.tasks import Task
 
@@ -268,7 +271,7 @@ def test_half_precision_behaviour_logprobs_match_the_trainer(tiny_qwen3, dtype):
     """The sampler's recorded log-probs equal the trainer's float32 log-softmax of the same model
     (before: bf16 mean gap 0.0135 at T=0.7, fp16 0.0025: mlx-lm normalised in the model's dtype)."""
     from mlx_ssp.models import load_model
-    from mlx_ssp.rl.loop import sequence_logprobs
+    from mlx_ssp.rl.pieces import sequence_logprobs
 
     model, tok, _ = load_model(str(tiny_qwen3))
     model.set_dtype(getattr(mx, dtype))

@@ -15,7 +15,9 @@ from mlx.utils import tree_flatten
 from mlx_ssp.rl import objectives
 from mlx_ssp.rl.chunk_engines import FusedEngine, KernelEngine, chunk_engine
 from mlx_ssp.rl.logprobs import token_logprobs
-from mlx_ssp.rl.loop import Trainer, build_batch, make_loss
+from mlx_ssp.rl.batch import build_batch
+from mlx_ssp.rl.pieces import make_loss
+from mlx_ssp.rl.trainer import Trainer
 from mlx_ssp.rl.loss import policy_loss
 from mlx_ssp.rl.objectives import aggregate, aggregation_units
 from test_rl_loop import _cfg, _nested, _policy, _tasks
@@ -209,13 +211,13 @@ def test_loop_step_logs_entropy_raises_it_and_trains_lora_only(tiny_llama):
     tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
     recs = _records()
     batch = build_batch(recs, np.zeros(8, np.float32))  # no advantage: only the bonus moves the policy
-    ent0 = tr._entropies(batch)
-    ok, stats = tr._update(batch)
+    ent0 = tr.updater.entropies(batch)
+    ok, stats = tr.updater.update(batch)
     assert ok and np.isfinite(stats["entropy"]) and stats["entropy"] > 0
     after = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     changed = {k for k in after if not np.array_equal(after[k], before_all[k])}
     assert changed and changed <= trainable
     # the step ascends the entropy: the mean over completion tokens rises
     m = batch["mask"]
-    ent1 = tr._entropies(batch)
+    ent1 = tr.updater.entropies(batch)
     assert float((ent1 * m).sum() / m.sum()) > float((ent0 * m).sum() / m.sum())

@@ -19,9 +19,12 @@ import mlx_ssp  # noqa: F401
 from mlx_ssp.agents.calls import parse_ground_truth
 from mlx_ssp.agents.episode import Episode
 from mlx_ssp.models import load_model
+from mlx_ssp.rl.batch import advantage_batch, build_batch
 from mlx_ssp.rl.config import RLConfig
-from mlx_ssp.rl.loop import Trainer, build_batch, make_loss, setup_model, train
 from mlx_ssp.rl.loss import policy_loss
+from mlx_ssp.rl.pieces import make_loss
+from mlx_ssp.rl.policy import setup_model
+from mlx_ssp.rl.trainer import Trainer, train
 from mlx_ssp.tasks.build import export_source
 
 IDS = ("multi_turn_base_0", "multi_turn_base_1")
@@ -101,8 +104,8 @@ def test_episode_batch_masks_tool_results_and_aligns_behaviour(rollouts):
     assert batch["model_tokens"] == sum(r["num_tokens"] for r in recs)
 
     # the trainer's log-probs over the whole conversation match the sampler's on the model's tokens
-    adv_batch = tr._advantage_batch(groups, {})
-    ok, stats = tr._update(adv_batch)
+    adv_batch = advantage_batch(tr.cfg, groups, {})
+    ok, stats = tr.updater.update(adv_batch)
     assert ok and stats["behaviour_logp_absdiff"] < 1e-3
 
 
@@ -173,13 +176,13 @@ def test_lambda_zero_is_plain_grpo_on_episodes(rollouts, tiny_qwen3, tasks, tmp_
 
     def update(trainer, batch):
         before = {k: np.array(v) for k, v in tree_flatten(trainer.model.trainable_parameters())}
-        ok, _ = trainer._update(batch)
+        ok, _ = trainer.updater.update(batch)
         assert ok
         return {k: np.array(v) - before[k] for k, v in tree_flatten(trainer.model.trainable_parameters())}
 
     sgd = dict(optimizer="sgd", learning_rate=1.0, max_grad_norm=None)
     tr_mgpo = _trainer(tiny_qwen3, tasks, _cfg(mgpo_lambda=0.0, **sgd), tmp_path)
-    b_mgpo = tr_mgpo._advantage_batch(groups, {})
+    b_mgpo = advantage_batch(tr_mgpo.cfg, groups, {})
     np.testing.assert_allclose(np.array(b_mgpo["adv"]), grpo, rtol=1e-6, atol=1e-6)
     tr_ref = _trainer(tiny_qwen3, tasks, _cfg(mgpo_lambda=0.0, **sgd), tmp_path)
     d_mgpo, d_ref = update(tr_mgpo, b_mgpo), update(tr_ref, build_batch(recs, grpo))
@@ -188,7 +191,7 @@ def test_lambda_zero_is_plain_grpo_on_episodes(rollouts, tiny_qwen3, tasks, tmp_
         np.testing.assert_array_equal(d_mgpo[k], d_ref[k])
 
     tr1 = _trainer(tiny_qwen3, tasks, _cfg(mgpo_lambda=1.0, **sgd), tmp_path)
-    adv1 = np.array(tr1._advantage_batch(groups, {})["adv"])
+    adv1 = np.array(advantage_batch(tr1.cfg, groups, {})["adv"])
     p = np.repeat([np.mean([x["reward"] for x in g]) for g in groups], [len(g) for g in groups])
     q = np.clip(p, 1e-12, 1 - 1e-12)
     w = np.exp(-(q * np.log(2 * q) + (1 - q) * np.log(2 * (1 - q))))

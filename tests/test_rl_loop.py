@@ -13,10 +13,12 @@ from click.testing import CliRunner
 from mlx.utils import tree_flatten
 
 from mlx_ssp.errors import UserError
+from mlx_ssp.finetune.lora import adapters_disabled
 from mlx_ssp.models import load_model
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.logprobs import model_token_logprobs
-from mlx_ssp.rl.loop import adapters_disabled, setup_model, train
+from mlx_ssp.rl.policy import setup_model
+from mlx_ssp.rl.trainer import train
 from mlx_ssp.tasks import Task, write_tasks
 from mlx_ssp.verify import VerifyResult, register
 
@@ -133,9 +135,9 @@ def test_resume_continues_identically(tiny_qwen3, tmp_path):
 def poison_loss(monkeypatch, is_bad) -> None:
     """Make the RL loss NaN on the loss calls ``n`` (counted from 1, one per micro-batch and inner
     update) for which ``is_bad(n)`` holds."""
-    import mlx_ssp.rl.loop as loop
+    import mlx_ssp.rl.step as step  # where the update looks the loss up
 
-    real = loop.make_loss
+    real = step.make_loss
     calls = {"n": 0}
 
     def poisoned(cfg_, units):
@@ -148,12 +150,10 @@ def poison_loss(monkeypatch, is_bad) -> None:
 
         return f
 
-    monkeypatch.setattr(loop, "make_loss", poisoned)
+    monkeypatch.setattr(step, "make_loss", poisoned)
 
 
 def test_non_finite_steps_are_skipped_then_stop(tiny_qwen3, tmp_path, monkeypatch):
-    import mlx_ssp.rl.loop as loop
-
     cfg = _cfg(steps=6, max_bad_steps=2, checkpoint_every=1)
     model, tok = _policy(tiny_qwen3, cfg)
     poison_loss(monkeypatch, lambda n: n > 2)  # step 1 ok, then NaN forever
@@ -187,7 +187,8 @@ def test_dynamic_sampling_drops_uninformative_groups(tiny_qwen3, tmp_path):
 
 
 def test_micro_batches_give_the_full_batch_gradient(tiny_llama):
-    from mlx_ssp.rl.loop import Trainer, build_batch
+    from mlx_ssp.rl.batch import build_batch
+    from mlx_ssp.rl.trainer import Trainer
 
     rng = np.random.default_rng(0)
     recs = [{"prompt_token_ids": rng.integers(0, 300, 5 + i % 3).tolist(),
@@ -205,7 +206,7 @@ def test_micro_batches_give_the_full_batch_gradient(tiny_llama):
                     model.update(_nested(name, mx.random.normal(p.shape, key=mx.random.key(1)) * 0.1))
             before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
             tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
-            ok, _ = tr._update(build_batch(recs, adv))
+            ok, _ = tr.updater.update(build_batch(recs, adv))
             assert ok
             out[mbs] = {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
         for k in out[8]:
@@ -249,7 +250,8 @@ def test_auto_micro_batch_cuts_pieces_and_old_runs_resume(tiny_llama, tmp_path):
     """With long rows the memory model cuts a group into one-row pieces (auto_micro_batch, the
     default) where micro_batch_size alone would take 4, with the same update; a run directory
     written before the key existed (its rl_config.json without it) resumes under the new default."""
-    from mlx_ssp.rl.loop import Trainer, build_batch
+    from mlx_ssp.rl.batch import build_batch
+    from mlx_ssp.rl.trainer import Trainer
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 300, 40).tolist()
@@ -264,8 +266,8 @@ def test_auto_micro_batch_cuts_pieces_and_old_runs_resume(tiny_llama, tmp_path):
         before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
         tr = Trainer(model, tok, _tasks(), cfg, tmp_path, seed=0)
         batch = build_batch(recs, adv)
-        pieces[auto] = [j - i for _, ps in tr._layout(batch) for i, j in ps]
-        ok, _ = tr._update(batch)
+        pieces[auto] = [j - i for _, ps in tr.updater.layout(batch) for i, j in ps]
+        ok, _ = tr.updater.update(batch)
         assert ok
         moved[auto] = {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
     assert pieces == {True: [1, 1, 1, 1], False: [4]}

@@ -53,7 +53,7 @@ def test_param_and_lora_counts_match_mlx_lm():
     from mlx_lm.models.qwen3 import Model, ModelArgs
 
     from mlx_ssp.rl.config import RLConfig
-    from mlx_ssp.rl.loop import setup_model
+    from mlx_ssp.rl.policy import setup_model
 
     cfg = dict(QWEN3_06B, hidden_size=64, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, vocab_size=300, rms_norm_eps=1e-6, rope_theta=1e4,
@@ -195,7 +195,7 @@ def test_auto_micro_batch_leaves_earlier_runs_resolved_config_alone():
     fingerprints), and micro_batch_size still reads 16: runs made before it keep their fingerprints."""
     from mlx_ssp.rl.config import RLConfig
 
-    from mlx_ssp.rl.loop import config_record, fingerprint
+    from mlx_ssp.rl.trainer import config_record, fingerprint
 
     dump = RLConfig().model_dump(mode="json")
     assert "auto_micro_batch" not in dump and dump["micro_batch_size"] == 16

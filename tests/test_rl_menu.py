@@ -13,7 +13,8 @@ from mlx.utils import tree_flatten
 
 from mlx_ssp.finetune.optim import OPTIMIZERS
 from mlx_ssp.rl.config import RLConfig
-from mlx_ssp.rl.loop import Trainer, build_batch
+from mlx_ssp.rl.batch import build_batch
+from mlx_ssp.rl.trainer import Trainer
 from test_rl_loop import _cfg, _nested, _policy, _tasks
 
 
@@ -36,7 +37,7 @@ def _update(path, recs, adv, prep=None, **kw):
     before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
     tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
     batch = build_batch(recs, adv)
-    ok, stats = tr._update(prep(batch) if prep else batch)
+    ok, stats = tr.updater.update(prep(batch) if prep else batch)
     assert ok
     delta = {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
     return delta, stats
@@ -60,7 +61,7 @@ def test_every_registered_optimizer_trains(tiny_llama, optimizer):
     cfg = _cfg(optimizer=optimizer, learning_rate=1e-2)
     model, tok = _policy(tiny_llama, cfg)
     before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
-    ok, _ = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)._update(
+    ok, _ = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0).updater.update(
         build_batch(_records(), np.random.default_rng(1).normal(size=8).astype(np.float32)))
     after = dict(tree_flatten(model.trainable_parameters()))
     assert ok and any(np.abs(np.array(after[k]) - v).max() > 0 for k, v in before.items())
@@ -75,21 +76,19 @@ def test_entropy_selection_is_micro_batch_invariant(tiny_llama):
 
 
 def test_masked_truncated_completions_carry_no_gradient(tiny_llama):
-    from mlx_ssp.rl.loop import Trainer as T
+    from mlx_ssp.rl.batch import advantage_batch
 
     adv = np.random.default_rng(3).normal(size=8).astype(np.float32)
     cfg = _cfg(mask_truncated_completions=True)
-    model, tok = _policy(tiny_llama, cfg)
-    tr = T(model, tok, _tasks(), cfg, "/tmp", seed=0)
     recs = _records(truncated=range(8))
     groups = [[r | {"reward": float(i % 2), "num_tokens": len(r["token_ids"])} for i, r in enumerate(recs[:4])],
               [r | {"reward": float(i % 2), "num_tokens": len(r["token_ids"])} for i, r in enumerate(recs[4:])]]
     rec: dict = {}
-    batch = tr._advantage_batch(groups, rec)
+    batch = advantage_batch(cfg, groups, rec)
     assert rec["truncated_masked"] == 8 and float(batch["mask"].sum().item()) == 0.0
     # with some truncated: the update equals the update on the others alone
     part = _records(truncated={1, 5})
-    from mlx_ssp.rl.loop import mask_truncated
+    from mlx_ssp.rl.batch import mask_truncated
 
     d_mask, _ = _update(tiny_llama, part, adv, prep=lambda b: mask_truncated(b, part)[0])
     keep = [i for i in range(8) if i not in (1, 5)]
@@ -147,7 +146,7 @@ def test_tis_weights_follow_the_sampler_mismatch(tiny_llama):
     for name, p in tree_flatten(model.trainable_parameters()):
         if name.endswith("lora_b"):
             model.update(_nested(name, mx.random.normal(p.shape, key=mx.random.key(1)) * 0.1))
-    from mlx_ssp.rl.loop import sequence_logprobs
+    from mlx_ssp.rl.pieces import sequence_logprobs
 
     b = build_batch(recs_with(0.0), adv)
     lp = np.array(sequence_logprobs(model, b["inputs"], b["targets"], 1.0, None))

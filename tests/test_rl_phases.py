@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import zlib
-from types import SimpleNamespace
 
 import mlx_ssp  # noqa: F401
 import numpy as np
@@ -90,15 +89,15 @@ def test_correct_length_metrics():
 def test_advantage_hook_shapes_only_when_set():
     """The loop's reward -> advantage step: with long2short the kept groups' rewards are shaped
     before MGPO (its weights unchanged: the group means are the same); without, nothing changes."""
-    from mlx_ssp.rl.loop import Trainer
+    from mlx_ssp.rl.batch import advantage_batch
 
     groups = [[{"reward": 1.0, "num_tokens": n, "prompt_token_ids": [1, 2], "token_ids": [3] * n,
                 "logprobs": [-1.0] * n} for n in (2, 6)] + [
         {"reward": 0.0, "num_tokens": 3, "prompt_token_ids": [1, 2], "token_ids": [3] * 3, "logprobs": [-1.0] * 3}]]
     plain, shaped = RLConfig(), RLConfig(long2short={"lambda": 0.2})
     r0, r1 = {}, {}
-    b0 = Trainer._advantage_batch(SimpleNamespace(cfg=plain), groups, r0)
-    b1 = Trainer._advantage_batch(SimpleNamespace(cfg=shaped), groups, r1)
+    b0 = advantage_batch(plain, groups, r0)
+    b1 = advantage_batch(shaped, groups, r1)
     a0, a1 = np.array(b0["adv"]), np.array(b1["adv"])
     assert "shaping_abs_mean" not in r0 and r1["shaping_abs_mean"] > 0
     assert a0[0] == pytest.approx(a0[1]) and a1[0] > a1[1]  # the short correct answer gets more
@@ -178,7 +177,7 @@ def _rl(**kw):
 
 
 def test_phases_run_in_order_skip_when_finished_and_resume(tiny_qwen3, tmp_path, monkeypatch):
-    from mlx_ssp.rl import loop, phases
+    from mlx_ssp.rl import phases, trainer
     from mlx_ssp.rl.phases import phase_models, run_phases
 
     cfg = _rl(phases=[{"name": "first", "domains": ["a"], "prompt_filter": {"k": 8}},
@@ -200,7 +199,7 @@ def test_phases_run_in_order_skip_when_finished_and_resume(tiny_qwen3, tmp_path,
 
     # a rerun trains nothing; a killed second phase (no phase.json, no model) is the only one redone
     calls = []
-    real_train = loop.train
+    real_train = trainer.train
     monkeypatch.setattr(phases, "train", lambda *a, **k: calls.append(a[4]) or real_train(*a, **k))
     run_phases(ModelConfig(path=str(tiny_qwen3)), _tasks(), cfg, out, seed=0)
     assert calls == []

@@ -13,7 +13,10 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_ssp.models import load_model
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.lm_heads import head_of, head_vocab
-from mlx_ssp.rl.loop import Trainer, build_batch, make_loss, sequence_logprobs, setup_model
+from mlx_ssp.rl.batch import build_batch
+from mlx_ssp.rl.pieces import make_loss, sequence_logprobs
+from mlx_ssp.rl.policy import setup_model
+from mlx_ssp.rl.trainer import Trainer
 from mlx_ssp.rl.prefix import MIN_PREFIX, blocks, shareable, shared_prefix_len
 from mlx_ssp.tasks import Task
 
@@ -95,7 +98,7 @@ def _update(path, cfg: RLConfig, recs, adv):
     before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
     tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
     batch = build_batch(recs, adv)
-    ok, _ = tr._update(batch)
+    ok, _ = tr.updater.update(batch)
     assert ok
     return tr, batch, {k: np.array(v) - before[k] for k, v in tree_flatten(model.trainable_parameters())}
 
@@ -122,7 +125,7 @@ def test_update_with_shared_prefix_equals_unshared(tiny_llama, options):
     cfg = RLConfig(batch_size=2, group_size=4, micro_batch_size=8, progress=False, lora={"rank": 4}, **options)
     model, tok = _lora_model(tiny_llama)
     tr = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0)
-    batch, _, units, _ = tr._plan(build_batch(recs, adv))
+    batch, _, units, _ = tr.updater.plan(build_batch(recs, adv))
     batch.pop("entropy_kept_frac", None)
     (_, _), grads = nn.value_and_grad(model, make_loss(cfg, units))(model, {**batch, "old": None})
     for k, g in tree_flatten(grads):
@@ -150,11 +153,11 @@ def test_layout_and_the_two_phase_gradient(tiny_llama, monkeypatch):
     """Pieces fit one chunk of the op where a row does; a row longer than a chunk gets its
     gradient in two phases (the body's output evaluated outside the trace). The prefix's backward
     runs once per block. Same update in every layout."""
-    import mlx_ssp.rl.loop as loop
+    import mlx_ssp.rl.step as step  # where the update looks the piece's gradient up
 
     calls = []
-    real = loop.piece_value_and_grad
-    monkeypatch.setattr(loop, "piece_value_and_grad",
+    real = step.piece_value_and_grad
+    monkeypatch.setattr(step, "piece_value_and_grad",
                         lambda *a: calls.append((a[2]["inputs"].shape[0], a[-1])) or real(*a))
     rng = np.random.default_rng(2)
     recs = _group(rng, rng.integers(0, 300, 16).tolist(), (3, 6, 9, 4))
@@ -166,7 +169,7 @@ def test_layout_and_the_two_phase_gradient(tiny_llama, monkeypatch):
                        share_prefix=share, auto_micro_batch=False)  # pieces by micro_batch_size and chunk alone
         del calls[:]
         tr, batch, moved[share, chunk] = _update(tiny_llama, cfg, recs, adv)
-        layout = tr._layout(batch)
+        layout = tr.updater.layout(batch)
         if share:
             assert [p for p, _ in layout] == [15]  # the prompt minus its last token
         if chunk == 5:  # suffix 9 (24 unshared) > 5 tokens: one row per piece, each in two phases
@@ -193,7 +196,7 @@ def test_two_inner_updates_and_a_rank_without_rows(tiny_llama):
                        max_grad_norm=None, share_prefix=share, progress=False, lora={"rank": 4})
         tr, batch, moved[share] = _update(tiny_llama, cfg, recs, adv)
         empty = {k: (v[:0] if isinstance(v, mx.array) else v) for k, v in batch.items()}
-        assert tr._layout(empty) == []
+        assert tr.updater.layout(empty) == []
     for k in moved[False]:
         np.testing.assert_allclose(moved[True][k], moved[False][k], rtol=1e-3, atol=1e-5, err_msg=k)
 
@@ -205,7 +208,7 @@ def test_a_run_saved_before_share_prefix_existed_resumes(tiny_llama, tmp_path):
     import json
 
     from mlx_ssp.errors import UserError
-    from mlx_ssp.rl.loop import train
+    from mlx_ssp.rl.trainer import train
     from mlx_ssp.verify import VerifyResult, register
 
     register("rl_prefix_test_any")(lambda completion, task: VerifyResult(float(len(completion) % 2), "correct"))

@@ -103,8 +103,6 @@ def test_config_errors_name_the_key(shared_data):
 
 
 def test_jsonl_mapping_and_hf_local(tmp_path):
-    from mlx_ssp.tasks.build import export_source
-
     rows = [{"q": f"What is {i} + {i}?", "sol": f"Double it. #### {2 * i}", "level": i % 3} for i in range(12)]
     p = tmp_path / "mine.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -134,8 +132,6 @@ class _PlainTemplateTokenizer:
 
 def test_render_prompt_with_tools_and_chat_template(shared_data):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    from mlx_ssp.tasks.build import export_source
 
     t = export_source("bfcl:simple", size=1)[0]
     real = load_tokenizer(shared_data / "tokenizers" / "qwen3")  # the real Qwen3 template (tools)
@@ -259,8 +255,6 @@ def test_bfcl_multi_turn_source_one_domain_per_backend(tmp_path):
     param draws one backend's entries; excluded and held-back functions are not offered at the start."""
     res = CliRunner().invoke(main, ["tasks", "export", "bfcl_multi_turn:base", "-o", str(tmp_path / "mt.jsonl")])
     assert res.exit_code == 0, res.output
-    from mlx_ssp.tasks import load_tasks
-
     ts = load_tasks(tmp_path / "mt.jsonl")
     assert len(ts) == 200 and len({t.metadata["bfcl_id"] for t in ts}) == 200
     doms = {t.domain for t in ts}

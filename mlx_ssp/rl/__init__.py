@@ -3,9 +3,13 @@
 Pure functions (importable without a model): :mod:`mlx_ssp.rl.mgpo` (group accuracy, D_ME, MGPO
 weight, advantages), :mod:`mlx_ssp.rl.objectives` (every piece of the objective, each variant a
 registry entry with its settings), :mod:`mlx_ssp.rl.loss` (the policy loss that composes them, its
-statistics), :mod:`mlx_ssp.rl.logprobs` (the chunked selective log-softmax op). The training loop
-is :mod:`mlx_ssp.rl.loop`; the stage on its own is :mod:`mlx_ssp.rl.stage`; the command ``mlx_ssp rl`` is
-:mod:`mlx_ssp.commands.rl`.
+statistics), :mod:`mlx_ssp.rl.logprobs` (the chunked selective log-softmax op; its parts:
+:mod:`mlx_ssp.rl.lm_heads`, :mod:`mlx_ssp.rl.chunk_engines`, :mod:`mlx_ssp.rl.chunked_op`). The
+training loop is :mod:`mlx_ssp.rl.trainer`, its parts :mod:`mlx_ssp.rl.policy` (loading and setting
+up the policy), :mod:`mlx_ssp.rl.collect` (rollouts), :mod:`mlx_ssp.rl.batch` (advantages, the
+training batch), :mod:`mlx_ssp.rl.step` (the update) and :mod:`mlx_ssp.rl.pieces` (the loss and
+gradient of a piece of rows); the stage on its own is :mod:`mlx_ssp.rl.stage`; the command
+``mlx_ssp rl`` is :mod:`mlx_ssp.commands.rl`.
 """
 
 from mlx_ssp.rl.logprobs import (

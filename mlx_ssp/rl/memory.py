@@ -1,7 +1,7 @@
 """Predicted peak memory of one ``mlx_ssp rl`` step, from the model's config.json and the rl: section.
 
 The step has two phases whose MLX peaks the loop records separately (``peak_memory_gen_mb``,
-``peak_memory_train_mb``; :mod:`mlx_ssp.rl.loop`): generation of the B x G rollouts (GRPO,
+``peak_memory_train_mb``; :mod:`mlx_ssp.rl.trainer`): generation of the B x G rollouts (GRPO,
 DeepSeekMath arXiv:2402.03300 section 4; VibeThinker-1.5B section 3.4), then the update over
 micro-batches. Each phase's peak is a sum of terms, each a size in bytes times a coefficient fitted
 on measured steps (``scripts/bench_rl_memory.py``; BENCHMARKS.md, "RL step memory"):
@@ -132,7 +132,7 @@ def _rl(rl) -> Any:
 
 
 def train_dtype(rl, shape: ModelShape, device: str = "cpu") -> str:
-    """The dtype the loop trains in (:func:`mlx_ssp.rl.loop.resolve_train_dtype`): ``auto`` is
+    """The dtype the loop trains in (:func:`mlx_ssp.rl.policy.resolve_train_dtype`): ``auto`` is
     float32 on the CPU and the checkpoint's dtype elsewhere."""
     rl = _rl(rl)
     if rl.train_dtype != "auto":
@@ -141,7 +141,7 @@ def train_dtype(rl, shape: ModelShape, device: str = "cpu") -> str:
 
 
 def _sizes(shape: ModelShape, rl, prompt_tokens: int) -> dict:
-    """Row and token counts of one step, in the trainer's layout (:meth:`mlx_ssp.rl.loop.Trainer._layout`):
+    """Row and token counts of one step, in the trainer's layout (:meth:`mlx_ssp.rl.step.Updater.layout`):
     with ``share_prefix`` a group's G rows share its prompt (all but its last token), which runs
     once per pass, and the rows' suffixes (the completions) go in pieces of at most
     ``micro_batch_size`` rows whose log-prob tokens fit one chunk of the op."""

@@ -35,8 +35,9 @@ from mlx_ssp.card import Card
 from mlx_ssp.errors import UserError
 from mlx_ssp.finetune.fuse import fuse_and_save
 from mlx_ssp.io import write_json_atomic
-from mlx_ssp.rl.loop import config_record, fingerprint, load_policy, train
+from mlx_ssp.rl.policy import load_policy
 from mlx_ssp.rl.prompt_filter import filter_prompts
+from mlx_ssp.rl.trainer import config_record, fingerprint, train
 from mlx_ssp.stage_config import section_seed
 from mlx_ssp.tasks import load_tasks
 

@@ -9,7 +9,7 @@ a block's prefix runs once at batch 1 (:func:`prefix_kv`, its per-layer keys and
 block's rows, in pieces, run only their suffixes attending to that cache broadcast to their rows
 (:func:`hidden_after`). The gradient flows back through the broadcast (a sum over rows) into the
 cache; the trainer sums it over a block's pieces and runs the prefix's backward once
-(:func:`mlx_ssp.rl.loop.prefix_grads`), so LoRA weights on the prompt's path get the gradient of
+(:func:`mlx_ssp.rl.pieces.prefix_grads`), so LoRA weights on the prompt's path get the gradient of
 the unshared forward (the chain rule).
 
 Identity: log-probs, and gradients, equal the unshared forward's up to float reassociation

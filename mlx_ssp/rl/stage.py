@@ -1,5 +1,5 @@
 """The rl stage on its own (``mlx_ssp rl``): the run file's ``rl:`` section through the one stage
-loader, its training tasks, then :func:`mlx_ssp.rl.loop.load_and_train`.
+loader, its training tasks, then :func:`mlx_ssp.rl.trainer.load_and_train`.
 
 Reads the ``model:`` section (the policy to train; usually the merged model), the ``rl:`` section
 and, when ``rl.tasks`` is not set, the ``tasks:`` section's ``train`` split. Writes to

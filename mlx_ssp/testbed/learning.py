@@ -4,7 +4,7 @@ One round at its smallest, through the project's own stage functions and nothing
 either of the recipe's two phases (``stage``):
 
 - ``rl`` -- the Signal phase (VibeThinker-1.5B, arXiv:2511.06221, section 3.3): MGPO-GRPO with LoRA
-  on the train prompts (:func:`mlx_ssp.rl.loop.train`, reward = the ``testbed`` verifier);
+  on the train prompts (:func:`mlx_ssp.rl.trainer.train`, reward = the ``testbed`` verifier);
 - ``sft`` -- the Spectrum phase (section 3.2): K samples per train prompt from the model itself,
   verified (:func:`mlx_ssp.rollout.generate_rollouts`), diverse selection of the correct ones
   (:func:`mlx_ssp.select.select`), one LoRA specialist trained on them and fused
@@ -36,7 +36,8 @@ from mlx_ssp.eval import evaluate
 from mlx_ssp.io import write_jsonl_atomic
 from mlx_ssp.models import load_model
 from mlx_ssp.rl.config import RLConfig
-from mlx_ssp.rl.loop import setup_model, train
+from mlx_ssp.rl.policy import setup_model
+from mlx_ssp.rl.trainer import train
 from mlx_ssp.rollout import SamplingConfig, generate_rollouts
 from mlx_ssp.select import SelectConfig, select
 from mlx_ssp.sft import SFTConfig, run_sft

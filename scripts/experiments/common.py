@@ -1,7 +1,7 @@
 """Shared pieces of the three SSP experiments (see EXPERIMENTS.md): one config, cached steps, statistics.
 
 Every step calls the product's own stage functions (``build_split``, ``run_rollouts``,
-``run_select``, ``run_sft``, ``merge_models``, ``evaluate``, ``mlx_ssp.rl.loop.train``) and caches
+``run_select``, ``run_sft``, ``merge_models``, ``evaluate``, ``mlx_ssp.rl.trainer.train``) and caches
 its output under ``WORK_DIR`` (default ``runs/experiments``), so the three scripts share work:
 one task set and one rollout file feed experiments 1 and 2, experiment 2's merged model is
 experiment 3's starting point, and every evaluation is a JSON file that a rerun reads back instead
@@ -482,7 +482,8 @@ def rl_arm(ctx: Ctx, arm: str, lam: float, start: str, out: Path, domains: list[
     checkpoint); returns {step: held-out eval on ``domains``} for every evaluated step (every
     ``rl_eval_every`` and the last; step 0 excluded)."""
     from mlx_ssp.models import load_model
-    from mlx_ssp.rl.loop import setup_model, train
+    from mlx_ssp.rl.policy import setup_model
+    from mlx_ssp.rl.trainer import train
 
     cfg = ctx.rl_cfg.model_copy(update={**(update or {}), "mgpo_lambda": lam})
     steps = cfg.steps
@@ -507,7 +508,7 @@ def rl_arm(ctx: Ctx, arm: str, lam: float, start: str, out: Path, domains: list[
     res = train(model, tok, tasks, cfg, out / arm, seed=ctx.seed, model_path=str(path), on_step=on_step)
     missing = [s for s, f in done.items() if not f.exists()]
     if missing:  # the run was complete on disk before its evaluations (e.g. killed in between)
-        from mlx_ssp.rl.loop import Trainer, latest_checkpoint
+        from mlx_ssp.rl.trainer import Trainer, latest_checkpoint
 
         ckpt = latest_checkpoint(out / arm)
         if ckpt is None or missing != [steps]:

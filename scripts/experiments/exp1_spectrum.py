@@ -16,7 +16,7 @@ specialist should be chosen by Pass@K. This script tests that claim on the demo 
    choice by Pass@K), for every seed in ``sft_seeds``;
 4. each specialist (and the base model) evaluated on its own domain's held-out tasks: Pass@1 and
    Pass@K (unbiased estimator, n samples per task), with the same sampling seeds for every model;
-5. the same RL budget from each specialist (the ``rl:`` section, ``mlx_ssp.rl.loop.train`` on that
+5. the same RL budget from each specialist (the ``rl:`` section, ``mlx_ssp.rl.trainer.train`` on that
    domain's train prompts, same seed for both arms), then the same held-out evaluation: the recipe's
    claim is that a wider spectrum gives RL more to sharpen, so the question is the arms' difference
    after RL as well as after SFT.

@@ -3,7 +3,7 @@
 VibeThinker-1.5B (arXiv:2511.06221) section 3.4 weights each prompt's GRPO advantages by
 w(q) = exp(-lambda * D_ME(p || 0.5)) (p = the group's accuracy), focusing the update on prompts the
 model solves about half the time. This script runs two RL arms from the same starting point,
-experiment 2's merged model, with ``mlx_ssp.rl.loop.train``:
+experiment 2's merged model, with ``mlx_ssp.rl.trainer.train``:
 
 - ``mgpo``: ``rl.mgpo_lambda`` as configured (must be > 0);
 - ``grpo``: the same config with ``mgpo_lambda = 0`` (w = 1: plain GRPO).
