@@ -20,6 +20,7 @@ import pytest
 from mlx_ssp import pipeline
 from mlx_ssp.commands import run as run_command
 from mlx_ssp.errors import UserError
+from mlx_ssp.pipeline import stages
 
 from test_hub import fake_hub  # noqa: F401  (the loopback Hub stand-in, a fixture)
 from test_trackers import one_logdir, scalars
@@ -61,8 +62,8 @@ def fake_stages(monkeypatch):
 
         return fn
 
-    fakes = {s: replace(st, run=make(s)) for s, st in pipeline.STAGE_REGISTRY.items()}
-    monkeypatch.setattr(pipeline, "STAGE_REGISTRY", fakes)
+    for s, st in list(pipeline.STAGE_REGISTRY.items()):  # in place: every module holds this one registry
+        monkeypatch.setitem(pipeline.STAGE_REGISTRY, s, replace(st, run=make(s)))
     return calls
 
 
@@ -563,9 +564,9 @@ def test_distill_stage_defaults_to_the_rl_models(tmp_path, monkeypatch):
         seen.update(kw, k=dcfg.k)
         return {"model": str(tmp_path / "student")}
 
-    monkeypatch.setattr(pipeline, "run_distill", fake)
-    monkeypatch.setattr(pipeline, "rl_models", lambda run: {"rl:math": "/m1", "rl:code": "/m2"})
-    out = pipeline.stage_distill(run)
+    monkeypatch.setattr(stages, "run_distill", fake)
+    monkeypatch.setattr(stages, "rl_models", lambda run: {"rl:math": "/m1", "rl:code": "/m2"})
+    out = stages.stage_distill(run)
     assert seen["sources"] == {"rl:math": "/m1", "rl:code": "/m2"} and seen["student"] == "/m2" and seen["k"] == 2
     assert seen["sft_base"] == {"iters": 3} and seen["out_dir"] == run.stage_dir("distill")
     assert out["model"] == str(tmp_path / "student")
