@@ -216,7 +216,8 @@ def pipeline_upload(out: Path) -> dict:
 
         return fn
 
-    pipeline.STAGE_REGISTRY = {s: replace(st, run=fake(s)) for s, st in pipeline.STAGE_REGISTRY.items()}
+    # in place: every module of the pipeline holds this one registry
+    pipeline.STAGE_REGISTRY.update({s: replace(st, run=fake(s)) for s, st in pipeline.STAGE_REGISTRY.items()})
     lines: list[str] = []
     pipeline.run_pipeline(out / "run.yaml", echo=lines.append, progress=False)
     return {"upload_lines": [x for x in lines if x.startswith("[upload]")]}

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from mlx_ssp import pipeline
+from mlx_ssp.pipeline import stages
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,4 +109,4 @@ def test_episode_select_refuses_a_teacher_with_another_tokenizer(tmp_path, tiny_
     run.sections.update(model=ModelConfig(path=str(tiny_agent_model)), teacher=ModelConfig(path=str(tiny_qwen3)))
     write_tasks(run.tasks_path("train"), export_source("bfcl_multi_turn:base", params={"backend": "trading"})[:1])
     with pytest.raises(UserError, match="teacher's tokenizer differs"):
-        pipeline.stage_select(run)
+        stages.stage_select(run)

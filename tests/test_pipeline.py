@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from mlx_ssp import pipeline
-from mlx_ssp.commands import run as run_command
 from mlx_ssp.errors import UserError
+from mlx_ssp.pipeline import stages
 
 from test_hub import fake_hub  # noqa: F401  (the loopback Hub stand-in, a fixture)
 from test_trackers import one_logdir, scalars
@@ -61,8 +61,8 @@ def fake_stages(monkeypatch):
 
         return fn
 
-    fakes = {s: replace(st, run=make(s)) for s, st in pipeline.STAGE_REGISTRY.items()}
-    monkeypatch.setattr(pipeline, "STAGE_REGISTRY", fakes)
+    for s, st in list(pipeline.STAGE_REGISTRY.items()):  # in place: every module holds this one registry
+        monkeypatch.setitem(pipeline.STAGE_REGISTRY, s, replace(st, run=make(s)))
     return calls
 
 
@@ -241,7 +241,6 @@ def test_bad_config_fails_before_any_stage(tmp_path, fake_stages):
     assert fake_stages == []
 
 
-
 # -- model cards and the upload of the final model -------------------------------------------------
 
 
@@ -356,29 +355,6 @@ def test_final_model_is_the_distilled_student_else_the_last_rl_model(tmp_path):
     (tmp_path / "run" / "distill" / "report.json").write_text(json.dumps({"model": str(student)}))
     assert pipeline.final_model(distilled) == str(student)
 
-def test_eval_table_and_gain():
-    results = {
-        "base": {"domains": {"a": {"pass@1": 0.1, "pass@4": 0.3}}, "overall": {"pass@1": 0.1, "pass@4": 0.3}},
-        "rl": {"domains": {"a": {"pass@1": 0.25, "pass@4": 0.5}}, "overall": {"pass@1": 0.25, "pass@4": 0.5}},
-    }
-    table = pipeline.eval_table(results, k=4)
-    assert table["gain"]["pass@1"] == pytest.approx(0.15) and table["gain"]["to"] == "rl"
-    text = pipeline.format_eval_table(table)
-    assert "| base | 0.100 | 0.300 | 0.100 | 0.300 |" in text and "+0.150" in text
-
-
-def test_eval_table_breadth_counts_every_domain_once():
-    """Overall is the mean over tasks; breadth the mean over domains (a big domain cannot hide a small
-    one a specialist eroded)."""
-    results = {"merged": {"domains": {"fs": {"pass@1": 0.8, "pass@2": 0.9, "n_tasks": 30},
-                                      "trade": {"pass@1": 0.2, "pass@2": 0.4, "n_tasks": 10}},
-                          "overall": {"pass@1": 0.65, "pass@2": 0.775}}}
-    row = pipeline.eval_table(results, k=2)["rows"][0]
-    assert row["breadth"]["pass@1"] == pytest.approx(0.5) and row["breadth"]["pass@2"] == pytest.approx(0.65)
-    assert "breadth p@1" in pipeline.format_eval_table(pipeline.eval_table(results, k=2))
-    results["merged"]["domains"]["trade"]["pass@1"] = None  # a domain without a figure: no breadth
-    assert pipeline.eval_table(results, k=2)["rows"][0]["breadth"]["pass@1"] is None
-
 
 @pytest.mark.slow
 @pytest.mark.demo
@@ -458,99 +434,6 @@ def test_smoke_end_to_end_and_resume(tmp_path, monkeypatch):
     assert json.loads((ev / "table.json").read_text()) == table
 
 
-def test_every_shipped_config_validates():
-    """configs/*.yaml load with every section validated (no network: hub ids are not resolved here)."""
-    from mlx_ssp.merge.config import load_merge_config
-    from mlx_ssp.merge.multi import is_multimerge, load_multimerge, read_merge_documents
-
-    for f in sorted((ROOT / "configs").glob("*.yaml")):
-        run = pipeline.load_run(f)
-        assert run.section("tasks").domains, f
-    for f in sorted((ROOT / "configs").glob("*.yml")):
-        if is_multimerge(read_merge_documents(f)):  # its models are a quickstart run's: not here
-            assert len(load_multimerge(f, check_models=False).steps) > 1, f
-        else:
-            assert load_merge_config(f)[0].merge_method
-
-
-def test_plan_stage_decisions():
-    plan = pipeline.plan_stage
-    done = {"fingerprint": "a", "complete": True}
-    kw = dict(from_stage=None, only=None, invalidated=False)
-    assert plan("sft", {}, "a", **kw)[0] == "run"
-    assert plan("sft", done, "a", **kw)[0] == "skip"
-    assert plan("sft", {"fingerprint": "a", "complete": False}, "a", **kw)[0] == "resume"
-    assert plan("sft", done, "b", **kw) == ("rerun", "its config (or an earlier stage's) changed")
-    assert plan("sft", done, "a", **{**kw, "invalidated": True})[0] == "rerun"
-    assert plan("sft", done, "a", **{**kw, "from_stage": "sft"})[0] == "rerun"
-    assert plan("select", done, "a", **{**kw, "from_stage": "sft"})[0] == "skip"
-    assert plan("eval", {}, "a", **{**kw, "only": "sft"})[0] == "pass"
-    # --only/--from force a complete stage to rerun, but an interrupted one with the same config resumes
-    # (before: `--only rollout` after a Ctrl-C moved the finished samples to .stale/ and started again)
-    partial = {"fingerprint": "a", "complete": False}
-    assert plan("rollout", partial, "a", **{**kw, "only": "rollout"}) == ("resume", "interrupted")
-    assert plan("rollout", partial, "a", **{**kw, "from_stage": "rollout"}) == ("resume", "interrupted")
-    assert plan("rollout", done, "a", **{**kw, "only": "rollout"}) == ("rerun", "forced by --from/--only")
-    assert plan("rollout", {}, "a", **{**kw, "only": "rollout"})[0] == "run"
-    assert plan("rollout", partial, "b", **{**kw, "only": "rollout"})[0] == "rerun"  # another config: stale
-    assert plan("select", partial, "a", **{**kw, "from_stage": "rollout", "invalidated": True})[0] == "rerun"
-    with pytest.raises(UserError, match="--only sft"):
-        plan("select", {}, "a", **{**kw, "only": "sft"})
-    with pytest.raises(UserError, match="--from sft"):
-        plan("select", done, "b", **{**kw, "from_stage": "sft"})
-
-
-def test_stage_list_is_the_registry(tmp_path):
-    """One registry: the stage order, the --from/--only choices and each fingerprint's sections come
-    from STAGE_REGISTRY and SECTIONS; every stage says what it reports."""
-    assert pipeline.STAGES == tuple(pipeline.STAGE_REGISTRY)
-    choices = {p.name: tuple(p.type.choices) for p in run_command.cli.params if p.name in ("from_stage", "only")}
-    assert choices == {"from_stage": pipeline.STAGES, "only": pipeline.STAGES}
-    for st in pipeline.STAGE_REGISTRY.values():
-        assert st.reports and callable(st.run) and all(s in pipeline.SECTIONS for s in st.sections)
-
-
-def test_fingerprints_stable_and_sandbox_only_when_set(tmp_path):
-    """A run directory made before a refactor keeps its fingerprints (so it is not redone); the
-    top-level sandbox section counts only when the run file sets it."""
-    cfg = _write(tmp_path)
-
-    def fps(*overrides):
-        run, prev, out = pipeline.load_run(cfg, overrides), "", {}
-        for s in pipeline.active_stages(run):
-            prev = out[s] = pipeline.fingerprint(run, s, prev)
-        return out
-
-    plain, boxed = fps(), fps("sandbox.nproc=16")
-    assert plain["tasks"] == boxed["tasks"] == "e3cd922da9a72f60"  # the tasks section alone, seed 0
-    assert all(plain[s] != boxed[s] for s in list(plain)[1:])
-    # an optional stage is in the chain only when its section is set: eval then chains distill's
-    with_distill = fps("distill.k=2")
-    assert "distill" not in plain and "distill" in with_distill
-    assert with_distill["rl"] == plain["rl"] and with_distill["eval"] != plain["eval"]
-
-
-def test_shipped_smoke_config_keeps_every_stage_fingerprint():
-    """Every stage fingerprint of configs/smoke.yaml as written by 3e5b942 (before issues 15-16) and
-    0307e0a: a refactor that changes a resolved section (e.g. a new key in a dump) would make every
-    existing run directory redo its stages from there."""
-    from pathlib import Path
-
-    cfg = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
-    want = {
-        "tasks": "b7587a9c699dd9bd", "rollout": "6b1a17128ef60a07", "select": "24e997def5cc588e",
-        "sft": "4988e9a6d1bfe003", "merge": "3f6c85c28017ceec", "rl": "8e13e157f625e7cc",
-        "eval": "9266bd535282d726",
-    }
-    # the trackers and the run's name say where metrics go, not what a stage computes
-    for overrides in ((), ("report_to=[tensorboard,wandb]", "name=x")):
-        run, prev, got = pipeline.load_run(cfg, overrides), "", {}
-        assert run.report_to == (("tensorboard", "wandb") if overrides else ())
-        for s in pipeline.active_stages(run):
-            prev = got[s] = pipeline.fingerprint(run, s, prev)
-        assert got == want, overrides
-
-
 def test_distill_stage_defaults_to_the_rl_models(tmp_path, monkeypatch):
     """distill: sources default to every kept RL model (phases in order), the student to the last,
     the sft: settings (minus its domains) are the student's SFT base; eval gets a distilled row."""
@@ -563,9 +446,9 @@ def test_distill_stage_defaults_to_the_rl_models(tmp_path, monkeypatch):
         seen.update(kw, k=dcfg.k)
         return {"model": str(tmp_path / "student")}
 
-    monkeypatch.setattr(pipeline, "run_distill", fake)
-    monkeypatch.setattr(pipeline, "rl_models", lambda run: {"rl:math": "/m1", "rl:code": "/m2"})
-    out = pipeline.stage_distill(run)
+    monkeypatch.setattr(stages, "run_distill", fake)
+    monkeypatch.setattr(stages, "rl_models", lambda run: {"rl:math": "/m1", "rl:code": "/m2"})
+    out = stages.stage_distill(run)
     assert seen["sources"] == {"rl:math": "/m1", "rl:code": "/m2"} and seen["student"] == "/m2" and seen["k"] == 2
     assert seen["sft_base"] == {"iters": 3} and seen["out_dir"] == run.stage_dir("distill")
     assert out["model"] == str(tmp_path / "student")

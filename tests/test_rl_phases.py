@@ -262,6 +262,7 @@ def test_pipeline_rl_stage_with_phases(tiny_qwen3, tmp_path):
     """The pipeline's rl stage: phases from the merged model, one metrics entry per phase, and the
     eval rows of their models."""
     from mlx_ssp import pipeline
+    from mlx_ssp.pipeline import stages
 
     rl = {"steps": 1, "batch_size": 2, "group_size": 2, "progress": False, "sampling": {"max_tokens": 3},
           "phases": [{"name": "p1", "domains": ["b"]}, {"name": "p2", "long2short": {"lambda": 0.2}}]}
@@ -270,7 +271,7 @@ def test_pipeline_rl_stage_with_phases(tiny_qwen3, tmp_path):
     write_tasks(run.tasks_path("train"), _tasks())
     (tmp_path / "merge").mkdir()
     (tmp_path / "merge" / "model").symlink_to(tiny_qwen3)
-    m = pipeline.stage_rl(run)
+    m = stages.stage_rl(run)
     assert [p["name"] for p in m["phases"]] == ["p1", "p2"] and m["steps"] == 2
     assert m["phases"][0]["tasks"] == 3 and m["phases"][1]["tasks"] == 6
     assert m["model"] == str(tmp_path / "rl" / "phases" / "p2" / "model")

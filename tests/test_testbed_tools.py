@@ -23,12 +23,15 @@ from mlx_ssp.errors import UserError
 from mlx_ssp.tasks.build import build_split, export_source
 from mlx_ssp.tasks.config import TasksConfig
 from mlx_ssp.testbed.tools import episodes as E
+from mlx_ssp.testbed.tools import intents
+from mlx_ssp.testbed.tools import space as S
+from mlx_ssp.testbed.tools import variants as V
 from mlx_ssp.testbed.tools.envs import CLASSES
 from mlx_ssp.testbed.tools.source import split_episodes
 from mlx_ssp.verify import verify
 
 
-def _replay(ep: E.Episode, calls=None) -> tuple[list[list[str]], dict]:
+def _replay(ep: S.Episode, calls=None) -> tuple[list[list[str]], dict]:
     """Run the calls (default: the ground truth) on a fresh instance: result texts per turn, final state."""
     env = CLASSES[ep.backend]()
     env.reset(copy.deepcopy(ep.config))
@@ -63,7 +66,7 @@ def _split(backend: str, split: str, size: int, seed: int = 7, **params):
     return tasks, eps
 
 
-@pytest.mark.parametrize("backend", E.BACKENDS)
+@pytest.mark.parametrize("backend", S.BACKENDS)
 def test_backends_are_deterministic_and_report_short_errors(backend):
     eps = E.episodes(backend, "train", 30, 1)
     for ep in eps:
@@ -94,7 +97,7 @@ def test_backends_follow_the_contract_and_share_tool_names():
             params = fn["parameters"]["properties"].values()
             assert fn["description"] and all(p.get("description") and p.get("type") for p in params)
     # every confusable tool named for the variants exists in the other backend
-    for spec in E.SPECS.values():
+    for spec in intents.SPECS.values():
         for tool, (other, name) in spec.confusable.items():
             assert tool in tools[spec.name] and name in tools[other] and name not in tools[spec.name] - {"get"}
 
@@ -109,14 +112,14 @@ def test_the_generator_is_pure_and_prefix_stable():
 
 def test_gold_episodes_verify_to_one_at_every_level():
     levels = Counter()
-    for backend in E.BACKENDS:
+    for backend in S.BACKENDS:
         tasks, eps = _split(backend, "eval", 64)
         for task in tasks:
             assert task.metadata["level"] == eps[task.id].level and task.metadata["episode"]["render"] == "compact"
             res = verify(gold_messages(task), task)
             assert res.reward == 1.0, (task.id, res.detail)
             levels[(backend, task.metadata["level"])] += 1
-    assert set(levels) == {(b, lv) for b in E.BACKENDS for lv in E.LEVELS}
+    assert set(levels) == {(b, lv) for b in S.BACKENDS for lv in E.LEVELS}
 
 
 def _word_in(value, text: str) -> bool:
@@ -125,7 +128,7 @@ def _word_in(value, text: str) -> bool:
 
 def test_chained_arguments_come_only_from_an_earlier_tool_result():
     n = 0
-    for backend in E.BACKENDS:
+    for backend in S.BACKENDS:
         for ep in E.episodes(backend, "train", 80, 2) + E.episodes(backend, "eval", 40, 2):
             assert (ep.chained is not None) == E.LEVELS[ep.level][1]
             if ep.chained is None:
@@ -142,7 +145,7 @@ def test_chained_arguments_come_only_from_an_earlier_tool_result():
 
 @pytest.mark.parametrize("rate", [0.0, 0.15, 0.3])
 def test_irrelevance_turns_come_at_the_configured_rate(rate):
-    turns = [c for b in E.BACKENDS for e in E.episodes(b, "train", 150, 5, irrelevance=rate) for c in e.calls]
+    turns = [c for b in S.BACKENDS for e in E.episodes(b, "train", 150, 5, irrelevance=rate) for c in e.calls]
     share = sum(not c for c in turns) / len(turns)
     assert abs(share - rate) < 0.03, share
     with pytest.raises(UserError, match="irrelevance"):
@@ -164,21 +167,21 @@ def test_splits_are_disjoint_and_eval_is_held_out():
     assert not (ids["train"] & ids["eval"]) and not (ids["train"] & ids["probe"]) and not (ids["probe"] & ids["eval"])
     assert {t.domain for t in splits["train"]} == {"a", "b"}  # a domain is one backend: no sub-domain
     assert {t.metadata["level"] for t in splits["train"] if t.domain == "b"} == {1, 2}
-    held = sorted(E.HELD_OUT_NAMES)
+    held = sorted(S.HELD_OUT_NAMES)
     for t in splits["train"]:  # no held-out name anywhere in a train episode
         text = json.dumps([t.metadata["episode"]["config"], t.metadata["episode"]["user_turns"], t.answer])
         assert not any(_word_in(x, text) for x in held), t.id
     # the generator's spaces are disjoint by construction, whatever the seeds
-    space = {s: E.episodes("files", "x", 150, 1, space=s) for s in E.SPACES}
+    space = {s: E.episodes("files", "x", 150, 1, space=s) for s in S.SPACES}
     for s, eps in space.items():
-        assert all(E.space_of(e) == s for e in eps)
-        assert all(E.uses_held_out(e) == (s == "held_out") for e in eps)
-    assert not any(any(int(f[-1]) == E.HELD_OUT_FORM for f in e.forms) for e in space["train"] + space["seen"])
-    assert any(any(int(f[-1]) == E.HELD_OUT_FORM for f in e.forms) for e in space["held_out"])
+        assert all(S.space_of(e) == s for e in eps)
+        assert all(S.uses_held_out(e) == (s == "held_out") for e in eps)
+    assert not any(any(int(f[-1]) == S.HELD_OUT_FORM for f in e.forms) for e in space["train"] + space["seen"])
+    assert any(any(int(f[-1]) == S.HELD_OUT_FORM for f in e.forms) for e in space["held_out"])
 
 
 def test_compact_first_prompts_are_short():
-    for backend in E.BACKENDS:
+    for backend in S.BACKENDS:
         (task,) = export_source(f"testbed_tools:{backend}", split="eval", size=1, seed=1)
         system, user = task.prompt
         listing = system["content"].split("Tools:\n", 1)[1]
@@ -188,20 +191,20 @@ def test_compact_first_prompts_are_short():
 
 def test_alternative_orders_pass_and_unreliable_variants_fail():
     kinds, orders = Counter(), 0
-    for backend in E.BACKENDS:
+    for backend in S.BACKENDS:
         tasks, eps = _split(backend, "train", 40, seed=11)
         for task in tasks[:14]:
             ep = eps[task.id]
-            for alt in E.alternative_orders(ep, limit=1):
+            for alt in V.alternative_orders(ep, limit=1):
                 assert alt.calls != ep.calls and alt.variant == "order1"
                 assert [Counter(map(Call.key, t)) for t in alt.calls] == [Counter(map(Call.key, t)) for t in ep.calls]
                 assert verify(_messages(task, alt.calls), task).reward == 1.0, alt.ground_truth()
                 orders += 1
-            for v in E.unreliable_variants(ep):
+            for v in V.unreliable_variants(ep):
                 res = verify(_messages(task, v.calls), task)
                 assert res.reward < 1.0, (v.variant, v.ground_truth(), ep.ground_truth())
                 kinds[v.variant] += 1
-    assert orders >= 10 and set(kinds) == set(E.UNRELIABLE), (orders, kinds)
+    assert orders >= 10 and set(kinds) == set(V.UNRELIABLE), (orders, kinds)
 
 
 def test_an_order_that_changes_a_result_is_not_an_alternative(tmp_path):
@@ -209,11 +212,11 @@ def test_an_order_that_changes_a_result_is_not_an_alternative(tmp_path):
     puts on different keys commute."""
     put = (Call("put", {"key": "x", "value": "red"}), Call("put", {"key": "y", "value": "blue"}))
     dependent = (Call("delete", {"key": "cat"}), Call("keys", {}))
-    ep = E.Episode("kv-x", "kv", 2, {"data": {"cat": "red", "dog": "blue", "sun": "gold"}},
+    ep = S.Episode("kv-x", "kv", 2, {"data": {"cat": "red", "dog": "blue", "sun": "gold"}},
                    ("Put red under x and blue under y.", "Delete cat, then list the keys."), (put, dependent))
-    (alt,) = E.alternative_orders(ep)
+    (alt,) = V.alternative_orders(ep)
     assert alt.calls == (put[::-1], dependent)
-    assert E.passes(ep, ep.calls) and not E.passes(ep, (put, dependent[::-1]))
+    assert V.passes(ep, ep.calls) and not V.passes(ep, (put, dependent[::-1]))
     path = tmp_path / "kv.jsonl"
     path.write_text(json.dumps(ep.row()) + "\n")
     (task,) = export_source(f"episodes:{path}", params={"render": "compact"})
@@ -225,7 +228,7 @@ def test_a_variant_row_gives_its_conversation_with_real_results(tmp_path):
     """The corpus route: a variant's row is an ``episodes:`` row whose ground truth is the variant's
     calls; its gold conversation holds their real results (errors included), and it fails the
     original episode's check. The rows name their class by module, so they load from any directory."""
-    pairs = ((e, E.unreliable(e, "foreign_tool")) for e in E.episodes("kv", "train", 50, 9))
+    pairs = ((e, V.unreliable(e, "foreign_tool")) for e in E.episodes("kv", "train", 50, 9))
     ep, v = next((e, v) for e, v in pairs if v and any(c.name == "rm" for t in v.calls for c in t))
     assert v.row()["id"] == f"{ep.id}.foreign_tool" and v.row()["ground_truth"] != ep.row()["ground_truth"]
     (tmp_path / "sub").mkdir()

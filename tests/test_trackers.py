@@ -401,8 +401,8 @@ def test_run_driver_one_tracker_run_with_a_namespace_per_stage(tmp_path, monkeyp
             return {}
         return fn
 
-    fakes = {s: replace(st, run=make(s)) for s, st in pipeline.STAGE_REGISTRY.items()}
-    monkeypatch.setattr(pipeline, "STAGE_REGISTRY", fakes)
+    for s, st in list(pipeline.STAGE_REGISTRY.items()):  # in place: every module holds this one registry
+        monkeypatch.setitem(pipeline.STAGE_REGISTRY, s, replace(st, run=make(s)))
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"run_dir: {tmp_path / 'run'}\nreport_to: none\nmodel: demo\nrollout: {{k: 2}}\n"
                    "tasks: {domains: {addition: {source: 'reasoning_gym:basic_arithmetic', "

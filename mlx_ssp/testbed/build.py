@@ -173,12 +173,52 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
           progress: bool = True) -> Path:
     """Pretrain a testbed model into ``out`` (built in a temp directory, then renamed: a killed build
     leaves nothing half-written). ``steps`` / ``corpus_size`` override the size's (tests)."""
-    import mlx.core as mx
-    import mlx.optimizers as optim
-    from mlx.utils import tree_flatten
+    s = dict(SIZES[size])
+    overrides = [k for k, v in (("steps", steps), ("corpus", corpus_size)) if v]  # recorded: not stale settings
+    steps = steps or s["steps"]
+    t0 = time.perf_counter()
+    tmp = out.with_name(out.name + f".tmp{int(time.time() * 1000)}")
+    recs = _corpus_records(s, seed, corpus_size)
+    model, tok = _init_model(tmp, s, recs, seed)
+    losses = _pretrain(model, tok, recs, s, steps, seed, tmp, progress=progress, label=f"{size}:{seed}")
+    final = _save(model, tmp)
+    info = {"size": size, "seed": seed, "version": VERSION, "steps": steps,
+            **{k: v for k, v in s.items() if k not in ("steps", "levels")},
+            **({"levels": {d: list(r) for d, r in s["levels"].items()}} if "levels" in s else {}),
+            "corpus_records": len(recs), "mix": _mix(recs, tools=_is_tools(s)), "losses": losses,
+            "seconds": round(time.perf_counter() - t0, 1), "params": _n_params(model), "overrides": overrides}
+    (final / "build.json").write_text(json.dumps(info, indent=1))
+    return _publish(tmp, final, out)
+
+
+def _is_tools(s: dict) -> bool:
+    return s.get("kind") == "tools"
+
+
+def _corpus_records(s: dict, seed: int, corpus_size: Optional[int]) -> list[dict]:
+    """The size's corpus: tool-use episodes for the tools size, else the arithmetic domains' traces."""
+    n = corpus_size or s["corpus"]
+    if _is_tools(s):
+        return tools_corpus(n, seed, unreliable=s.get("unreliable", 0.0))
+    return corpus(n, seed, tuple(s.get("domains", DOMAINS)), s.get("levels"), s.get("guess", 0.0))
+
+
+def _init_model(tmp: Path, s: dict, recs: list[dict], seed: int):
+    """A tokenizer trained on the corpus and a random model of the size's shape, loaded by mlx-lm."""
+    from mlx_lm.utils import load
+
+    texts = [m["content"] for r in recs[:4000] for m in r["messages"]]
+    tok_dir = train_tokenizer(tmp / "tok", vocab_size=s.get("vocab_size", 320), corpus=texts)
+    make_tiny_model(tmp / "init", "llama", tokenizer_dir=tok_dir, hidden_size=s["hidden_size"],
+                    num_layers=s["num_layers"], num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"],
+                    intermediate_size=s["intermediate_size"], seed=seed)
+    return load(str(tmp / "init"))
+
+
+def _train_data(tok, recs: list[dict], s: dict, seed: int, max_seq: int):
+    """The training set and its batching: whole episodes with a target mask for the tools size, else
+    chat records with the prompt masked."""
     from mlx_lm.tuner.datasets import CacheDataset, create_dataset
-    from mlx_lm.tuner.trainer import TrainingArgs, train
-    from mlx_lm.utils import load, save_model
 
     from mlx_ssp.sft.batches import (  # lazy: sft -> models -> this module
         make_iterate_batches,
@@ -187,37 +227,33 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
     from mlx_ssp.sft.episodes import TokenDataset
     from mlx_ssp.sft.loss import masked_loss
 
-    s = dict(SIZES[size])
-    overrides = [k for k, v in (("steps", steps), ("corpus", corpus_size)) if v]  # recorded: not stale settings
-    steps = steps or s["steps"]
-    t0 = time.perf_counter()
-    tmp = out.with_name(out.name + f".tmp{int(time.time() * 1000)}")
-    tools = s.get("kind") == "tools"
-    if tools:
-        # the task and agents stack, only for the tool-use size
-
-        recs = tools_corpus(corpus_size or s["corpus"], seed, unreliable=s.get("unreliable", 0.0))
-    else:
-        recs = corpus(corpus_size or s["corpus"], seed, tuple(s.get("domains", DOMAINS)), s.get("levels"), s.get("guess", 0.0))
-    texts = [m["content"] for r in recs[:4000] for m in r["messages"]]
-    tok_dir = train_tokenizer(tmp / "tok", vocab_size=s.get("vocab_size", 320), corpus=texts)
-    make_tiny_model(tmp / "init", "llama", tokenizer_dir=tok_dir, hidden_size=s["hidden_size"],
-                    num_layers=s["num_layers"], num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"],
-                    intermediate_size=s["intermediate_size"], seed=seed)
-    model, tok = load(str(tmp / "init"))
-    max_seq = s.get("max_seq", MAX_SEQ)
-    if tools:  # whole episodes: every assistant message is a target, tool results and user turns are not
+    if _is_tools(s):  # whole episodes: every assistant message is a target, tool results and user turns are not
         data = TokenDataset([_episode_item(tok, r, max_seq) for r in recs])
-        batching = {"iterate_batches": make_masked_iterate_batches(seed), "loss": masked_loss}
-    else:
-        data = CacheDataset(create_dataset([{"messages": r["messages"]} for r in recs], tok,
-                                           types.SimpleNamespace(mask_prompt=True)))
-        batching = {"iterate_batches": make_iterate_batches(seed)}
-    warm = max(1, steps // 20)  # 5% linear warmup, then cosine to 5% of the peak
-    sched = optim.join_schedules([optim.linear_schedule(0.0, s["learning_rate"], warm),
-                                  optim.cosine_decay(s["learning_rate"], max(1, steps - warm), s["learning_rate"] * 0.05)],
-                                 [warm])
-    opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
+        return data, {"iterate_batches": make_masked_iterate_batches(seed), "loss": masked_loss}
+    data = CacheDataset(create_dataset([{"messages": r["messages"]} for r in recs], tok,
+                                       types.SimpleNamespace(mask_prompt=True)))
+    return data, {"iterate_batches": make_iterate_batches(seed)}
+
+
+def _optimizer(s: dict, steps: int):
+    """AdamW with a 5% linear warmup, then cosine to 5% of the peak."""
+    import mlx.optimizers as optim
+
+    lr, warm = s["learning_rate"], max(1, steps // 20)
+    sched = optim.join_schedules([optim.linear_schedule(0.0, lr, warm),
+                                  optim.cosine_decay(lr, max(1, steps - warm), lr * 0.05)], [warm])
+    return optim.AdamW(learning_rate=sched, weight_decay=0.01)
+
+
+def _pretrain(model, tok, recs: list[dict], s: dict, steps: int, seed: int, tmp: Path, *, progress: bool,
+              label: str) -> list[dict]:
+    """Train every weight with mlx-lm's trainer; the loss curve (one point per report)."""
+    import mlx.core as mx
+    from mlx_lm.tuner.trainer import TrainingArgs, train
+
+    max_seq = s.get("max_seq", MAX_SEQ)
+    data, batching = _train_data(tok, recs, s, seed, max_seq)
+    opt = _optimizer(s, steps)
     losses: list[dict] = []
     show = is_on(progress)
 
@@ -225,7 +261,7 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
         def on_train_loss_report(self, info):
             losses.append({"step": int(info["iteration"]), "loss": round(float(info["train_loss"]), 4)})
             if show:
-                print(f"[testbed {size}:{seed}] step {info['iteration']}/{steps} loss {info['train_loss']:.3f}",
+                print(f"[testbed {label}] step {info['iteration']}/{steps} loss {info['train_loss']:.3f}",
                       file=sys.stderr, flush=True)
 
         def on_val_loss_report(self, info):
@@ -240,25 +276,42 @@ def build(size: str, seed: int, out: Path, *, steps: Optional[int] = None, corpu
         train(model=model, optimizer=opt, train_dataset=data, val_dataset=None, args=args, training_callback=Log(),
               **batching)
     (tmp / "unused.safetensors").unlink(missing_ok=True)
+    return losses
+
+
+def _save(model, tmp: Path) -> Path:
+    """The trained weights with the initial model's config and tokenizer files, in ``tmp/model``."""
+    from mlx_lm.utils import save_model
+
     final = tmp / "model"
     save_model(final, model)
     for f in (tmp / "init").iterdir():
         if f.name == "config.json" or f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, final / f.name)
+    return final
+
+
+def _mix(recs: list[dict], *, tools: bool) -> dict[str, dict]:
+    """Records per domain (backend) by level and by strategy (record kind), for build.json."""
     mix: dict[str, dict] = {}
     for r in recs:
         m = mix.setdefault(r["backend"] if tools else r["domain"], {"levels": {}, "strategies": {}})
         m["levels"][str(r["level"])] = m["levels"].get(str(r["level"]), 0) + 1
         kind = r["kind"] if tools else r["strategy"]
         m["strategies"][kind] = m["strategies"].get(kind, 0) + 1
-    info = {"size": size, "seed": seed, "version": VERSION, "steps": steps, **{k: v for k, v in s.items() if k not in ("steps", "levels")},
-            **({"levels": {d: list(r) for d, r in s["levels"].items()}} if "levels" in s else {}),
-            "corpus_records": len(recs), "mix": mix, "losses": losses, "seconds": round(time.perf_counter() - t0, 1),
-            "params": int(sum(math.prod(v.shape) for _, v in tree_flatten(model.parameters()))),
-            "overrides": overrides}
-    (final / "build.json").write_text(json.dumps(info, indent=1))
+    return mix
+
+
+def _n_params(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return int(sum(math.prod(v.shape) for _, v in tree_flatten(model.parameters())))
+
+
+def _publish(tmp: Path, final: Path, out: Path) -> Path:
+    """Rename the finished model to ``out`` (another process built it meanwhile: keep theirs)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists():  # another process built it meanwhile: keep theirs
+    if out.exists():
         shutil.rmtree(tmp, ignore_errors=True)
         return out
     final.rename(out)

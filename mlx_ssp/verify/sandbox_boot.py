@@ -29,7 +29,9 @@ called, iterated or asked for attributes, never compared or truth-tested. A pass
 process writing a nonce, made after the program's process was forked, to a pipe created after it,
 once the test code returned; the program can end, patch its interpreter or fake exit statuses, but it
 never holds that pipe, the nonce or the test code (read from a descriptor the program's process
-closes before it starts, the file unlinked), so it cannot report a pass.
+closes before it starts, the file unlinked), so it cannot report a pass. The data protocol and the
+tests' side of harness mode are in :mod:`mlx_ssp.verify.sandbox_rpc`, which the bootstrap loads from its
+path when it starts (:func:`load_beside`), before any isolation step.
 """
 
 import ctypes
@@ -38,6 +40,7 @@ import os
 import resource
 import signal
 import sys
+import types
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 4096, 8192, 16384, 1 << 18
@@ -45,7 +48,6 @@ NEWNS, NEWNET, NEWPID, NEWUSER = 0x20000, 0x40000000, 0x20000000, 0x10000000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 INSIDE = "/sandbox"  # the work dir's path inside the filesystem view
 DEV_NODES = ("null", "zero", "full", "random", "urandom")
-INT_RANGE = 1 << 63
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -54,6 +56,26 @@ libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes
 _prctl = getattr(libc, "prctl", None)
 if _prctl is not None:
     _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+
+def load_beside(name):
+    """A trusted module of this directory, run from its path into a module object of its own. No
+    import by name: -I leaves this directory off sys.path, and a name the program's work dir could
+    shadow is never looked up; not in sys.modules. Called as the bootstrap starts, before any
+    isolation step, so the filesystem view need not hold it."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    with open(path, "rb") as f:
+        source = f.read()
+    # named as the bootstrap is (__main__): its classes and tracebacks read as the bootstrap's own
+    mod = types.ModuleType(__name__)
+    mod.__file__ = path
+    exec(compile(source, path, "exec"), mod.__dict__)
+    return mod
+
+
+# the harness's data protocol, the program's side and the tests' side
+_rpc = load_beside("sandbox_rpc.py")
+read_all, write_all, serve, run_tests = _rpc.read_all, _rpc.write_all, _rpc.serve, _rpc.run_tests
 
 
 def prctl(option, arg):
@@ -81,21 +103,6 @@ def die_with_parent(parent):
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(125)
-
-
-def read_all(fd):
-    chunks = []
-    while True:
-        b = os.read(fd, 1 << 16)
-        if not b:
-            return b"".join(chunks)
-        chunks.append(b)
-
-
-def write_all(fd, data):
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 # -- process bookkeeping -----------------------------------------------------------------------
@@ -204,7 +211,6 @@ def build_view(root, cfg):
 def run_program(prog, cfg, work):
     """Run ``prog`` in this interpreter as ``__main__`` (no second interpreter start): the scrubbed
     environment, the work dir first on sys.path, installed packages only if asked for."""
-    import types
     fd = os.open(os.path.join(work, "stdin.txt"), os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
@@ -223,273 +229,7 @@ def run_program(prog, cfg, work):
     return main.__dict__
 
 
-# -- data across the process boundary ----------------------------------------------------------
-
-def enc(x, other):
-    """``x`` as a JSON value, with one-key tags for what JSON lacks; a value that is not plain data
-    goes to ``other`` (the program's side: a handle; the tests' side: refused)."""
-    t = type(x)
-    if t is str or t is bool or x is None:
-        return x
-    if t is int:
-        return x if -INT_RANGE <= x < INT_RANGE else {"i": hex(x)}  # hex: no digit limit
-    if t is float:
-        return x if x - x == 0.0 else {"f": repr(x)}  # inf, nan
-    if t is list:
-        return [enc(v, other) for v in x]
-    if t is tuple:
-        return {"t": [enc(v, other) for v in x]}
-    if t is dict:
-        return {"d": [[enc(k, other), enc(v, other)] for k, v in x.items()]}
-    if t is set or t is frozenset:
-        return {"s" if t is set else "z": [enc(v, other) for v in x]}
-    if t is complex:
-        return {"c": [enc(x.real, other), enc(x.imag, other)]}
-    if t is bytes or t is bytearray:
-        return {"b" if t is bytes else "y": x.hex()}
-    return other(x)
-
-
-def revive(handle):
-    """json object_hook undoing :func:`enc`'s tags; ``handle`` maps a handle tag's value."""
-    def hook(o):
-        if len(o) != 1:
-            raise ValueError("malformed data")
-        (k, v), = o.items()
-        if k == "t":
-            return tuple(v)
-        if k == "d":
-            return dict(v)
-        if k == "s":
-            return set(v)
-        if k == "z":
-            return frozenset(v)
-        if k == "c" and all(type(p) in (int, float) for p in v):
-            return complex(*v)
-        if k in ("b", "y", "i", "f") and type(v) is str:
-            if k == "f" and v not in ("inf", "-inf", "nan"):
-                raise ValueError("malformed data")
-            return {"b": bytes.fromhex, "y": bytearray.fromhex, "i": lambda s: int(s, 16), "f": float}[k](v)
-        if k == "h":
-            return handle(v)
-        raise ValueError("malformed data")
-    return hook
-
-
-# the plain value of a subclass of a plain type (each returns the exact base type)
-PLAIN = (
-    (int, int.__int__), (float, float.__float__), (str, str.__str__),
-    (complex, lambda x: complex(float.__float__(x.real), float.__float__(x.imag))),
-    (bytes, lambda x: bytes(memoryview(x))), (bytearray, lambda x: bytearray(memoryview(x))),
-    (list, list), (tuple, tuple), (dict, dict), (set, set), (frozenset, frozenset),
-)
-
-
-class Channel:
-    """Length-prefixed JSON messages over a pair of pipes."""
-
-    def __init__(self, rfd, wfd, hook):
-        self.rfd, self.wfd, self.hook = rfd, wfd, hook
-
-    def send(self, msg):
-        data = json.dumps(msg, allow_nan=False, separators=(",", ":")).encode()
-        write_all(self.wfd, len(data).to_bytes(4, "big") + data)
-
-    def _exact(self, n):
-        buf = bytearray()
-        while len(buf) < n:
-            b = os.read(self.rfd, min(n - len(buf), 1 << 20))
-            if not b:
-                return None
-            buf += b
-        return bytes(buf)
-
-    def recv(self):
-        head = self._exact(4)
-        body = head and self._exact(int.from_bytes(head, "big"))
-        return None if body is None else json.loads(body, object_hook=self.hook)
-
-
-def serve(chan_fds, g):
-    """The program's process after its top level ran: export its names, then answer the tests'
-    calls. Whatever it sends is data or a handle; it runs nothing the tests' process would trust."""
-    handles = []
-
-    def other(x):
-        for base, plain in PLAIN:
-            if isinstance(x, base):  # a subclass: its plain value (an always-equal str is just a str)
-                return enc(plain(x), other)
-        tolist = getattr(type(x), "tolist", None)  # numpy scalars and arrays
-        if callable(tolist):
-            v = tolist(x)
-            if type(v) is not type(x):
-                return enc(v, other)
-        handles.append(x)
-        return {"h": [len(handles) - 1, type(x).__name__[:80]]}
-
-    chan = Channel(chan_fds[0], chan_fds[1], revive(lambda v: handles[v[0]]))
-    names = []
-    for name, v in list(g.items()):
-        if name.startswith("__") or type(v) is type(sys):
-            continue
-        try:
-            big = type(v) in (list, tuple, dict, set, frozenset, str, bytes) and len(v) > 10000
-            names.append([name, other(v) if big else enc(v, other)])
-        except Exception:
-            pass
-    chan.send(names)
-    while True:
-        req = chan.recv()
-        if req is None:
-            return
-        try:
-            chan.send(["v", *answer(req, handles, other)])
-        except Exception as e:
-            try:
-                msg = str(e)[:300]
-            except Exception:
-                msg = ""
-            chan.send(["e", type(e).__name__[:80], msg])
-
-
-def answer(req, handles, other):
-    op, h = req[0], handles[req[1]]
-    if op == "call":
-        args, kwargs = req[2], dict(req[3])
-        mutable = [i for i, a in enumerate(args) if type(a) in (list, dict, set, bytearray)]
-        before = {i: enc(args[i], other) for i in mutable}
-        value = enc(h(*args, **kwargs), other)
-        # in-place changes to list/dict/set arguments go back, so in-place solutions can be tested
-        after = [[i, enc(args[i], other)] for i in mutable]
-        return value, [m for m in after if m[1] != before[m[0]]]
-    if op == "getattr":
-        return enc(getattr(h, req[2]), other), []
-    if op == "iter":
-        return enc(iter(h), other), []
-    if op == "next":
-        return enc(next(h), other), []
-    raise ValueError("unknown request")
-
-
-# -- the tests' process ------------------------------------------------------------------------
-
-def run_tests(spec, chan_fds, env):
-    """Build the tests' namespace (trusted prompt code, then proxies for the program's names) and run
-    the test code in it; returns normally only if the test code did."""
-    os.environ.clear()
-    os.environ.update(env)
-    sys.argv = ["tests.py"]  # sys.path has no work dir: nothing the program writes is importable here
-
-    class RemoteError(RuntimeError):
-        pass
-
-    def handle(v):
-        if type(v) is not list or len(v) != 2 or type(v[0]) is not int:
-            raise ValueError("malformed data")
-        return Remote(v[0], str(v[1]))
-
-    chan = Channel(chan_fds[0], chan_fds[1], revive(handle))
-    Remote = remote_class(rpc_client(chan, RemoteError))
-    ns = tests_namespace(spec, chan, RemoteError)
-    exec(compile(spec["tests"], "tests.py", "exec"), ns)
-
-
-def rpc_client(chan, RemoteError):
-    """One request to the program's process; its reply as data, or its exception raised here (a
-    builtin exception type by name, anything else as RemoteError)."""
-    import builtins
-
-    def rpc(*req):
-        chan.send(list(req))
-        r = chan.recv()
-        if r is None:
-            raise RemoteError("the solution's process ended before the tests finished")
-        if type(r) is not list or len(r) != 3:
-            raise RemoteError("malformed reply")
-        if r[0] == "v":
-            return r[1], r[2]
-        exc = getattr(builtins, str(r[1]), None)
-        if isinstance(exc, type) and issubclass(exc, Exception):
-            try:
-                err = exc(str(r[2]))
-            except Exception:
-                err = RemoteError("%s: %s" % (r[1], r[2]))
-        else:
-            err = RemoteError("%s: %s" % (r[1], r[2]))
-        raise err
-    return rpc
-
-
-def remote_class(rpc):
-    """The proxy of an object in the program's process: it can be called, iterated or asked for
-    attributes, never compared or truth-tested."""
-
-    def refuse(x):
-        if isinstance(x, Remote):
-            return {"h": [object.__getattribute__(x, "_h"), ""]}
-        raise TypeError("cannot pass a %s to the solution's process: only plain data" % type(x).__name__)
-
-    def not_data(self, *a):
-        raise TypeError("the solution gave a non-data object (%s): it can be called, iterated or asked "
-                        "for attributes, not compared or tested" % object.__getattribute__(self, "_what"))
-
-    class Remote:
-        __slots__ = ("_h", "_what")
-
-        def __init__(self, h, what):
-            object.__setattr__(self, "_h", h)
-            object.__setattr__(self, "_what", what)
-
-        def __call__(self, *args, **kwargs):
-            value, changed = rpc("call", self._h, [enc(a, refuse) for a in args],
-                                 [[k, enc(v, refuse)] for k, v in kwargs.items()])
-            for i, new in changed:
-                old = args[i] if type(i) is int and 0 <= i < len(args) else None
-                if type(old) is type(new) and type(old) in (list, bytearray):
-                    old[:] = new
-                elif type(old) is type(new) and type(old) in (dict, set):
-                    old.clear()
-                    old.update(new)
-            return value
-
-        def __getattr__(self, name):
-            if name.startswith("__") and name not in ("__name__", "__qualname__", "__doc__"):
-                raise AttributeError(name)
-            return rpc("getattr", self._h, name)[0]
-
-        def __iter__(self):
-            return rpc("iter", self._h)[0]
-
-        def __next__(self):
-            return rpc("next", self._h)[0]
-
-        def __repr__(self):
-            return "<solution %s>" % self._what
-
-        __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = __len__ = not_data
-        __hash__ = object.__hash__
-
-    return Remote
-
-
-def tests_namespace(spec, chan, RemoteError):
-    """The trusted prompt code (run while the program's top level runs), then the program's names."""
-    import builtins
-
-    ns = {"__name__": "__main__", "__builtins__": builtins}
-    if spec["trusted"]:  # while the program's top level runs
-        exec(compile(spec["trusted"], "prompt_code.py", "exec"), ns)
-    names = chan.recv()
-    if type(names) is not list:
-        raise RemoteError("the solution's process ended before the tests started")
-    entry = spec["entry"]
-    for name, value in names:
-        # the entry point always comes from the solution; other names only where the trusted code
-        # and the builtins have none (a solution's own `abs` or `poly` must not change the tests)
-        if name == entry or (name not in ns and not hasattr(builtins, name)):
-            ns[name] = value
-    return ns
-
+# -- harness mode: the two processes and the verdict ---------------------------------------------
 
 def harness(cfg, prog, work, tests_fd, report_fd):
     """Init's job in harness mode: the program's and the tests' processes; the verdict."""

@@ -11,7 +11,7 @@ from mlx_ssp.config import validate
 from mlx_ssp.rollout import SamplingConfig, generate_rollouts
 from mlx_ssp.tasks.build import build_split
 from mlx_ssp.tasks.config import TasksConfig
-from mlx_ssp.testbed.tools.episodes import BACKENDS
+from mlx_ssp.testbed.tools.space import BACKENDS
 
 
 def eval_tasks(n_per_backend: int, seed: int, backends: Sequence[str] = BACKENDS, levels: tuple[int, int] = (1, 4),

@@ -5,11 +5,11 @@ designed mix, like the arithmetic testbed's (:mod:`mlx_ssp.testbed.build`):
   episode's names or paraphrases), levels drawn with weight ``LEVEL_DECAY ** (level - 1)``, so the
   easy levels are learnt and the chained ones partly;
 - **several correct call orders with skewed shares**: where a turn's calls may come in another order
-  (:func:`~mlx_ssp.testbed.tools.episodes.alternative_orders`), the ground truth's order is written
+  (:func:`~mlx_ssp.testbed.tools.variants.alternative_orders`), the ground truth's order is written
   with weight 1 and the i-th alternative with ``ORDER_DECAY ** i``, so selection has a spectrum;
 - **unreliable traces** (share ``unreliable``): a wrong argument value, another backend's tool of
   similar meaning, a guessed instead of a copied chained value, or a state-changing call on a
-  request no tool can do (:func:`~mlx_ssp.testbed.tools.episodes.unreliable_variants`), as real
+  request no tool can do (:func:`~mlx_ssp.testbed.tools.variants.unreliable_variants`), as real
   pretraining data hold wrong traces beside right ones: RL has something to fix.
 
 Each conversation is the episode's gold conversation (:func:`mlx_ssp.agents.gold.gold_messages`: the
@@ -27,8 +27,9 @@ from mlx_ssp.config import validate
 from mlx_ssp.tasks import Task
 from mlx_ssp.tasks.build import build_split
 from mlx_ssp.tasks.config import TasksConfig
-from mlx_ssp.testbed.tools.episodes import BACKENDS, Episode, alternative_orders, unreliable_variants
 from mlx_ssp.testbed.tools.source import split_episodes
+from mlx_ssp.testbed.tools.space import BACKENDS, Episode
+from mlx_ssp.testbed.tools.variants import alternative_orders, unreliable_variants
 
 LEVEL_DECAY = 0.6
 ORDER_DECAY = 0.4

@@ -6,7 +6,7 @@ from its own seed (:func:`~mlx_ssp.tasks.procedural.split_seed`) in the order ev
 skips the episodes of the splits drawn before it, so sizes and seeds work as for every procedural
 source and no file has to be written before a run. Every row still goes through
 :func:`mlx_ssp.agents.source.episode_item` (one validation and rendering of episodes), and
-:func:`split_episodes` hands the :class:`~mlx_ssp.testbed.tools.episodes.Episode` objects behind a
+:func:`split_episodes` hands the :class:`~mlx_ssp.testbed.tools.space.Episode` objects behind a
 split's tasks to whoever needs them (variants for a corpus, tests): a task's id is
 ``<domain>-<episode id>``.
 
@@ -27,7 +27,8 @@ from mlx_ssp.agents.source import check_params, episode_item
 from mlx_ssp.errors import UserError
 from mlx_ssp.tasks.item import ORDER, Item
 from mlx_ssp.tasks.procedural import split_seed
-from mlx_ssp.testbed.tools.episodes import BACKENDS, Episode, check_options, episodes, identity
+from mlx_ssp.testbed.tools.episodes import check_options, episodes
+from mlx_ssp.testbed.tools.space import BACKENDS, Episode, identity
 
 if TYPE_CHECKING:
     from mlx_ssp.tasks.sources import Source
