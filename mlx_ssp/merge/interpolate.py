@@ -331,8 +331,8 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     blk = K.torch_block(cd)
     norms = mx.concatenate([r(mx.sqrt(v)) for v in K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, blk)])
     dn = [r(norms[i] + eps) for i in range(n)]
-    mk = kernel(("msl_mean",) + key, lambda: (lambda xs, dn, W: mx.square(_msl_mean(_msl_units(xs, dn, cd), W, cd))))
-    (msq,) = K.sums(lambda lo, hi: [mk([x[lo:hi] for x in xs], dn, Wl)], size, None, blk)
+    mk = kernel(("msl_mean",) + key, lambda: _msl_mean_k(cd))
+    mean, (msq,) = K.sweep(lambda lo, hi: mk([x[lo:hi] for x in xs], dn, Wl), size, blk)
     mean_norm = r(mx.sqrt(msq))
     if mean_norm.item() < eps:
         if n != 2:
@@ -341,30 +341,57 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
         lk = kernel(("msl_lin", str(cd), str(out)), lambda: (
             lambda a, b, wa, wb: rnd(rnd(_al(a, cd) * wa, cd) + rnd(_al(b, cd) * wb, cd), cd).astype(cd).astype(out)))
         return _each(size, lambda lo, hi: lk(xs[0][lo:hi], xs[1][lo:hi], Wl[0], Wl[1]))
-
-    def unit_mean(xs_, dn, W, mn):
-        us = _msl_units(xs_, dn, cd)
-        return us, rnd(_msl_mean(us, W, cd) / mn, cd)
-
-    dk = kernel(("msl_dots",) + key, lambda: (
-        lambda xs, dn, W, mn: (lambda us, m: [rnd(u * m, cd) for u in us])(*unit_mean(xs, dn, W, mn))))
+    at = {lo: k for k, (lo, _) in enumerate(K.slices(size, K.ALIGN))}  # slice start -> index of the held slice
     mn = mean_norm.reshape(())
-    dots = [r(d).reshape(()) for d in K.sums(lambda lo, hi: dk([x[lo:hi] for x in xs], dn, Wl, mn), size)]
-    tk = kernel(("msl_tan",) + key, lambda: (
-        lambda xs, dn, W, mn, dots: (lambda us, m: mx.square(_msl_tangent(us, m, dots, W, cd)))(
-            *unit_mean(xs, dn, W, mn))))
-    (tsq,) = K.sums(lambda lo, hi: [tk([x[lo:hi] for x in xs], dn, Wl, mn, dots)], size, None, blk)
+    dk = kernel(("msl_dots",) + key, lambda: _msl_dots(cd))
+    _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], [x[lo:hi] for x in xs], dn, mn), size, into=mean)
+    dots = [r(d).reshape(()) for d in dsums]
+    tk = kernel(("msl_tan",) + key, lambda: _msl_tan(cd))
+    tangent, (tsq,) = K.sweep(lambda lo, hi: tk(mean[at[lo]], [x[lo:hi] for x in xs], dn, dots, Wl), size, blk)
     tn = r(r(mx.sqrt(tsq)) + eps).reshape(())
     cs, sn = r(mx.cos(tn)), r(r(mx.sin(tn)) / tn)
     avg = r(mx.sum(r(norms * W)))
+    fk = kernel(("msl_out", str(cd), str(out)), lambda: _msl_out(cd, out))
 
-    def final(xs, dn, W, mn, dots, cs, sn, avg):
-        us, m = unit_mean(xs, dn, W, mn)
-        tg = _msl_tangent(us, m, dots, W, cd)
-        res = rnd(rnd(m * cs, cd) + rnd(tg * sn, cd), cd)
+    def final(lo, hi):
+        k = at[lo]
+        m, tg = mean[k], tangent[k]
+        mean[k] = tangent[k] = None  # freed as the output's slice is made
+        return fk(m, tg, cs, sn, avg)
+    return _each(size, final, K.ALIGN)
+
+
+def _msl_mean_k(cd):
+    """The weighted mean of the unit vectors (held in ``cd``: it is rounded to it) and its squares."""
+    def f(xs, dn, W):
+        m = _msl_mean(_msl_units(xs, dn, cd), W, cd)
+        return m.astype(cd), [mx.square(m)]
+    return f
+
+
+def _msl_dots(cd):
+    """The mean divided by its norm (held in ``cd``) and its rounded products with the unit
+    vectors (the dots' terms)."""
+    def f(mean, xs, dn, mn):
+        m = rnd(f32(mean) / mn, cd)
+        return m.astype(cd), [rnd(u * m, cd) for u in _msl_units(xs, dn, cd)]
+    return f
+
+
+def _msl_tan(cd):
+    """The tangent at the (normalised) mean (held in ``cd``) and its squares."""
+    def f(m, xs, dn, dots, W):
+        tg = _msl_tangent(_msl_units(xs, dn, cd), f32(m), dots, W, cd)
+        return tg.astype(cd), [mx.square(tg)]
+    return f
+
+
+def _msl_out(cd, out):
+    """The exponential map back, ``m cos(tn) + tangent sin(tn) / tn``, scaled by the weighted norm."""
+    def f(m, tg, cs, sn, avg):
+        res = rnd(rnd(f32(m) * cs, cd) + rnd(f32(tg) * sn, cd), cd)
         return rnd(res * avg, cd).astype(cd).astype(out)
-    fk = kernel(("msl_out", n, str(cd), str(out)), lambda: final)
-    return _each(size, lambda lo, hi: fk([x[lo:hi] for x in xs], dn, Wl, mn, dots, cs, sn, avg))
+    return f
 
 
 def _each(size: int, f, align: int = 1) -> list[mx.array]:
@@ -389,40 +416,47 @@ def _kar_units(xs, ns, cd):
 
 
 def _kar_mean0(cd):
-    """The first mean: ``sum alpha_i u_i`` accumulated in ``cd`` (mergekit's ``mean += alpha * u``),
-    held in ``cd``, and its squares."""
+    """The unit vectors (held in ``cd``: each is rounded to it), the first mean ``sum alpha_i u_i``
+    accumulated in ``cd`` (mergekit's ``mean += alpha * u``, held in ``cd``) and its squares."""
     def f(xs, ns, al):
         us = _kar_units(xs, ns, cd)
         m = rnd(al[0] * us[0], cd)
         for a, u in zip(al[1:], us[1:]):
             m = rnd(m + rnd(a * u, cd), cd)
-        return m.astype(cd), [mx.square(m)]
+        return (m.astype(cd), [u.astype(cd) for u in us]), [mx.square(m)]
     return f
 
 
 def _kar_dots(cd, pending: bool):
     """The mean, divided by its pending norm (``pending``), held in ``cd``; its products with each
     unit vector (torch.dot's terms)."""
-    def f(m, xs, ns, p):
+    def f(m, us, p):
         m = rnd(f32(m) / p, cd) if pending else f32(m)
-        return m.astype(cd), [m * u for u in _kar_units(xs, ns, cd)]
+        return m.astype(cd), [m * f32(u) for u in us]
     return f
 
 
-def _kar_tangent(m, xs, ns, dots, coefs, cd):
+def _kar_tangent(m, us, dots, coefs, cd):
     tg = None
-    for u, d, c in zip(_kar_units(xs, ns, cd), dots, coefs):
-        step = rnd(c * rnd(u - rnd(d * m, cd), cd), cd)
+    for u, d, c in zip(us, dots, coefs):
+        step = rnd(c * rnd(f32(u) - rnd(d * m, cd), cd), cd)
         tg = step if tg is None else rnd(tg + step, cd)
     return tg
 
 
+def _kar_tsq(cd):
+    """The tangent (held in ``cd``: every step rounds to it, so the copy is exact) and its squares."""
+    def f(m, us, dots, coefs):
+        tg = _kar_tangent(f32(m), us, dots, coefs, cd)
+        return tg.astype(cd), [mx.square(tg)]
+    return f
+
+
 def _kar_step(cd):
     """The next mean ``cos(tn) m + sin(tn) tangent / tn`` (each step in ``cd``) and its squares."""
-    def f(m, xs, ns, dots, coefs, tn, cs, sn):
+    def f(m, tg, tn, cs, sn):
         m = f32(m)
-        tg = _kar_tangent(m, xs, ns, dots, coefs, cd)
-        nm = rnd(rnd(cs * m, cd) + rnd(sn * rnd(tg / tn, cd), cd), cd)
+        nm = rnd(rnd(cs * m, cd) + rnd(sn * rnd(f32(tg) / tn, cd), cd), cd)
         return nm.astype(cd), [mx.square(nm)]
     return f
 
@@ -473,19 +507,20 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
     def sl(lo, hi):
         return [x[lo:hi] for x in vx]
     m0 = kernel(("kar_mean0",) + key, lambda: _kar_mean0(cd))
-    mean, (s,) = K.sweep(lambda lo, hi: m0(sl(lo, hi), ns, al), size, f32n)
+    kept, (s,) = K.sweep(lambda lo, hi: m0(sl(lo, hi), ns, al), size, f32n)
+    mean, units = [k[0] for k in kept], [k[1] for k in kept]  # per slice: the mean, the unit vectors
+    del kept
     mn = np.sqrt(_item(s))
     pending = None  # the norm the held mean is still to be divided by
     if mn < tol:
-        uk = kernel(("kar_unit0", str(cd)), lambda: (lambda x, n: rnd(_al(x, cd) / n, cd).astype(cd)))
-        mean = _each(size, lambda lo, hi: uk(vx[0][lo:hi], ns[0]), K.ALIGN)
+        mean = [u[0] for u in units]
     else:
         pending = mn
     at = {lo: k for k, (lo, _) in enumerate(K.slices(size, K.ALIGN))}  # slice start -> index of the held slice
     for _ in range(max_iter):
         dk = kernel(("kar_dots", pending is not None) + key, lambda: _kar_dots(cd, pending is not None))
         p = _s(pending if pending is not None else 1.0)
-        _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], sl(lo, hi), ns, p), size, into=mean)
+        _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], units[at[lo]], p), size, into=mean)
         pending = None
         act, dots, coefs = [], [], []
         for j, d in enumerate(dsums):
@@ -498,20 +533,24 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
             coefs.append(r(al[j] * r(theta / r(mx.sin(theta)))))
         if not act:
             break
-        ax, ans = [vx[j] for j in act], [ns[j] for j in act]
         tkey = (len(act), str(cd))
-        tk = kernel(("kar_tsq",) + tkey, lambda: (
-            lambda m, xs, ns, dots, coefs: mx.square(_kar_tangent(f32(m), xs, ns, dots, coefs, cd))))
-        (tsq,) = K.sums(lambda lo, hi: [tk(mean[at[lo]], [x[lo:hi] for x in ax], ans, dots, coefs)], size, None, f32n)
+        tk = kernel(("kar_tsq",) + tkey, lambda: _kar_tsq(cd))
+        tangent, (tsq,) = K.sweep(lambda lo, hi: tk(mean[at[lo]], [units[at[lo]][j] for j in act], dots, coefs),
+                                  size, f32n)
         tn = np.sqrt(_item(tsq))
         if tn < tol:
             break
-        stk = kernel(("kar_step",) + tkey, lambda: _kar_step(cd))
-        cs, sn = r(_s(np.cos(tn))), r(_s(np.sin(tn)))
-        _, (usq,) = K.sweep(lambda lo, hi: stk(mean[at[lo]], [x[lo:hi] for x in ax], ans, dots, coefs, _s(tn), cs, sn),
-                            size, f32n, mean)
+        stk = kernel(("kar_step", str(cd)), lambda: _kar_step(cd))
+        cs, sn, tn_ = r(_s(np.cos(tn))), r(_s(np.sin(tn))), _s(tn)
+
+        def step(lo, hi):
+            k = at[lo]
+            tg, tangent[k] = tangent[k], None  # freed as the mean's slice is replaced
+            return stk(mean[k], tg, tn_, cs, sn)
+        _, (usq,) = K.sweep(step, size, f32n, mean)
         un = np.sqrt(_item(usq))
         pending = un if un > tol else None
+    del units
     fk = kernel(("kar_out", pending is not None, str(cd), str(out)), lambda: _kar_out(cd, out, pending is not None))
     p = _s(pending if pending is not None else 1.0)
     parts = []

@@ -39,10 +39,27 @@ CHUNK = 1 << 18
 
 
 def rnd(x: mx.array, cd) -> mx.array:
-    """Round a float32 array to the compute dtype ``cd`` and back (identity for float32)."""
+    """Round a float32 array to the compute dtype ``cd`` and back (identity for float32); bf16 by
+    :func:`round_bf16`."""
     if cd == F32:
         return x
+    if cd == mx.bfloat16:
+        return round_bf16(x)
     return x.astype(cd).astype(F32)
+
+
+def round_bf16(x: mx.array) -> mx.array:
+    """float32 rounded to the nearest bf16 (ties to even), still float32, on the bits: add half an
+    ulp of bf16 (less one, plus the kept last bit) and clear the low 16 bits. Equal to
+    ``astype(bfloat16).astype(float32)`` for every one of the 2^32 float32 bit patterns (NaN stays
+    NaN: it is forced to a quiet NaN), and in a fused kernel ~2x faster than those two casts, which
+    dominate the cost of the bf16 interpolations (one per op). Needs non-shapeless compilation
+    (``mx.view`` has no shapeless shape inference)."""
+    b = mx.view(x, mx.uint32)
+    # 1 where |x| is a NaN (its magnitude's bits exceed inf's), without a compare and a select
+    nan = (0x7F800000 - (b & 0x7FFFFFFF)) >> 31
+    b = ((b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000) | (nan * 0x7FC00000)
+    return mx.view(b, F32)
 
 
 def f32(x: mx.array) -> mx.array:
@@ -55,8 +72,8 @@ def scalar(v: float) -> mx.array:
     return mx.array(v, dtype=F32)
 
 
-# Elementwise steps are fused with mx.compile (shapeless: one compiled kernel per step kind, reused
-# for every tensor length).
+# Elementwise steps are fused with mx.compile, traced once per input shape (slices repeat a few
+# shapes; shapeless kernels cannot hold :func:`round_bf16`'s bit views, and ran slower here).
 _KERNELS: dict = {}
 _KERNELS_LOCK = threading.Lock()
 
@@ -69,7 +86,7 @@ def kernel(key, build):
         with _KERNELS_LOCK:  # merging threads: one compiled function per key
             k = _KERNELS.get(key)
             if k is None:
-                k = _KERNELS[key] = mx.compile(build(), shapeless=True)
+                k = _KERNELS[key] = mx.compile(build())
     return k
 
 
