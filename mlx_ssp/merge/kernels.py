@@ -67,9 +67,20 @@ def f32(x: mx.array) -> mx.array:
     return x if x.dtype == F32 else x.astype(F32)
 
 
-def scalar(v: float) -> mx.array:
-    """A float32 0-d array: scalars travel into kernels as arrays so new values do not recompile."""
-    return mx.array(v, dtype=F32)
+def scalar(v) -> mx.array:
+    """A float32 0-d array: scalars travel into kernels as arrays so new values do not recompile
+    (and a NumPy scalar on the left of ``*`` would turn an MLX array into NumPy)."""
+    return mx.array(float(v), dtype=F32)
+
+
+def item32(x: mx.array) -> np.float32:
+    """A one-element array's value as a NumPy float32."""
+    return np.float32(x.item())
+
+
+def aligned(x: mx.array, cd) -> mx.array:
+    """A slice aligned to ``cd`` (as mergekit aligns its inputs), in float32."""
+    return f32(x.astype(cd))
 
 
 # Elementwise steps are fused with mx.compile, traced once per input shape (slices repeat a few
@@ -88,6 +99,16 @@ def kernel(key, build):
             if k is None:
                 k = _KERNELS[key] = mx.compile(build())
     return k
+
+
+def each(size: int, f, align: int = 1) -> list[mx.array]:
+    """``f(lo, hi)`` evaluated slice by slice (:func:`slices`) over a flat tensor of ``size`` elements."""
+    parts = []
+    for lo, hi in slices(size, align):
+        part = f(lo, hi)
+        mx.eval(part)
+        parts.append(part)
+    return parts
 
 
 def slices(size: int, align: int = 1) -> Iterator[tuple[int, int]]:
