@@ -225,11 +225,15 @@ def test_sce_variance_and_weights_as_torch_computes_them():
     assert got.tolist() == [False, True, False, True, True, False, False, False]
 
 
-def test_torch_sum_small_adds_in_torch_order():
-    """Sums whose float32 value depends on the order: the values torch 2.14's CPU ``sum`` gives
-    (checked by hand), not the sequential or exact sums (3.0, 8.0, 9.0)."""
-    assert K.torch_sum_small([1e8, 1, -1e8, 1, 1]) == 1.0  # 4 interleaved scalars: (x0 + x4) + x1 + ...
-    assert K.torch_sum_small([1e8] + [1.0] * 8 + [-1e8]) == 7.0  # 8-element vectors, then the rest, then lanes
-    assert K.torch_sum_small([3e7, 1, 1, 1, 1, 1, 1, 1, -3e7, 1, 1]) == 7.0
-    x = np.random.default_rng(2).standard_normal(2000).astype(np.float32)
-    assert K.torch_sum_small(x) == np.float32(x.sum(dtype=np.float64))  # beyond one cascade level: float64
+def test_torch_sum_adds_in_torch_order():
+    """Sums whose float32 value depends on the order: the values torch 2.14's CPU ``sum`` gives on
+    one thread (small ones checked by hand, not the sequential or exact sums 3.0, 8.0, 9.0; large
+    ones recorded from torch: its cascade's levels give neither the float64 nor the sequential
+    sum)."""
+    assert K.torch_sum([1e8, 1, -1e8, 1, 1]) == 1.0  # 4 interleaved scalars: (x0 + x4) + x1 + ...
+    assert K.torch_sum([1e8] + [1.0] * 8 + [-1e8]) == 7.0  # 8-element vectors, then the rest, then lanes
+    assert K.torch_sum([3e7, 1, 1, 1, 1, 1, 1, 1, -3e7, 1, 1]) == 7.0
+    for n, torch_bits, f64_bits in ((70001, 3227875146, 3227875145), ((1 << 20) + 77, 1103110336, 1103110337)):
+        x = (np.random.default_rng(2).standard_normal(n) * 0.02).astype(np.float32)
+        assert np.float32(x.sum(dtype=np.float64)).view(np.uint32) == f64_bits  # the data is as recorded
+        assert K.torch_sum(x).view(np.uint32) == torch_bits, n

@@ -42,10 +42,13 @@ Deviations from mergekit 0.1.5 (numerical only):
   model_stock and slerp (``torch.norm`` / ``vector_norm``) are summed in the order of torch's CPU norm kernel
   (:data:`.kernels.TORCH_LANES`: 8 float32 lanes, which drift by ~1e-4 relative over 4M elements;
   karcher keeps these float32 norms, so an exact norm changed ~2.5% of its bf16 roundings); slerp
-  takes them per 2^20-element chunk, as mergekit does. Other sums (dots, per tensor or per row)
-  are float64 sums rounded to float32, which equal torch's single-threaded float32 cascade nearly
-  always. A 0-d float32 tensor on
-  the *left* of a bf16 tensor is cast to bf16 by torch (on the right it stays float32): karcher's
+  takes them per 2^20-element chunk, as mergekit does. In float32 the dots of slerp, nuslerp
+  (flattened or per row) and model_stock, and model_stock's mean of the pairs' cosines, are summed
+  in torch's single-thread order (:func:`.kernels.torch_sum`, an exact emulation of its cascade;
+  float32 model_stock is then bit-identical on the stored models); other sums (and every dot in
+  bf16 / fp16, whose rounding hides the last bits) are float64 sums rounded to float32, which
+  equal torch's single-threaded float32 cascade nearly always. A 0-d float32 tensor on the *left*
+  of a bf16 tensor is cast to bf16 by torch (on the right it stays float32): karcher's
   ``cos(tn) * mean``, ``sin(tn) * ...`` and ``scale * mean`` round that factor first.
 - Measured against mergekit 0.1.5's per-tensor kernels (torch 2.14.1 CPU, one thread; tensors
   4096 x 1024, 1024 x 1024, 1024 and 8000 x 256, base N(0, 0.02), models base + N(0, 0.002)):
@@ -62,6 +65,9 @@ Deviations from mergekit 0.1.5 (numerical only):
   ``dot`` is BLAS's), and nearly parallel tensors amplify that through ``arccos`` (an ulp of the
   cosine is ~10 ulps of the angle): bit-identical multislerp 97.4%, nuslerp 91.6% (per row 69.3%,
   per column 17.8%), karcher 8.6% (the last bits of ten iterations); relative differences ~1e-6.
+  With the norms and dots equal to torch's, the angles still differ: torch's float32 ``acos`` /
+  ``sin`` are its own vectorised kernels, which differ from NumPy's in the last bit for about a
+  third of inputs (from MLX's for 4-10%).
 - arcee_fusion's quantiles of a tensor over 10^6 elements come from a sample drawn with a PCG64
   stream seeded by (seed, tensor name, model) instead of torch's global generator.
 - nuslerp and multislerp take no base model here (see :mod:`.methods`).
@@ -108,6 +114,18 @@ def _ms_width(shape: Optional[tuple], filter_wise: bool) -> Optional[int]:
     return shape[-1] if (filter_wise and shape and len(shape) >= 2) else None
 
 
+def _mean_of_pairs(cos: list, width: Optional[int]) -> mx.array:
+    """The sum of the pairs' cosines as torch's ``stack(cos).mean(dim=0)`` sums them before it
+    divides (MLX's mean multiplies by ``1 / n``, which rounds differently): per tensor an inner
+    sum (:func:`.kernels.torch_sum`), per row one running sum per row."""
+    if width is None:
+        return mx.array(K.torch_sum(np.concatenate([np.asarray(c, dtype=np.float32).reshape(-1) for c in cos])))
+    total = cos[0]
+    for c in cos[1:]:
+        total = total + c
+    return total
+
+
 def model_stock_ratio(base: mx.array, xs: Sequence[mx.array], cd, width: Optional[int] = None) -> mx.array:
     """Model Stock's interpolation ratio ``t = N cos / (1 + (N - 1) cos)`` (0 where the denominator
     is below 1e-6 in magnitude) from the mean pairwise cosine of the offsets ``x_i - base`` over the
@@ -115,9 +133,12 @@ def model_stock_ratio(base: mx.array, xs: Sequence[mx.array], cd, width: Optiona
     and dots are summed slice by slice (:func:`.kernels.sums`), every step rounded to ``cd``."""
     n = len(xs)
     terms = kernel(("ms_terms", n, str(cd)), lambda: _ms_terms(n, cd))
-    # the norms in torch's norm order (``torch.norm``), the dots in float64 (torch's cascade sum)
+    # the norms in torch's norm order (``torch.norm``)
     sq = K.sums(lambda lo, hi: terms(base[lo:hi], [x[lo:hi] for x in xs])[:n], base.size, width, K.torch_block(cd))
-    got = K.sums(lambda lo, hi: terms(base[lo:hi], [x[lo:hi] for x in xs])[n:], base.size, width) if n > 1 else []
+    if cd == F32 and n > 1:  # the dots as torch sums them (one full-size float32 product per pair)
+        got = [mx.array(K.torch_sum(p, width)).reshape(-1) for p in terms(base, xs)[n:]]
+    else:  # bf16 / fp16 round the last bits away: sliced float64 sums, no full-size copy
+        got = K.sums(lambda lo, hi: terms(base[lo:hi], [x[lo:hi] for x in xs])[n:], base.size, width) if n > 1 else []
     norms = [rnd(mx.sqrt(s), cd) for s in sq]
     dots = iter(got)
     cos = []
@@ -126,7 +147,7 @@ def model_stock_ratio(base: mx.array, xs: Sequence[mx.array], cd, width: Optiona
             prod = rnd(norms[i] * norms[j], cd)
             dot = rnd(next(dots), cd)
             cos.append(mx.clip(rnd(dot / mx.maximum(prod, 1e-6), cd), -1.0, 1.0))
-    c = rnd(mx.mean(mx.stack(cos), axis=0), cd)[..., None]
+    c = rnd(_mean_of_pairs(cos, width) / len(cos), cd)[..., None]
     den = rnd(1 + rnd((n - 1) * c, cd), cd)
     singular = mx.abs(den) < 1e-6
     return mx.where(singular, 0.0, rnd(rnd(n * c, cd) / mx.where(singular, 1.0, den), cd))

@@ -273,27 +273,59 @@ def sums(terms: Callable[[int, int], Sequence[mx.array]], size: int, width: Opti
     return sweep(lambda lo, hi: ((), terms(lo, hi)), size)[1]
 
 
-def torch_sum_small(x) -> np.float32:
-    """torch's CPU float32 ``sum`` of a short contiguous array, in its order (checked against torch
-    2.14 for every length below 300): 8-element vectors summed in 4 interleaved accumulators, the
-    accumulators added in order, then the leftover elements one by one, then the 8 lanes; under 8
-    elements, 4 interleaved scalars. From 512 elements on torch's cascade adds levels: the float64
-    sum instead."""
-    x = np.asarray(x, dtype=np.float32).reshape(-1)
-    if x.size >= 512:
-        return np.float32(x.sum(dtype=np.float64))
-    lanes = TORCH_LANES if x.size >= TORCH_LANES else 1
-    nv = x.size // lanes
-    rows = x[: nv * lanes].reshape(nv, lanes)
-    acc = [np.zeros(lanes, np.float32) for _ in range(4)]
-    for i in range(nv):
-        k = i % 4 if i < nv // 4 * 4 else 0
-        acc[k] = (acc[k] + rows[i]).astype(np.float32)
+def _ceil_log2(n: int) -> int:
+    return 0 if n <= 1 else int(n - 1).bit_length()
+
+
+def _running(x: np.ndarray) -> np.ndarray:
+    """The float32 running sum from 0 along axis 0, in order (zeros for an empty axis)."""
+    if x.shape[0] == 0:
+        return np.zeros(x.shape[1:], np.float32)
+    return np.cumsum(x, axis=0, dtype=np.float32)[-1]
+
+
+def _torch_row_sum(rows: np.ndarray) -> np.ndarray:
+    """torch's CPU ``row_sum`` of ``rows`` (n, lanes): 4 interleaved accumulators (row i to
+    accumulator i % 4) over the first n // 4 * 4 rows, summed in up to 4 levels of groups of
+    ``2^max(4, ceil(log2(n // 4)) // 4)`` (each group's sum from 0 is added to the next level,
+    which is carried on and reset when its own group is full; the last level is never reset), the
+    leftover rows added to accumulator 0, then the accumulators added in order."""
+    m = rows.shape[0] // 4
+    level = rows[: 4 * m].reshape((m, 4) + rows.shape[1:])
+    step = 1 << max(4, _ceil_log2(m) // 4)
+    kept = []
+    for _ in range(3):  # levels 0-2: full groups move up; the rest stays in the level's accumulator
+        ng = level.shape[0] // step
+        full = level[: ng * step].reshape((ng, step) + level.shape[1:])
+        kept.append(_running(level[ng * step:]))
+        level = np.cumsum(full, axis=1, dtype=np.float32)[:, -1] if ng else full[:, 0]
+    acc = kept[0]
+    for a in (kept[1], kept[2], _running(level)):
+        acc = (acc + a).astype(np.float32)
+    for r in rows[4 * m:]:
+        acc[0] = (acc[0] + r).astype(np.float32)
+    total = acc[0]
     for k in (1, 2, 3):
-        acc[0] = (acc[0] + acc[k]).astype(np.float32)
-    if lanes == 1:
-        return np.float32(acc[0][0])
-    total = np.float32(0)
-    for v in list(x[nv * lanes:]) + list(acc[0]):
-        total = np.float32(total + v)
+        total = (total + acc[k]).astype(np.float32)
     return total
+
+
+def torch_sum(x, width: Optional[int] = None):
+    """torch's CPU float32 ``sum`` on one thread, in its order (checked bit for bit against torch
+    2.14 on lengths 1 to 4M): of a contiguous array (a float32 scalar) or, with ``width``, of each
+    row of ``width`` elements (``sum(dim=-1)``; a float32 array). Per row: :func:`_torch_row_sum`
+    of its 8-element vectors, then the leftover elements one by one from 0, then the 8 lanes;
+    under 8 elements, the row sum of the scalars. (With T threads torch sums T parts of a whole
+    tensor this way and adds their results.)"""
+    x = np.asarray(x, dtype=np.float32)
+    rows = x.reshape(-1, width) if width else x.reshape(1, -1)
+    w = rows.shape[1]
+    if w < TORCH_LANES:
+        got = _torch_row_sum(rows.T.copy()) if w else np.zeros(rows.shape[0], np.float32)
+    else:
+        nv = w // TORCH_LANES
+        lanes = _torch_row_sum(rows[:, : nv * TORCH_LANES].reshape(-1, nv, TORCH_LANES).transpose(1, 2, 0))
+        got = np.zeros(rows.shape[0], np.float32)
+        for v in [rows[:, c] for c in range(nv * TORCH_LANES, w)] + list(lanes):
+            got = (got + v).astype(np.float32)
+    return got if width else np.float32(got[0])

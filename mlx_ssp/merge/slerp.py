@@ -61,7 +61,7 @@ def slerp_coefficients(t: float, v0: mx.array, v1: mx.array, cd=F32, dot_thresho
     float32), as mergekit computes them: per chunk of :data:`SLERP_CHUNK` elements the norms
     (torch's norm order) and the dot of the unit vectors (float64), each summed slice by slice
     (:func:`.kernels.sums`); the tensor's norm is the norm of the chunks' norms, its dot the sum of
-    theirs (torch's order: :func:`.kernels.torch_sum_small`). Zero-norm vectors count as norm 1;
+    theirs (torch's order: :func:`.kernels.torch_sum`). Zero-norm vectors count as norm 1;
     when ``|cos| > dot_threshold`` the coefficients are the linear ``1 - t`` and ``t`` (mergekit's
     fallback for nearly parallel vectors)."""
     t32, one = np.float32(t), np.float32(1)
@@ -79,9 +79,12 @@ def slerp_coefficients(t: float, v0: mx.array, v1: mx.array, cd=F32, dot_thresho
     nb = nb if nb > eps else one
     dk = kernel(("slerp_dot", str(cd)), lambda: _slerp_dot(cd))
     una, unb = scalar(na), scalar(nb)
-    dots = [item32(K.sums(lambda lo, hi: [dk(v0[c0 + lo:c0 + hi], v1[c0 + lo:c0 + hi], una, unb)], c1 - c0)[0])
-            for c0, c1 in chunks]
-    dot = np.clip(K.torch_sum_small(dots), np.float32(-1), one)
+    if cd == F32:  # the chunk's products summed as torch sums them (a float32 chunk: 4 MiB at most)
+        dots = [K.torch_sum(dk(v0[c0:c1], v1[c0:c1], una, unb)) for c0, c1 in chunks]
+    else:  # bf16 / fp16 outputs round the last bits away: the sliced float64 sum, no chunk-sized copy
+        dots = [item32(K.sums(lambda lo, hi: [dk(v0[c0 + lo:c0 + hi], v1[c0 + lo:c0 + hi], una, unb)], c1 - c0)[0])
+                for c0, c1 in chunks]
+    dot = np.clip(K.torch_sum(dots), np.float32(-1), one)
     if abs(dot) > dot_threshold:
         return one - t32, t32
     theta = np.arccos(dot)
@@ -195,8 +198,12 @@ def nuslerp_parts(t: float, v0: mx.array, v1: mx.array, cd=F32, out=None, shape:
     stat = ((lambda v, lo, hi: v[lo // width: hi // width].reshape(-1, 1)) if width
             else (lambda v, lo, hi: v.reshape(())))
     ck = kernel(("nus_cos", str(cd)), lambda: _nus_cos(cd))
-    (c,) = K.sums(lambda lo, hi: [ck(shaped(v0[lo:hi], lo, hi), shaped(v1[lo:hi], lo, hi), stat(na, lo, hi),
-                                     stat(nb, lo, hi)).reshape(-1)], v0.size, width)
+    if cd == F32:  # summed as torch sums them (one full-size float32 product)
+        c = mx.array(K.torch_sum(ck(shaped(v0, 0, v0.size), shaped(v1, 0, v0.size), stat(na, 0, v0.size),
+                                    stat(nb, 0, v0.size)), width)).reshape(-1)
+    else:  # bf16 / fp16 round the last bits away: sliced float64 sums, no full-size copy
+        (c,) = K.sums(lambda lo, hi: [ck(shaped(v0[lo:hi], lo, hi), shaped(v1[lo:hi], lo, hi), stat(na, lo, hi),
+                                         stat(nb, lo, hi)).reshape(-1)], v0.size, width)
     cos = mx.clip(r(c), -1.0, 1.0)
     lin = r(1 - r(mx.square(cos))) <= eps ** 2
     theta = r(mx.arccos(mx.where(lin, 0.0, cos)))
