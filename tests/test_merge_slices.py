@@ -43,6 +43,25 @@ def test_sums_whole_tensor_and_rows_match_float64(monkeypatch):
     assert z.item() == 0.0
 
 
+def test_round_bf16_equals_the_casts_bit_for_bit():
+    """The bf16 rounding on the bits gives what ``astype(bfloat16).astype(float32)`` gives: on 4M
+    random bit patterns and on the edge cases (ties to even either way, the largest finite values
+    rounding to inf, subnormals, signed zeros, infinities), inside a compiled kernel too; a NaN
+    stays a NaN."""
+    rng = np.random.default_rng(0)
+    edge = [0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x00008000, 0x00018000, 0x3F808000, 0x3F818000,
+            0x3F807FFF, 0x7F7FFFFF, 0xFF7F8000, 0x7F7F7FFF, 0x7F800000, 0xFF800000]
+    bits = np.concatenate([rng.integers(0, 2 ** 32, 1 << 22, dtype=np.uint64).astype(np.uint32),
+                           np.array(edge, dtype=np.uint32)])
+    x = mx.array(bits.view(np.float32))
+    want = np.array(x.astype(mx.bfloat16).astype(mx.float32)).view(np.uint32)
+    for f in (K.round_bf16, mx.compile(K.round_bf16)):
+        got = np.array(f(x)).view(np.uint32)
+        nan = np.isnan(bits.view(np.float32))
+        assert np.array_equal(got[~nan], want[~nan])
+        assert np.isnan(got[nan].view(np.float32)).all() and nan.sum() > 1000
+
+
 def test_slices_cover_in_whole_rows(monkeypatch):
     monkeypatch.setattr(K, "CHUNK", 100)
     for size, align in ((1000, 1), (999, 37), (37 * 3, 37), (50, 200)):

@@ -11,10 +11,9 @@ slerp, model_stock, nuslerp, multislerp and karcher run slice by slice (``*_part
 engine's entry points): their whole-tensor statistics (norms, dots) are passes of sliced sums
 (:func:`.kernels.sums`, :func:`.kernels.sweep`), then the output is computed slice by slice in the
 output dtype, the inputs staying in their own dtype (each slice aligned to ``cd`` where it is
-used); a pass recomputes what it needs (unit vectors, means, tangents) from the inputs. No
-full-size float32 copy of a tensor is ever held (peak memory: the inputs, the output and one
-slice's temporaries; karcher also holds its iterate, the mean, in ``cd``, as mergekit does, which
-the output replaces slice by slice). :func:`slerp`, :func:`model_stock`, :func:`nuslerp`,
+used). No full-size float32 copy of a tensor is ever held (peak memory: the inputs, the output
+and one slice's temporaries; multislerp and karcher also hold what their later passes read again
+in ``cd``, as mergekit holds it: see :mod:`.sphere_means`). :func:`slerp`, :func:`model_stock`, :func:`nuslerp`,
 :func:`multislerp` and :func:`karcher` return the same values as one float32 array.
 
 - :func:`slerp` (Shoemake 1985; mergekit ``slerp``): spherical interpolation between the base

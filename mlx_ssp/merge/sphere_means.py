@@ -55,7 +55,8 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     the unit vectors, exponential map back), scaled by the weighted mean norm; each step rounded to
     ``cd`` as mergekit computes it (the weights too). Its four whole-tensor statistics (the norms,
     the mean's norm, the dots with the mean, the tangent's norm) are each one pass of sliced sums
-    (:func:`.kernels.sums`) that recomputes its slice from the inputs: no full-size copy. Two
+    (:func:`.kernels.sums`, :func:`.kernels.sweep`); the mean (normalised in the dots' pass) and
+    the tangent are held in ``cd`` for the passes after theirs, the output replacing them. Two
     antipodal inputs whose weighted mean vanishes fall back to the linear combination; more than
     two raise ``ValueError``."""
     out = out or cd
