@@ -131,7 +131,7 @@ def model_stock_ratio(base: mx.array, xs: Sequence[mx.array], cd, width: Optiona
     whole flat tensor (shape (1, 1)) or per row of ``width`` elements (shape (rows, 1)); the norms
     and dots are summed slice by slice (:func:`.kernels.sums`), every step rounded to ``cd``."""
     n = len(xs)
-    terms = kernel(("ms_terms", n, str(cd)), lambda: _ms_terms(n, cd))
+    terms = kernel(("ms_terms", n, str(cd)), lambda: _ms_terms(n, cd), cast_rounding=True, shapeless=True)
     # the norms in torch's norm order (``torch.norm``)
     sq = K.sums(lambda lo, hi: terms(base[lo:hi], [x[lo:hi] for x in xs])[:n], base.size, width, K.torch_block(cd))
     if cd == F32 and n > 1:  # the dots as torch sums them (one full-size float32 product per pair)
@@ -165,7 +165,8 @@ def model_stock_parts(base: mx.array, xs: Sequence[mx.array], cd, out=None, shap
     width = _ms_width(shape, filter_wise)
     t = model_stock_ratio(base, xs, cd, width)
     mx.eval(t)
-    comb = kernel(("ms_combine", len(xs), str(cd), str(out)), lambda: _ms_combine(len(xs), cd, out))
+    comb = kernel(("ms_combine", len(xs), str(cd), str(out)), lambda: _ms_combine(len(xs), cd, out),
+                  cast_rounding=True, shapeless=True)
     parts = []
     for lo, hi in K.slices(base.size, width or 1):
         # per row: a column of t against rows of the slice; whole tensor: flat slices and a 0-d t

@@ -213,7 +213,8 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
     mean is still to be divided by)."""
     r = lambda x: rnd(x, cd)  # noqa: E731
     size_key = (len(al), str(cd))
-    dk = kernel(("kar_dots", pending is not None) + size_key, lambda: _kar_dots(cd, pending is not None))
+    dk = kernel(("kar_dots", pending is not None) + size_key, lambda: _kar_dots(cd, pending is not None),
+                cast_rounding=True)
     p = scalar(pending if pending is not None else 1.0)
     _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], units[at[lo]], p), size, into=mean)
     act, dots, coefs = [], [], []
@@ -227,14 +228,14 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
         coefs.append(r(al[j] * r(theta / r(mx.sin(theta)))))
     if not act:
         return False, None
-    tk = kernel(("kar_tsq", len(act), str(cd)), lambda: _kar_tsq(cd))
+    tk = kernel(("kar_tsq", len(act), str(cd)), lambda: _kar_tsq(cd), cast_rounding=True)
     f32n = K.torch_block(F32)
     tangent, (tsq,) = K.sweep(lambda lo, hi: tk(mean[at[lo]], [units[at[lo]][j] for j in act], dots, coefs),
                               size, f32n)
     tn = np.sqrt(item32(tsq))
     if tn < tol:
         return False, None
-    stk = kernel(("kar_step", str(cd)), lambda: _kar_step(cd))
+    stk = kernel(("kar_step", str(cd)), lambda: _kar_step(cd), cast_rounding=True)
     cs, sn, tn_ = r(scalar(np.cos(tn))), r(scalar(np.sin(tn))), scalar(tn)
 
     def step(lo, hi):
@@ -279,7 +280,7 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
     a_sum = sum(alphas[i] for i in valid)
     al = [scalar(alphas[i] / a_sum) for i in valid]
     vx, ns = [xs[i] for i in valid], [scalar(norms[i]) for i in valid]
-    m0 = kernel(("kar_mean0", len(vx), str(cd)), lambda: _kar_mean0(cd))
+    m0 = kernel(("kar_mean0", len(vx), str(cd)), lambda: _kar_mean0(cd), cast_rounding=True)
     kept, (s,) = K.sweep(lambda lo, hi: m0([x[lo:hi] for x in vx], ns, al), size, f32n)
     mean, units = [k[0] for k in kept], [k[1] for k in kept]  # per slice: the mean, the unit vectors
     kept.clear()
@@ -295,7 +296,8 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
         if not go:
             break
     units.clear()
-    fk = kernel(("kar_out", pending is not None, str(cd), str(out)), lambda: _kar_out(cd, out, pending is not None))
+    fk = kernel(("kar_out", pending is not None, str(cd), str(out)), lambda: _kar_out(cd, out, pending is not None),
+                cast_rounding=True)
     p = scalar(pending if pending is not None else 1.0)
     parts = []
     for k in range(len(mean)):
