@@ -89,7 +89,8 @@ def aligned(x: mx.array, cd) -> mx.array:
 
 
 # Elementwise steps are fused with mx.compile, traced once per input shape (slices repeat a few
-# shapes; shapeless kernels cannot hold :func:`round_bf16`'s bit views, and ran slower here).
+# shapes; shapeless kernels cannot hold :func:`round_bf16`'s bit views) unless a kernel asks for
+# cast rounding and one shapeless compilation (see :func:`kernel`).
 _KERNELS: dict = {}
 _KERNELS_LOCK = threading.Lock()
 
