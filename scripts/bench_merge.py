@@ -269,8 +269,9 @@ def main() -> None:
             # with --compare, alternate which tree goes first so that drift favours neither
             order = (None,) if not args.compare else (None, args.compare) if r % 2 == 0 else (args.compare, None)
             last = r == args.repeat - 1 and args.diff and have_mk
-            runs = {tree: timed_merge(tree, cfg, root / f"ours_{name}", keep=last and tree is None,
-                                     workers=args.workers) for tree in order}
+            # each tree writes its own directory: ours is kept for --diff in the last round
+            runs = {tree: timed_merge(tree, cfg, root / (f"ours_{name}" if tree is None else f"cmp_{name}"),
+                                     keep=last and tree is None, workers=args.workers) for tree in order}
             wall, rss, sha = runs[None]
             ours_s.append(wall)
             ours_rss.append(rss)

@@ -4,8 +4,13 @@ that reads mergekit YAML configs. See ``docs/merge.md``.
 - :mod:`mlx_ssp.merge.config`: mergekit's YAML, parameter filters/gradients, the ``merge:`` section.
 - :mod:`mlx_ssp.merge.sources`: input models (and LoRA adapters fused on read).
 - :mod:`mlx_ssp.merge.plan`: every check and every tensor's dtypes and parameters; writes nothing.
-- :mod:`mlx_ssp.merge.methods`: the methods' registry; each entry carries its merge function, built
-  from the task-vector steps (task vector, sparsify, weight, sign consensus, combine, add back).
+- :mod:`mlx_ssp.merge.methods`: the methods' registry; each entry carries its merge function.
+- :mod:`mlx_ssp.merge.params`: what a method receives for one tensor (inputs, resolved parameters).
+- :mod:`mlx_ssp.merge.task_vectors`: linear and the task-vector steps (task vector, sparsify,
+  weight, sign consensus, combine, add back).
+- :mod:`mlx_ssp.merge.slerp`, :mod:`mlx_ssp.merge.sphere_means`, :mod:`mlx_ssp.merge.interpolate`,
+  :mod:`mlx_ssp.merge.selective`: the other methods (slerp and nuslerp; multislerp and karcher;
+  model_stock, nearswap and arcee_fusion; sce and ram).
 - :mod:`mlx_ssp.merge.sparsify`: magnitude trim, DARE drop, breadcrumbs, the L1 rescale.
 - :mod:`mlx_ssp.merge.kernels`: compute dtypes, rounding, the fused-kernel cache, the slice size.
 - :mod:`mlx_ssp.merge.parallel`: tensors merged side by side, largest first within a memory budget.

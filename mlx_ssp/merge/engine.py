@@ -35,9 +35,11 @@ from mlx_ssp.io import atomic_dir
 from mlx_ssp.merge import quant as Q
 from mlx_ssp.merge import safetensors_io as sio
 from mlx_ssp.merge.config import MergeConfig, MergeStageConfig
-from mlx_ssp.merge.methods import DTYPES, METHODS, TensorInputs
+from mlx_ssp.merge.kernels import DTYPES
+from mlx_ssp.merge.methods import METHODS
 from mlx_ssp.merge.outdir import MARK_KEY, MARK_VALUE, Protected, check_out_dir
 from mlx_ssp.merge.parallel import resolve_workers, run_parallel
+from mlx_ssp.merge.params import TensorInputs
 from mlx_ssp.merge.plan import MergeJob, TensorPlan, base_output_config, check_merge_config, code_name, plan_models
 from mlx_ssp.merge.slices import plan_slices
 from mlx_ssp.merge.sparsify import dare_seed

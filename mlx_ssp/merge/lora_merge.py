@@ -53,8 +53,9 @@ from mlx_ssp.merge.config import DType, ModelEntry, Setting, check_parameter_nam
 from mlx_ssp.merge.engine import source_paths
 from mlx_ssp.merge.extract_lora import (check_adapter_out_dir, layer_key, low_rank, relative_error, round_sig,
                                         sketch_seed)
-from mlx_ssp.merge.methods import (METHODS, MethodSpec, TaskVectorParams, TensorInputs, merge_task_vectors,
-                                   task_vector_merge)
+from mlx_ssp.merge.methods import METHODS, MethodSpec, merge_task_vectors
+from mlx_ssp.merge.params import TaskVectorParams, TensorInputs
+from mlx_ssp.merge.task_vectors import task_vector_merge
 from mlx_ssp.merge.outdir import Protected, check_clear_of_inputs
 from mlx_ssp.merge.plan import layer_count, layer_position, resolve_per_model, resolve_shared
 from mlx_ssp.merge.sources import open_source, read_adapter_dir, read_model_config

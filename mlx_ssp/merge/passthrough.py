@@ -13,7 +13,8 @@ from __future__ import annotations
 import mlx_ssp  # noqa: F401
 import mlx.core as mx
 
-from mlx_ssp.merge.methods import METHODS, MethodSpec, TensorInputs
+from mlx_ssp.merge.methods import METHODS, MethodSpec
+from mlx_ssp.merge.params import TensorInputs
 
 #: the most inputs a method takes per tensor (checked when planning, both config forms)
 MAX_INPUTS = {"passthrough": 1}

@@ -14,15 +14,16 @@
 Each step is rounded to the compute dtype where mergekit holds it in that dtype (sums and means
 accumulate in float32 in both). SCE runs slice by slice (:func:`sce_parts`): beyond the task
 vectors, it holds the variance (in the compute dtype) and the top-k mask, no float32 copy. SCE's variance is Welford's in float64, as torch's ``var``
-computes it, and its weights' mean squares are float64 sums (torch's float32 cascade is about as
-accurate; a plain float32 sum drifts over millions of elements): with MLX's float32 ``var`` and
-``mean`` instead, 36% of float32 outputs and up to 1% of the top-k selection differed. Deviation:
+computes it, and its weights' mean squares are float64 sums in bf16 / fp16 (torch's float32 cascade
+is about as accurate; a plain float32 sum drifts over millions of elements) and, in float32, torch's
+own sum order (:func:`.kernels.torch_sum`, which makes the float32 goldens bit-identical): with
+MLX's float32 ``var`` and ``mean`` instead, 36% of float32 outputs and up to 1% of the top-k
+selection differed. Deviation:
 exact ties of the (rounded) variance at SCE's top-k threshold keep the lowest flat indices;
 ``torch.topk``'s pick among ties is implementation-defined (libstdc++'s ``nth_element`` /
 ``partial_sort``), and in bf16 ties are common. Measured (4 tensors of 1k-4M elements, bf16,
 ``select_topk`` 0.5): 0.83% of elements differ from mergekit's, all of them from that pick (with
-a stable sort patched into mergekit: 100% identical); with ``select_topk`` 1 bf16 is identical and
-float32 98.5% identical (the rest: the last bit of torch's cascade sums of the weights).
+a stable sort patched into mergekit: 100% identical); with ``select_topk`` 1 bf16 is identical.
 """
 
 from __future__ import annotations
@@ -87,7 +88,10 @@ def sce_weights(tvs: Sequence[mx.array], mask=None, cd=F32) -> np.ndarray:
     def terms(lo, hi):
         m = mask[lo:hi] if mask is not None else None
         return [rnd(mx.square(f32(t[lo:hi]) if m is None else f32(t[lo:hi]) * m), cd) for t in tvs]
-    sq = K.sums(terms, size)
+    if cd == F32 and size:  # summed as torch sums them (one full-size float32 square at a time)
+        sq = [mx.array(K.torch_sum(x)).reshape(1) for x in terms(0, size)]
+    else:  # bf16 / fp16 round the last bits away: sliced float64 sums, no full-size copy
+        sq = K.sums(terms, size)
     w = np.asarray(rnd(mx.concatenate(sq) / np.float32(max(size, 1)), cd), dtype=np.float32)
     total = float(np.asarray(rnd(mx.array(w.sum(dtype=np.float32)), cd)))
     if abs(total) < 1e-6:

@@ -162,8 +162,19 @@ def plan_slices(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label
             per_source = [rename_layer(n, s.layer_range[0] + offset) for s in sl.sources]
             plans.append(plan(rename_layer(n, lo), sl, per_source, t))
     plans += [plan(n, last, [n] * len(last.sources), 0.0) for n in outside(last) if not is_pre(n)]
-    ref_shapes = {rename_layer(n, 0): sources[reference].tensors[n].shape
-                  for n in layers[reference].get(min(layers[reference], default=0), [])}
+    _check_plans(plans, sources[reference], layers[reference], refs, reference)
+    job.plans = plans
+    job.n_layers_out = sum(b - a for sl in cfg.slices for a, b in [sl.sources[0].layer_range])
+    job.ref_config = _per_layer_lists(job.ref_config, cfg, by_ref, configs)
+    return mark_out_quantization(job)
+
+
+def _check_plans(plans: list[TensorPlan], ref_source, ref_layers: dict, refs: list[str], reference: int) -> None:
+    """Every output layer tensor has the shape of the reference model's (``ref_source``, whose
+    layer tensors are ``ref_layers``), no output name comes twice and the vocabulary-sized tensors
+    share one vocabulary."""
+    ref_shapes = {rename_layer(n, 0): ref_source.tensors[n].shape
+                  for n in ref_layers.get(min(ref_layers, default=0), [])}
     seen: set[str] = set()
     for p in plans:
         key = rename_layer(p.name, 0) if layer_index(p.name) is not None else None
@@ -180,10 +191,6 @@ def plan_slices(cfg: MergeConfig, *, vocab_mismatch: str = "error", source_label
         each = ", ".join(f"{n}: {r}" for n, r in sorted(rows))
         raise UserError(f"the vocabulary-sized tensors come from models with different vocabularies ({each}); "
                         "the first and last slices' models must share a vocabulary")
-    job.plans = plans
-    job.n_layers_out = sum(b - a for sl in cfg.slices for a, b in [sl.sources[0].layer_range])
-    job.ref_config = _per_layer_lists(job.ref_config, cfg, by_ref, configs)
-    return mark_out_quantization(job)
 
 
 #: ``config.json`` keys holding one entry per layer, rebuilt from the slices

@@ -1,0 +1,315 @@
+"""Means of several tensors on the unit sphere: mergekit 0.1.5's ``multislerp`` and ``karcher``,
+one tensor at a time (the shared conventions, parity figures and deviations: :mod:`.interpolate`).
+
+- :func:`multislerp` (mergekit ``multislerp``, Goddard's barycentric slerp): project unit vectors
+  to the tangent space at their weighted mean, average, map back, rescale by the weighted norm.
+- :func:`karcher` (mergekit ``karcher``): the weighted Riemannian (Karcher) mean of the unit
+  vectors by fixed-point iteration (``max_iter``, ``tol``), scaled by the weighted mean norm.
+
+Their whole-tensor statistics are passes of sliced sums (:func:`.kernels.sweep`); what a later
+pass reads again is held in the compute dtype, as mergekit holds it (every value is rounded to
+it, so the copy is exact): multislerp's mean and tangent, karcher's unit vectors, mean and
+tangent. The inputs stay in their own dtype; no full-size float32 copy exists. ``*_parts`` are
+the merge engine's entry points; :func:`multislerp` and :func:`karcher` return the same values as
+one float32 array.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
+import mlx.core as mx
+
+from mlx_ssp.merge import kernels as K
+from mlx_ssp.merge.kernels import F32, aligned, each, f32, item32, kernel, rnd, scalar
+
+
+def _msl_units(xs, dn, cd):
+    return [rnd(aligned(x, cd) / d, cd) for x, d in zip(xs, dn)]
+
+
+def _msl_mean(us, W, cd):
+    """The weighted sum of the unit vectors (torch's ``sum(0)`` of the rounded products: float32
+    in order, one rounding)."""
+    acc = rnd(us[0] * W[0], cd)
+    for u, w in zip(us[1:], W[1:]):
+        acc = acc + rnd(u * w, cd)
+    return rnd(acc, cd)
+
+
+def _msl_tangent(us, m, dots, W, cd):
+    acc = None
+    for u, d, w in zip(us, dots, W):
+        v = rnd(rnd(u - rnd(d * m, cd), cd) * w, cd)
+        acc = v if acc is None else acc + v
+    return rnd(acc, cd)
+
+
+def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize_weights: bool = True,
+                     eps: float = 1e-8, cd=F32, out=None) -> list[mx.array]:
+    """mergekit's multislerp of flat tensors, as consecutive evaluated slices in ``out`` (default
+    ``cd``): barycentric interpolation on the hypersphere (tangent space at the weighted mean of
+    the unit vectors, exponential map back), scaled by the weighted mean norm; each step rounded to
+    ``cd`` as mergekit computes it (the weights too). Its four whole-tensor statistics (the norms,
+    the mean's norm, the dots with the mean, the tangent's norm) are each one pass of sliced sums
+    (:func:`.kernels.sums`, :func:`.kernels.sweep`); the mean (normalised in the dots' pass) and
+    the tangent are held in ``cd`` for the passes after theirs, the output replacing them. Two
+    antipodal inputs whose weighted mean vanishes fall back to the linear combination; more than
+    two raise ``ValueError``."""
+    out = out or cd
+    xs = list(xs)
+    mx.eval(*xs)
+    n, size = len(xs), xs[0].size
+    if n == 1 or size == 0:
+        return [xs[0].astype(cd).astype(out)]
+    r = lambda x: rnd(x, cd)  # noqa: E731
+    W = r(mx.array(np.asarray(weights, dtype=np.float32)))
+    if normalize_weights:
+        W = r(W / r(mx.sum(W)))
+    Wl = [W[i] for i in range(n)]
+    key = (n, str(cd))
+    sq = kernel(("msl_sq",) + key, lambda: (lambda xs: [mx.square(aligned(x, cd)) for x in xs]))
+    blk = K.torch_block(cd)
+    norms = mx.concatenate([r(mx.sqrt(v)) for v in K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, blk)])
+    dn = [r(norms[i] + eps) for i in range(n)]
+    mk = kernel(("msl_mean",) + key, lambda: _msl_mean_k(cd))
+    mean, (msq,) = K.sweep(lambda lo, hi: mk([x[lo:hi] for x in xs], dn, Wl), size, blk)
+    mean_norm = r(mx.sqrt(msq))
+    if mean_norm.item() < eps:
+        if n != 2:
+            raise ValueError("multislerp: the weighted sum of the input tensors is zero (antipodal inputs with "
+                             "balancing weights); use different weights")
+        lk = kernel(("msl_lin", str(cd), str(out)), lambda: (lambda a, b, wa, wb: rnd(
+            rnd(aligned(a, cd) * wa, cd) + rnd(aligned(b, cd) * wb, cd), cd).astype(cd).astype(out)))
+        return each(size, lambda lo, hi: lk(xs[0][lo:hi], xs[1][lo:hi], Wl[0], Wl[1]))
+    at = {lo: k for k, (lo, _) in enumerate(K.slices(size, K.ALIGN))}  # slice start -> index of the held slice
+    mn = mean_norm.reshape(())
+    dk = kernel(("msl_dots",) + key, lambda: _msl_dots(cd))
+    _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], [x[lo:hi] for x in xs], dn, mn), size, into=mean)
+    dots = [r(d).reshape(()) for d in dsums]
+    tk = kernel(("msl_tan",) + key, lambda: _msl_tan(cd))
+    tangent, (tsq,) = K.sweep(lambda lo, hi: tk(mean[at[lo]], [x[lo:hi] for x in xs], dn, dots, Wl), size, blk)
+    tn = r(r(mx.sqrt(tsq)) + eps).reshape(())
+    cs, sn = r(mx.cos(tn)), r(r(mx.sin(tn)) / tn)
+    avg = r(mx.sum(r(norms * W)))
+    fk = kernel(("msl_out", str(cd), str(out)), lambda: _msl_out(cd, out))
+
+    def final(lo, hi):
+        k = at[lo]
+        m, tg = mean[k], tangent[k]
+        mean[k] = tangent[k] = None  # freed as the output's slice is made
+        return fk(m, tg, cs, sn, avg)
+    return each(size, final, K.ALIGN)
+
+
+def _msl_mean_k(cd):
+    """The weighted mean of the unit vectors (held in ``cd``: it is rounded to it) and its squares."""
+    def f(xs, dn, W):
+        m = _msl_mean(_msl_units(xs, dn, cd), W, cd)
+        return m.astype(cd), [mx.square(m)]
+    return f
+
+
+def _msl_dots(cd):
+    """The mean divided by its norm (held in ``cd``) and its rounded products with the unit
+    vectors (the dots' terms)."""
+    def f(mean, xs, dn, mn):
+        m = rnd(f32(mean) / mn, cd)
+        return m.astype(cd), [rnd(u * m, cd) for u in _msl_units(xs, dn, cd)]
+    return f
+
+
+def _msl_tan(cd):
+    """The tangent at the (normalised) mean (held in ``cd``) and its squares."""
+    def f(m, xs, dn, dots, W):
+        tg = _msl_tangent(_msl_units(xs, dn, cd), f32(m), dots, W, cd)
+        return tg.astype(cd), [mx.square(tg)]
+    return f
+
+
+def _msl_out(cd, out):
+    """The exponential map back, ``m cos(tn) + tangent sin(tn) / tn``, scaled by the weighted norm."""
+    def f(m, tg, cs, sn, avg):
+        res = rnd(rnd(f32(m) * cs, cd) + rnd(f32(tg) * sn, cd), cd)
+        return rnd(res * avg, cd).astype(cd).astype(out)
+    return f
+
+
+def multislerp(xs: Sequence[mx.array], weights: Sequence[float], normalize_weights: bool = True,
+               eps: float = 1e-8, cd=F32) -> mx.array:
+    """:func:`multislerp_parts` as one flat float32 array (holding ``cd`` values)."""
+    parts = multislerp_parts([x.reshape(-1) for x in xs], weights, normalize_weights, eps, cd, F32)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+
+
+def _kar_units(xs, ns, cd):
+    return [rnd(aligned(x, cd) / n, cd) for x, n in zip(xs, ns)]
+
+
+def _kar_mean0(cd):
+    """The unit vectors (held in ``cd``: each is rounded to it), the first mean ``sum alpha_i u_i``
+    accumulated in ``cd`` (mergekit's ``mean += alpha * u``, held in ``cd``) and its squares."""
+    def f(xs, ns, al):
+        us = _kar_units(xs, ns, cd)
+        m = rnd(al[0] * us[0], cd)
+        for a, u in zip(al[1:], us[1:]):
+            m = rnd(m + rnd(a * u, cd), cd)
+        return (m.astype(cd), [u.astype(cd) for u in us]), [mx.square(m)]
+    return f
+
+
+def _kar_dots(cd, pending: bool):
+    """The mean, divided by its pending norm (``pending``), held in ``cd``; its products with each
+    unit vector (torch.dot's terms)."""
+    def f(m, us, p):
+        m = rnd(f32(m) / p, cd) if pending else f32(m)
+        return m.astype(cd), [m * f32(u) for u in us]
+    return f
+
+
+def _kar_tangent(m, us, dots, coefs, cd):
+    tg = None
+    for u, d, c in zip(us, dots, coefs):
+        step = rnd(c * rnd(f32(u) - rnd(d * m, cd), cd), cd)
+        tg = step if tg is None else rnd(tg + step, cd)
+    return tg
+
+
+def _kar_tsq(cd):
+    """The tangent (held in ``cd``: every step rounds to it, so the copy is exact) and its squares."""
+    def f(m, us, dots, coefs):
+        tg = _kar_tangent(f32(m), us, dots, coefs, cd)
+        return tg.astype(cd), [mx.square(tg)]
+    return f
+
+
+def _kar_step(cd):
+    """The next mean ``cos(tn) m + sin(tn) tangent / tn`` (each step in ``cd``) and its squares."""
+    def f(m, tg, tn, cs, sn):
+        m = f32(m)
+        nm = rnd(rnd(cs * m, cd) + rnd(sn * rnd(f32(tg) / tn, cd), cd), cd)
+        return nm.astype(cd), [mx.square(nm)]
+    return f
+
+
+def _kar_out(cd, out, pending: bool):
+    """``scale * mean`` (the mean divided by its pending norm first), in ``cd`` then ``out``."""
+    def f(m, p, sc):
+        m = rnd(f32(m) / p, cd) if pending else f32(m)
+        return rnd(sc * m, cd).astype(out)
+    return f
+
+
+def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], tol: float, cd, at: dict,
+                   size: int) -> tuple[bool, Optional[float]]:
+    """One fixed-point step of the mean, updated in place, slice by slice (three passes: the dots,
+    normalising the mean on the way; the tangent and its norm; the step, with the new mean's
+    squares). ``at``: slice start -> index of the held slice. Returns (go on, the norm the held
+    mean is still to be divided by)."""
+    r = lambda x: rnd(x, cd)  # noqa: E731
+    size_key = (len(al), str(cd))
+    dk = kernel(("kar_dots", pending is not None) + size_key, lambda: _kar_dots(cd, pending is not None),
+                cast_rounding=True)
+    p = scalar(pending if pending is not None else 1.0)
+    _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], units[at[lo]], p), size, into=mean)
+    act, dots, coefs = [], [], []
+    for j, d in enumerate(dsums):
+        dot = mx.clip(r(d.reshape(())), -1.0, 1.0)
+        theta = r(mx.arccos(dot))
+        if theta.item() < tol:  # already at the mean
+            continue
+        act.append(j)
+        dots.append(dot)
+        coefs.append(r(al[j] * r(theta / r(mx.sin(theta)))))
+    if not act:
+        return False, None
+    tk = kernel(("kar_tsq", len(act), str(cd)), lambda: _kar_tsq(cd), cast_rounding=True)
+    f32n = K.torch_block(F32)
+    tangent, (tsq,) = K.sweep(lambda lo, hi: tk(mean[at[lo]], [units[at[lo]][j] for j in act], dots, coefs),
+                              size, f32n)
+    tn = np.sqrt(item32(tsq))
+    if tn < tol:
+        return False, None
+    stk = kernel(("kar_step", str(cd)), lambda: _kar_step(cd), cast_rounding=True)
+    cs, sn, tn_ = r(scalar(np.cos(tn))), r(scalar(np.sin(tn))), scalar(tn)
+
+    def step(lo, hi):
+        k = at[lo]
+        tg, tangent[k] = tangent[k], None  # freed as the mean's slice is replaced
+        return stk(mean[k], tg, tn_, cs, sn)
+    _, (usq,) = K.sweep(step, size, f32n, mean)
+    un = np.sqrt(item32(usq))
+    return True, (un if un > tol else None)
+
+
+def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = None, max_iter: int = 10,
+                  tol: float = 1e-5, cd=F32, out=None) -> list[mx.array]:
+    """mergekit's weighted Karcher mean of flat tensors on the unit sphere (equal weights by
+    default), scaled by ``sum alpha_i |x_i|``, as consecutive evaluated slices in ``out`` (default
+    ``cd``); inputs with norm <= tol are left out of the mean. Norms are float32; the unit vectors,
+    the mean and the tangent are in ``cd`` (each step rounded), as mergekit holds them in the input
+    dtype.
+
+    Every norm and dot is a pass of sliced sums (:func:`.kernels.sweep`): the norms in the order of
+    torch's norm kernel (:data:`.kernels.TORCH_LANES`), the dots in float64 across partial sums.
+    The unit vectors, the mean and the tangent are held in ``cd`` (exact: each is rounded to it),
+    the mean and the tangent updated slice by slice (:func:`_kar_iteration`); the inputs stay in
+    their dtype and are read by the first two passes only."""
+    out = out or cd
+    xs = list(xs)
+    mx.eval(*xs)
+    size = xs[0].size
+    if len(xs) == 1 or size == 0:
+        return [xs[0].astype(cd).astype(out)]
+    r = lambda x: rnd(x, cd)  # noqa: E731
+    alphas = [1.0 / len(xs)] * len(xs) if alphas is None else list(alphas)
+    sq = kernel(("msl_sq", len(xs), str(cd)), lambda: (lambda xs: [mx.square(aligned(x, cd)) for x in xs]))
+    f32n = K.torch_block(F32)  # mergekit's norms: vector_norm of the float32 copy
+    norms = [np.sqrt(item32(v)) for v in K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, f32n)]
+    # torch casts a 0-d float32 tensor on the left of a bf16 tensor to bf16 (on the right it stays
+    # float32): mergekit's ``scale * mean``, ``cos(tn) * mean`` and ``sin(tn) * ...`` round it to cd
+    scale = r(scalar(sum(np.float32(a) * n for a, n in zip(alphas, norms))))
+    valid = [i for i, n in enumerate(norms) if n > tol]
+    if not valid:
+        return each(size, lambda lo, hi: mx.zeros(hi - lo, dtype=out))
+    a_sum = sum(alphas[i] for i in valid)
+    al = [scalar(alphas[i] / a_sum) for i in valid]
+    vx, ns = [xs[i] for i in valid], [scalar(norms[i]) for i in valid]
+    m0 = kernel(("kar_mean0", len(vx), str(cd)), lambda: _kar_mean0(cd), cast_rounding=True)
+    kept, (s,) = K.sweep(lambda lo, hi: m0([x[lo:hi] for x in vx], ns, al), size, f32n)
+    mean, units = [k[0] for k in kept], [k[1] for k in kept]  # per slice: the mean, the unit vectors
+    kept.clear()
+    mn = np.sqrt(item32(s))
+    pending = None  # the norm the held mean is still to be divided by
+    if mn < tol:
+        mean = [u[0] for u in units]
+    else:
+        pending = mn
+    at = {lo: k for k, (lo, _) in enumerate(K.slices(size, K.ALIGN))}  # slice start -> index of the held slice
+    for _ in range(max_iter):
+        go, pending = _kar_iteration(mean, units, al, pending, tol, cd, at, size)
+        if not go:
+            break
+    units.clear()
+    fk = kernel(("kar_out", pending is not None, str(cd), str(out)), lambda: _kar_out(cd, out, pending is not None),
+                cast_rounding=True)
+    p = scalar(pending if pending is not None else 1.0)
+    parts = []
+    for k in range(len(mean)):
+        part = fk(mean[k], p, scale)
+        mx.eval(part)
+        mean[k] = None  # the mean's slice is not needed any more: output and mean never both full-size
+        parts.append(part)
+    return parts
+
+
+def karcher(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = None, max_iter: int = 10,
+            tol: float = 1e-5, cd=F32) -> mx.array:
+    """:func:`karcher_parts` as one flat float32 array (holding ``cd`` values)."""
+    parts = karcher_parts([x.reshape(-1) for x in xs], alphas, max_iter, tol, cd, F32)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
