@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.gguf import convert_to_gguf
 
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import atomic_path
@@ -55,6 +54,9 @@ def export_gguf(model_dir: str | Path, out: Optional[str | Path] = None) -> Path
         weights.update(mx.load(str(f)))
     if not weights:
         raise UserError(f"{model_dir}: no *.safetensors weights to export")
+    # mlx_lm.gguf imports mlx_lm and with it transformers (~1 s): only an export loads it
+    from mlx_lm.gguf import convert_to_gguf
+
     out = Path(out) if out is not None else model_dir / DEFAULT_NAME
     with atomic_path(out) as tmp:
         # mx.save_gguf appends ".gguf" to a name without it

@@ -85,8 +85,9 @@ def test_math_verify_parses_each_distinct_answer_once(monkeypatch):
     import mlx_ssp.verify.math as M
 
     parsed = []
-    real = M.parse
-    monkeypatch.setattr(M, "parse", lambda text, **kw: parsed.append(text) or real(text, **kw))
+    mv, _ = M._math_verify()  # the math-verify module, imported on first use
+    real = mv.parse
+    monkeypatch.setattr(mv, "parse", lambda text, **kw: parsed.append(text) or real(text, **kw))
     for cached in (M._parse_gold, M._guard, M._judge):
         cached.cache_clear()
     t = _task("1234")

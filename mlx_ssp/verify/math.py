@@ -39,16 +39,12 @@ import threading
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
-from math_verify import verify as mv_verify
-
 from mlx_ssp.verify import VerifyResult, register
 from mlx_ssp.verify.extract import DEFAULT_MODE, MODES, extract
 
 if TYPE_CHECKING:
     from mlx_ssp.tasks import Task
 
-_CONFIGS = (LatexExtractionConfig(), ExprExtractionConfig())
 _WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
 _INT_RE = re.compile(r"[+-]?[0-9]{1,15}\Z")  # short enough that no float rounding can merge two of them
 MAX_ANSWER_CHARS = 400  # a "final answer" longer than this is a runaway line, not an answer
@@ -212,8 +208,18 @@ def _math_text(ans: str) -> str:
     return f"${ans}$"
 
 
+@lru_cache(maxsize=1)
+def _math_verify():
+    """math-verify and its two extraction configs. Imported on first use: it pulls in sympy and
+    latex2sympy2 (~0.6 s), which commands that never score a math answer (merge, export) should not pay."""
+    import math_verify
+
+    return math_verify, (math_verify.LatexExtractionConfig(), math_verify.ExprExtractionConfig())
+
+
 def _parse(ans: str) -> list:
-    return parse(_math_text(ans), extraction_config=_CONFIGS, parsing_timeout=_timeout())
+    mv, configs = _math_verify()
+    return mv.parse(_math_text(ans), extraction_config=configs, parsing_timeout=_timeout())
 
 
 @lru_cache(maxsize=4096)
@@ -227,7 +233,7 @@ def equivalent(gold: str, pred: str) -> bool:
     p = _parse(pred)
     if not g or not p:
         return False
-    return bool(mv_verify(g, p, timeout_seconds=_timeout()))
+    return bool(_math_verify()[0].verify(g, p, timeout_seconds=_timeout()))
 
 
 def _check(task: "Task") -> None:
@@ -287,4 +293,4 @@ def _judge_math_verify(gold: str, pred_text: str) -> bool | None:
     if not pred:
         return None
     g = list(_parse_gold(gold))
-    return bool(g) and bool(mv_verify(g, pred, timeout_seconds=_timeout()))
+    return bool(g) and bool(_math_verify()[0].verify(g, pred, timeout_seconds=_timeout()))

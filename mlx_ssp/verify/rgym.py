@@ -26,7 +26,6 @@ import json
 import threading
 from typing import TYPE_CHECKING, Any
 
-import reasoning_gym
 
 from mlx_ssp.verify import VerifyResult, register
 from mlx_ssp.verify.extract import DEFAULT_MODE, MODES, extract, unclean_period
@@ -46,6 +45,9 @@ def dataset_for(name: str, config: dict[str, Any]):
         with _LOCK:
             ds = _CACHE.get(key)
             if ds is None:
+                # reasoning-gym imports every dataset module it has (~0.9 s): only runs that score its tasks load it
+                import reasoning_gym
+
                 ds = reasoning_gym.create_dataset(name, **config)
                 _CACHE[key] = ds
     return ds
