@@ -79,8 +79,9 @@ def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
     the top reach ``top_p``). On the CPU, MLX's sort of a batch of 49k-token rows costs more than
     the small demo model's forward pass; NumPy's vectorised sort of the same rows returns the same
     sorted values about 3.5x faster (measured at batch 128). The rest is mlx-lm's arithmetic on those
-    values, op for op, so the kept tokens are the same. On a GPU, or for dtypes NumPy lacks
-    (bfloat16), mlx-lm's function runs as is."""
+    values in the same float32 order (MLX's exp; the running sums from the top, sequentially), so
+    the threshold and the kept tokens are the same (tests check it against mlx-lm's). On a GPU, or
+    for dtypes NumPy lacks (bfloat16), mlx-lm's function runs as is."""
     from mlx_lm.sample_utils import apply_top_p
 
     if mx.default_device() != mx.cpu or logprobs.dtype not in (mx.float32, mx.float16):
