@@ -196,9 +196,11 @@ class BatchSampler:
     ``MLX_SSP_PER_SEQUENCE_SAMPLER=1`` (one sampler per sequence, slower on small models, same
     samples)."""
 
-    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
+    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 logprobs: bool = True):
         self.temperature = float(temperature)
         self.filters = _filters(top_p, top_k, min_p) if temperature > 0 else []
+        self.logprobs = logprobs  # False: draw only (a tempered softmax over the vocabulary per step saved)
         self._t: dict[int, int] = {}  # uid -> tokens drawn so far
         self._stream: dict[int, int] = {}
         # uid -> behaviour log-probs of its drawn tokens not yet handed out, oldest first
@@ -262,6 +264,8 @@ class BatchSampler:
                 x = f(x)
             g = _gumbel_rows(logprobs.shape[-1])(keys)
             tokens = mx.argmax(x + (g if T == 1.0 else T * g), axis=-1)  # x * 1.0 is exact: same tokens
+        if not self.logprobs:
+            return tokens
         # behaviour log-probs in the same graph; scheduled now so that reading them never waits
         lp = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
         if T > 0 and T != 1.0:  # the rows are normalised at T=1 already
@@ -304,15 +308,18 @@ class SamplingPath(Protocol):
 
     def release(self, uid: int) -> None: ...
 
-    def step_logprobs(self, responses: list) -> list[float]: ...
+    def step_logprobs(self, responses: list) -> Optional[list[float]]:
+        """The behaviour log-prob of each response's token; None when the path was made without them."""
+        ...
 
 
 class SharedSampling:
     """One :class:`BatchSampler` for every sequence: mlx-lm samples the batch in one call, and the
     log-probs come out of the same graph as the draw."""
 
-    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
-        self.generator_sampler = BatchSampler(temperature, top_p, top_k, min_p)
+    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 logprobs: bool = True):
+        self.generator_sampler = BatchSampler(temperature, top_p, top_k, min_p, logprobs=logprobs)
 
     def insert_samplers(self, streams: list[int]) -> None:
         return None
@@ -323,7 +330,9 @@ class SharedSampling:
     def release(self, uid: int) -> None:
         self.generator_sampler.drop(uid)
 
-    def step_logprobs(self, responses: list) -> list[float]:
+    def step_logprobs(self, responses: list) -> Optional[list[float]]:
+        if not self.generator_sampler.logprobs:
+            return None
         return [self.generator_sampler.behaviour_logprob(r.uid) for r in responses]
 
 
@@ -333,8 +342,10 @@ class PerSequenceSampling:
 
     generator_sampler = None
 
-    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
+    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 logprobs: bool = True):
         self.params = (float(temperature), top_p, top_k, min_p)
+        self.logprobs = logprobs
 
     def insert_samplers(self, streams: list[int]) -> list[SequenceSampler]:
         return [SequenceSampler(st, *self.params) for st in streams]
@@ -345,7 +356,9 @@ class PerSequenceSampling:
     def release(self, uid: int) -> None:
         pass
 
-    def step_logprobs(self, responses: list) -> list[float]:
+    def step_logprobs(self, responses: list) -> Optional[list[float]]:
+        if not self.logprobs:
+            return None
         return behaviour_logprobs([r.logprobs for r in responses], [r.token for r in responses], self.params[0])
 
 
@@ -354,7 +367,9 @@ class PerSequenceSampling:
 SAMPLING_PATHS: dict[str, type] = {"shared": SharedSampling, "per_sequence": PerSequenceSampling}
 
 
-def sampling_path(temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> SamplingPath:
-    """The sampling path this process uses (see :data:`SAMPLING_PATHS`)."""
+def sampling_path(temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, *,
+                  logprobs: bool = True) -> SamplingPath:
+    """The sampling path this process uses (see :data:`SAMPLING_PATHS`); ``logprobs=False``: the
+    same tokens without their behaviour log-probs."""
     name = "per_sequence" if os.environ.get("MLX_SSP_PER_SEQUENCE_SAMPLER") == "1" else "shared"
-    return SAMPLING_PATHS[name](temperature, top_p, top_k, min_p)
+    return SAMPLING_PATHS[name](temperature, top_p, top_k, min_p, logprobs=logprobs)

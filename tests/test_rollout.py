@@ -160,6 +160,23 @@ def test_batch_sampler_needs_the_calling_batch_uids():
     assert len(a) == 2
 
 
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_without_logprobs_the_same_tokens_are_drawn(qwen, monkeypatch, per_sequence):
+    """``logprobs=False`` (eval, probes) draws the very tokens of a run that keeps them, with top-p
+    on, on both sampling paths; its records carry no log-probs."""
+    if per_sequence:
+        monkeypatch.setenv("MLX_SSP_PER_SEQUENCE_SAMPLER", "1")
+    model, tok = qwen
+    sc = SamplingConfig(temperature=0.9, top_p=0.9, max_tokens=12)
+    kw = dict(k=3, sampling=sc, seed=4, batch_size=8, progress=False)
+    with_lp = generate_rollouts(model, tok, make_tasks(3), **kw)
+    without = generate_rollouts(model, tok, make_tasks(3), logprobs=False, **kw)
+    assert [r["token_ids"] for r in without] == [r["token_ids"] for r in with_lp]
+    assert [r["completion"] for r in without] == [r["completion"] for r in with_lp]
+    assert all(len(r["logprobs"]) == len(r["token_ids"]) for r in with_lp)
+    assert all(r["logprobs"] == [] for r in without)
+
+
 def test_records_ordered_and_complete(qwen):
     model, tok = qwen
     tasks = make_tasks(3)
