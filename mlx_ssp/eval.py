@@ -63,6 +63,7 @@ def evaluate(model, tokenizer, tasks: list[Task], *, k: int, n: Optional[int] = 
     if n < k:
         raise UserError(f"n ({n}) must be >= k ({k})")
     settings.setdefault("progress_label", "eval")
+    settings.setdefault("logprobs", False)  # only completions are scored
     request = RolloutRequest(tasks=tasks, k=n, verify=True, **settings)
     sampling, seed = request.sampling, request.seed
     stats: dict = {}

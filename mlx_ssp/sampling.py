@@ -47,6 +47,7 @@ from collections import deque
 from typing import Optional, Protocol
 
 import mlx.core as mx
+import numpy as np
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -71,13 +72,39 @@ def step_key(stream: int, t: int) -> mx.array:
     return mx.random.key(splitmix64((stream + t * _GOLDEN) & _MASK64))
 
 
+def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
+    """``mlx_lm.sample_utils.apply_top_p(logprobs, top_p)``, bit for bit, faster on the CPU.
+
+    Nucleus filtering needs each row sorted (the threshold is where the probabilities summed from
+    the top reach ``top_p``). On the CPU, MLX's sort of a batch of 49k-token rows costs more than
+    the small demo model's forward pass; NumPy's vectorised sort of the same rows returns the same
+    sorted values about 3.5x faster (measured at batch 128). The rest is mlx-lm's arithmetic on those
+    values in the same float32 order (MLX's exp; the running sums from the top, sequentially), so
+    the threshold and the kept tokens are the same (tests check it against mlx-lm's). On a GPU, or
+    for dtypes NumPy lacks (bfloat16), mlx-lm's function runs as is."""
+    from mlx_lm.sample_utils import apply_top_p
+
+    if mx.default_device() != mx.cpu or logprobs.dtype not in (mx.float32, mx.float16):
+        return apply_top_p(logprobs, top_p)
+    ordered = np.sort(np.array(logprobs), axis=-1)
+    probs = np.array(mx.exp(mx.array(ordered).astype(mx.float32)))  # MLX's exp: the same probabilities
+    # the sums from the top down, in the same sequential float32 order as mlx-lm's reverse cumsum
+    from_top = np.cumsum(probs[..., ::-1], axis=-1, dtype=np.float32)
+    total = from_top[..., -1:]
+    # mlx-lm's mass above the i-th smallest is from_top[V - 2 - i] (0 for the largest, never dropped)
+    num_dropped = (from_top[..., :-1] >= np.float32(top_p) * total).sum(axis=-1, keepdims=True)
+    threshold = np.take_along_axis(ordered, num_dropped, axis=-1)
+    return mx.where(logprobs < mx.array(threshold), -float("inf"), logprobs)
+
+
 def _filters(top_p: float, top_k: int, min_p: float):
-    """mlx-lm's own truncation functions, in mlx-lm's order (reused, not reimplemented)."""
-    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+    """mlx-lm's own truncation functions, in mlx-lm's order (reused, not reimplemented; top-p
+    through :func:`top_p_filter`, the same result computed faster)."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k
 
     fs = []
     if 0 < top_p < 1.0:
-        fs.append(lambda x: apply_top_p(x, top_p))
+        fs.append(lambda x: top_p_filter(x, top_p))
     if min_p > 0.0:
         fs.append(lambda x: apply_min_p(x, min_p))
     if top_k > 0:
@@ -169,9 +196,11 @@ class BatchSampler:
     ``MLX_SSP_PER_SEQUENCE_SAMPLER=1`` (one sampler per sequence, slower on small models, same
     samples)."""
 
-    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
+    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 logprobs: bool = True):
         self.temperature = float(temperature)
         self.filters = _filters(top_p, top_k, min_p) if temperature > 0 else []
+        self.logprobs = logprobs  # False: draw only (a tempered softmax over the vocabulary per step saved)
         self._t: dict[int, int] = {}  # uid -> tokens drawn so far
         self._stream: dict[int, int] = {}
         # uid -> behaviour log-probs of its drawn tokens not yet handed out, oldest first
@@ -235,6 +264,8 @@ class BatchSampler:
                 x = f(x)
             g = _gumbel_rows(logprobs.shape[-1])(keys)
             tokens = mx.argmax(x + (g if T == 1.0 else T * g), axis=-1)  # x * 1.0 is exact: same tokens
+        if not self.logprobs:
+            return tokens
         # behaviour log-probs in the same graph; scheduled now so that reading them never waits
         lp = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
         if T > 0 and T != 1.0:  # the rows are normalised at T=1 already
@@ -277,15 +308,18 @@ class SamplingPath(Protocol):
 
     def release(self, uid: int) -> None: ...
 
-    def step_logprobs(self, responses: list) -> list[float]: ...
+    def step_logprobs(self, responses: list) -> Optional[list[float]]:
+        """The behaviour log-prob of each response's token; None when the path was made without them."""
+        ...
 
 
 class SharedSampling:
     """One :class:`BatchSampler` for every sequence: mlx-lm samples the batch in one call, and the
     log-probs come out of the same graph as the draw."""
 
-    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
-        self.generator_sampler = BatchSampler(temperature, top_p, top_k, min_p)
+    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 logprobs: bool = True):
+        self.generator_sampler = BatchSampler(temperature, top_p, top_k, min_p, logprobs=logprobs)
 
     def insert_samplers(self, streams: list[int]) -> None:
         return None
@@ -296,7 +330,9 @@ class SharedSampling:
     def release(self, uid: int) -> None:
         self.generator_sampler.drop(uid)
 
-    def step_logprobs(self, responses: list) -> list[float]:
+    def step_logprobs(self, responses: list) -> Optional[list[float]]:
+        if not self.generator_sampler.logprobs:
+            return None
         return [self.generator_sampler.behaviour_logprob(r.uid) for r in responses]
 
 
@@ -306,8 +342,10 @@ class PerSequenceSampling:
 
     generator_sampler = None
 
-    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
+    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 logprobs: bool = True):
         self.params = (float(temperature), top_p, top_k, min_p)
+        self.logprobs = logprobs
 
     def insert_samplers(self, streams: list[int]) -> list[SequenceSampler]:
         return [SequenceSampler(st, *self.params) for st in streams]
@@ -318,7 +356,9 @@ class PerSequenceSampling:
     def release(self, uid: int) -> None:
         pass
 
-    def step_logprobs(self, responses: list) -> list[float]:
+    def step_logprobs(self, responses: list) -> Optional[list[float]]:
+        if not self.logprobs:
+            return None
         return behaviour_logprobs([r.logprobs for r in responses], [r.token for r in responses], self.params[0])
 
 
@@ -327,7 +367,9 @@ class PerSequenceSampling:
 SAMPLING_PATHS: dict[str, type] = {"shared": SharedSampling, "per_sequence": PerSequenceSampling}
 
 
-def sampling_path(temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> SamplingPath:
-    """The sampling path this process uses (see :data:`SAMPLING_PATHS`)."""
+def sampling_path(temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, *,
+                  logprobs: bool = True) -> SamplingPath:
+    """The sampling path this process uses (see :data:`SAMPLING_PATHS`); ``logprobs=False``: the
+    same tokens without their behaviour log-probs."""
     name = "per_sequence" if os.environ.get("MLX_SSP_PER_SEQUENCE_SAMPLER") == "1" else "shared"
-    return SAMPLING_PATHS[name](temperature, top_p, top_k, min_p)
+    return SAMPLING_PATHS[name](temperature, top_p, top_k, min_p, logprobs=logprobs)

@@ -160,6 +160,23 @@ def test_batch_sampler_needs_the_calling_batch_uids():
     assert len(a) == 2
 
 
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_without_logprobs_the_same_tokens_are_drawn(qwen, monkeypatch, per_sequence):
+    """``logprobs=False`` (eval, probes) draws the very tokens of a run that keeps them, with top-p
+    on, on both sampling paths; its records carry no log-probs."""
+    if per_sequence:
+        monkeypatch.setenv("MLX_SSP_PER_SEQUENCE_SAMPLER", "1")
+    model, tok = qwen
+    sc = SamplingConfig(temperature=0.9, top_p=0.9, max_tokens=12)
+    kw = dict(k=3, sampling=sc, seed=4, batch_size=8, progress=False)
+    with_lp = generate_rollouts(model, tok, make_tasks(3), **kw)
+    without = generate_rollouts(model, tok, make_tasks(3), logprobs=False, **kw)
+    assert [r["token_ids"] for r in without] == [r["token_ids"] for r in with_lp]
+    assert [r["completion"] for r in without] == [r["completion"] for r in with_lp]
+    assert all(len(r["logprobs"]) == len(r["token_ids"]) for r in with_lp)
+    assert all(r["logprobs"] == [] for r in without)
+
+
 def test_records_ordered_and_complete(qwen):
     model, tok = qwen
     tasks = make_tasks(3)
@@ -304,6 +321,32 @@ def test_sequence_sampler_draws_from_tempered_softmax():
     assert np.abs(np.bincount(later, minlength=4) / n - want).max() < 0.03
     assert {SequenceSampler(i, T, top_k=2)(x).item() for i in range(300)} == {0, 1}
     assert SequenceSampler(5, 0.0)(x).item() == 0
+
+
+def test_top_p_filter_keeps_exactly_the_tokens_mlx_lm_keeps():
+    """The NumPy-sorted nucleus filter returns mlx-lm's array bit for bit: peaked and flat rows,
+    ties, rows already truncated (-inf), several thresholds, float16, one row and a batch."""
+    from mlx_lm.sample_utils import apply_top_p
+
+    from mlx_ssp.sampling import top_p_filter
+
+    rng = mx.random.key(3)
+    k1, k2 = mx.random.split(rng)
+    peaked = mx.random.normal((4, 2000), key=k1) * 4.0
+    flat = mx.random.normal((4, 2000), key=k2) * 0.3
+    ties = mx.array([[0.0, 0.0, -1.0, -1.0, -1.0, -2.0, -9.0, -9.0]])
+    cut = mx.where(mx.arange(2000) % 3 == 0, -float("inf"), peaked[:2])
+    for x in (peaked, flat, peaked[:1], cut):
+        x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        for p in (0.1, 0.9, 0.95, 0.999):
+            want = apply_top_p(x, p)
+            assert mx.array_equal(top_p_filter(x, p), want, equal_nan=True).item(), p
+            assert (want > -float("inf")).sum().item() >= x.shape[0]  # the filter keeps a token per row
+    ties = ties - mx.logsumexp(ties, axis=-1, keepdims=True)
+    for p in (0.2, 0.5, 0.7, 0.9):
+        assert mx.array_equal(top_p_filter(ties, p), apply_top_p(ties, p)).item(), p
+    half = (peaked - mx.logsumexp(peaked, axis=-1, keepdims=True)).astype(mx.float16)
+    assert mx.array_equal(top_p_filter(half, 0.9), apply_top_p(half, 0.9)).item()
 
 
 def test_both_sampling_paths_behind_one_interface(monkeypatch):

@@ -37,7 +37,8 @@ class Decoder:
         self.lp_temp = s.temperature if s.temperature > 0 else 1.0
         self.was_training = getattr(model, "training", False)
         model.eval()
-        self.path = sampling.sampling_path(s.temperature, s.top_p, s.top_k, s.min_p)
+        self.path = sampling.sampling_path(s.temperature, s.top_p, s.top_k, s.min_p,
+                                           logprobs=request.logprobs or episodes)
         self.gen = BatchGenerator(
             sampling.Float32Logits(model),  # bf16/fp16 models: normalise and sample in float32 (mlx_ssp.sampling)
             sampler=self.path.generator_sampler,

@@ -129,10 +129,11 @@ class _Generation:
         lps = self.dec.path.step_logprobs(responses)
         self.stats["gen_tokens"] += len(responses)
         finished, to_remove = [], []
-        for r, lp in zip(responses, lps):
+        for i, r in enumerate(responses):
             seq = self.live[r.uid]
             seq.tokens.append(r.token)
-            seq.lps.append(lp)
+            if lps is not None:  # None: the request asked for no log-probs (records keep an empty list)
+                seq.lps.append(lps[i])
             reason, stop_hit = r.finish_reason, None
             if seq.detok is not None and reason != "stop":  # an EOS ends the sequence anyway
                 stop_hit = self.stops.scan(seq, r.token)

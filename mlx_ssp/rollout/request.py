@@ -37,6 +37,10 @@ class RolloutRequest:
     #: tasks without the answer their verifier needs: an error (False), or sampled unverified (True;
     #: reward None, reason "unlabelled": what select.pseudo_label votes on)
     unlabelled: bool = False
+    #: each token's behaviour log-prob in the records (RL needs them); eval and probes, which only
+    #: score completions, turn them off: a tempered softmax over the vocabulary per token saved.
+    #: Episodes keep them whatever this says.
+    logprobs: bool = True
 
     def check(self) -> None:
         """Bad K, no tasks or (when verifying) tasks the verifiers cannot score: a UserError."""
