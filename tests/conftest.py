@@ -17,6 +17,8 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import mlx_ssp  # noqa: F401,E402  (loads OpenBLAS before mlx.core)
 
+from merge_helpers import rand_arrays, write_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MLX_SSP_SHARED", ROOT.parent / "shared"))
 DATA = SHARED / "data"
@@ -55,6 +57,23 @@ def tiny_qwen3_real_tokenizer(tmp_path_factory) -> Path:
     from mlx_ssp.testing import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_real"), "qwen3", tokenizer_dir=QWEN3_TOKENIZER, hidden_size=32)
+
+
+# -- the merge tests' models (test_merge*.py) -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory):
+    """base + two fine-tunes in float32 and bfloat16 (bf16 deltas have many exact ties)."""
+    root = tmp_path_factory.mktemp("merge_models")
+    base = rand_arrays(0)
+    a = rand_arrays(1, 0.05, base)
+    b = rand_arrays(2, 0.05, base)
+    out = {}
+    for dt in ("float32", "bfloat16"):
+        out[dt] = [write_model(root / f"{dt}_{i}", arr, dt) for i, arr in enumerate((base, a, b))]
+    out["arrays"] = (base, a, b)
+    return out
 
 
 # -- the learning regression test's model (tests/test_learning.py) ---------------------------------

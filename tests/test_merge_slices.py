@@ -17,8 +17,7 @@ from mlx_ssp.merge import selective as S
 from mlx_ssp.merge import slerp as SL
 from mlx_ssp.merge import sphere_means as SM
 
-from test_merge import R
-from test_merge_methods import mxa, npy, ref_karcher, ref_model_stock, ref_multislerp, ref_nuslerp, ref_slerp, tol
+from merge_helpers import R, mxa, npy, ref_karcher, ref_model_stock, ref_multislerp, ref_nuslerp, ref_slerp, tol
 
 
 def test_sums_whole_tensor_and_rows_match_float64(monkeypatch):
