@@ -6,8 +6,10 @@ returns them with ``munmap`` on free, so every step touches fresh pages: measure
 10 steps at batch 128 took 210,000-550,000 minor page faults and 2-3 s of system time, against
 under 100 faults and 0.2-1.5 s with the settings below (``mallopt``: no ``mmap`` for ordinary
 blocks, a heap top that is never trimmed). The cost is that the process keeps its peak heap
-instead of handing it back. This must run before the first large allocation, which is why
-``mlx_ssp/__init__.py`` calls it first. Set ``MLX_SSP_NO_MALLOC_TUNING=1`` to skip it.
+instead of handing it back. The settings govern the allocations made after the call (blocks
+mapped before it are still unmapped when freed), so it could be called later too; ``mlx_ssp/__init__.py``
+calls it at import so that every command, and the training steps' per-step buffers, get it. Set
+``MLX_SSP_NO_MALLOC_TUNING=1`` to skip it.
 """
 
 from __future__ import annotations
