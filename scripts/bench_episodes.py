@@ -136,7 +136,7 @@ def episode_tasks(backend: str, turns: int, n: int, tools: str):
     return ts
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["tiny", "demo"], help="'tiny', 'demo' or model dirs")
     ap.add_argument("--backend", default="trading")
@@ -152,28 +152,89 @@ def main() -> None:
     ap.add_argument("--ceiling", action="store_true",
                     help="also time the bare forward pass (decode / 64-token prefill over a 1000-token cache, batch 1 vs 16)")
     ap.add_argument("--skip-no-reuse", action="store_true", help="skip the re-prefill arm (slow on big models)")
-    args = ap.parse_args()
+    return ap
 
+
+def note(name, recs, st):
+    print(f"# {name}: {len(recs)} episodes, {st['gen_tokens']} gen tokens, {st['prompt_tokens']} prefilled, "
+          f"{st['wall_s']:.1f} s wall, {st['cpu_s']:.1f} s CPU; generator: decode {st['gen']['decode_s']:.1f} s "
+          f"in {st['gen']['decode_steps']} steps, prefill {st['gen']['prefill_s']:.1f} s", file=sys.stderr, flush=True)
+
+
+def seq_sample_plan(tasks, k: int, seq_episodes: int | None) -> dict[str, list[int]]:
+    """The samples timed one at a time: the first ``seq_episodes`` episodes in (task, sample) order."""
+    n_eps = len(tasks) * k
+    n_seq = min(seq_episodes or n_eps, n_eps)
+    seq_samples: dict[str, list[int]] = {}
+    for t in tasks:  # the first n_seq episodes in (task, sample) order
+        for s in range(k):
+            if sum(map(len, seq_samples.values())) < n_seq:
+                seq_samples.setdefault(t.id, []).append(s)
+    return seq_samples
+
+
+def model_result(spec, path, args, tasks, sc, prompt_lens, ceiling, b_recs, b_st, s_recs, s_st, p_recs, p_st,
+                 n_recs, n_st) -> dict:
+    """One model's record: the arms' token equality, episodes/s, speedups and prefill per generated token."""
+    from mlx_ssp.rollout.request import RolloutRequest
+
+    by_key = {(r["task_id"], r["sample"]): r for r in b_recs}
+    same_seq = all(r["token_ids"] == by_key[(r["task_id"], r["sample"])]["token_ids"] for r in s_recs)
+    same_nocache = None if n_recs is None else [r["token_ids"] for r in n_recs] == [r["token_ids"] for r in b_recs]
+    same_prefill8 = [r["token_ids"] for r in p_recs] == [r["token_ids"] for r in b_recs]
+    b_eps, s_eps = len(b_recs) / b_st["wall_s"], len(s_recs) / s_st["wall_s"]
+    b_eps_c, s_eps_c = len(b_recs) / b_st["cpu_s"], len(s_recs) / s_st["cpu_s"]
+    pf_reuse = b_st["prompt_tokens"] / b_st["gen_tokens"]
+    pf_none = None if n_st is None else n_st["prompt_tokens"] / n_st["gen_tokens"]
+    res = {
+        "model": spec,
+        "model_path": str(path),
+        "tools": args.tools,
+        "backend": args.backend,
+        "turns": args.turns,
+        "tasks": len(tasks),
+        "k": args.k,
+        "episodes_batched": len(b_recs),
+        "episodes_one_at_a_time": len(s_recs),
+        "batch_size": args.batch_size,
+        "max_tokens_per_message": args.max_tokens,
+        "prompt_tokens_first_turn": {"min": min(prompt_lens), "max": max(prompt_lens)},
+        "messages_per_episode": sorted({r["num_messages"] for r in b_recs}),
+        "conversation_tokens_mean": round(sum(len(r["prompt_token_ids"]) + len(r["token_ids"]) for r in b_recs)
+                                          / len(b_recs), 1),
+        "rewards": sorted({r["reward"] for r in b_recs}),
+        "episodes_per_wall_s": {"batched": round(b_eps, 3), "one_at_a_time": round(s_eps, 3)},
+        "gen_tok_per_wall_s": {"batched": round(b_st["gen_tokens"] / b_st["wall_s"], 1),
+                               "one_at_a_time": round(s_st["gen_tokens"] / s_st["wall_s"], 1)},
+        "speedup_batched": {"wall": round(b_eps / s_eps, 2), "cpu": round(b_eps_c / s_eps_c, 2)},
+        "batched_equals_one_at_a_time": same_seq,
+        "prefill_batch": {"auto": RolloutRequest(tasks=tasks, k=1, sampling=sc, batch_size=args.batch_size).prefill_batch(episodes=True),
+                          "episodes_per_wall_s_at_8": round(len(p_recs) / p_st["wall_s"], 3),
+                          "speedup_auto_over_8": round(b_eps / (len(p_recs) / p_st["wall_s"]), 2),
+                          "same_tokens": same_prefill8},
+        "no_reuse_equals_reuse": same_nocache,
+        "prefill_per_gen_token": {"reuse": round(pf_reuse, 2), "no_reuse": pf_none and round(pf_none, 2)},
+        "prefill_reduction": pf_none and round(pf_none / pf_reuse, 2),
+        "profile_s": {name: {"wall": round(st["wall_s"], 2), "decode": round(st["gen"]["decode_s"], 2),
+                             "prefill": round(st["gen"]["prefill_s"], 2), "decode_steps": st["gen"]["decode_steps"]}
+                      for name, st in (("batched", b_st), ("one_at_a_time", s_st), ("prefill_batch_8", p_st),
+                                       ("no_reuse", n_st)) if st is not None},
+        "wall_s_no_reuse_over_reuse": n_st and round(n_st["wall_s"] / b_st["wall_s"], 2),
+        "forward_ceiling": ceiling,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+    }
+    return res
+
+
+def bench_model(spec: str, args, tasks, sc, seq_samples, tmp: Path) -> dict:
+    """Load one model, warm it up, time the arms (batched, alone, prefill batch 8, no reuse) and compare them."""
     import mlx.core as mx
 
     from mlx_ssp.agents.engine import run_episodes
     from mlx_ssp.models import load_model
-    from mlx_ssp.rollout.config import SamplingConfig
     from mlx_ssp.rollout.request import RolloutRequest
     from mlx_ssp.tasks import render_prompt
-
-    scripted_policy()
-    profile_generator()
-    tmp = Path(tempfile.mkdtemp(prefix="bench_episodes."))
-    tasks = episode_tasks(args.backend, args.turns, args.tasks, args.tools)
-    sc = SamplingConfig(temperature=args.temperature, max_tokens=args.max_tokens)
-    n_eps = len(tasks) * args.k
-    n_seq = min(args.seq_episodes or n_eps, n_eps)
-    seq_samples: dict[str, list[int]] = {}
-    for t in tasks:  # the first n_seq episodes in (task, sample) order
-        for s in range(args.k):
-            if sum(map(len, seq_samples.values())) < n_seq:
-                seq_samples.setdefault(t.id, []).append(s)
 
     def run(model, tok, batch, *, reuse=True, samples=None, task_list=tasks, sampling=sc, prefill=None):
         req = RolloutRequest(tasks=task_list, k=args.k, sampling=sampling, seed=args.seed, batch_size=batch,
@@ -186,90 +247,38 @@ def main() -> None:
         recs.sort(key=lambda r: (r["task_id"], r["sample"]))
         return recs, st
 
-    def note(name, recs, st):
-        print(f"# {name}: {len(recs)} episodes, {st['gen_tokens']} gen tokens, {st['prompt_tokens']} prefilled, "
-              f"{st['wall_s']:.1f} s wall, {st['cpu_s']:.1f} s CPU; generator: decode {st['gen']['decode_s']:.1f} s "
-              f"in {st['gen']['decode_steps']} steps, prefill {st['gen']['prefill_s']:.1f} s", file=sys.stderr, flush=True)
+    if spec == "tiny":
+        from mlx_ssp.testing import make_tiny_model
 
-    rows = []
-    for spec in args.models:
-        if spec == "tiny":
-            from mlx_ssp.testing import make_tiny_model
+        mspec = str(make_tiny_model(tmp / "tiny", "qwen3"))
+    else:
+        mspec = spec
+    model, tok, path = load_model(mspec)
+    ceiling = forward_ceiling(model) if args.ceiling else None
+    if ceiling:
+        print("# forward-pass ceiling:", json.dumps(ceiling), file=sys.stderr, flush=True)
+    prompt_lens = [len(render_prompt(tok, t)) for t in tasks]
+    # warm-up: one short episode, batched and alone
+    warm = sc.model_copy(update={"max_tokens": 2})
+    run(model, tok, 2, task_list=tasks[:1], sampling=warm)
+    mx.random.seed(0)
 
-            mspec = str(make_tiny_model(tmp / "tiny", "qwen3"))
-        else:
-            mspec = spec
-        model, tok, path = load_model(mspec)
-        ceiling = forward_ceiling(model) if args.ceiling else None
-        if ceiling:
-            print("# forward-pass ceiling:", json.dumps(ceiling), file=sys.stderr, flush=True)
-        prompt_lens = [len(render_prompt(tok, t)) for t in tasks]
-        # warm-up: one short episode, batched and alone
-        warm = sc.model_copy(update={"max_tokens": 2})
-        run(model, tok, 2, task_list=tasks[:1], sampling=warm)
-        mx.random.seed(0)
+    b_recs, b_st = run(model, tok, args.batch_size)
+    note(f"{spec} batched (batch {args.batch_size}, cache reuse)", b_recs, b_st)
+    s_recs, s_st = run(model, tok, 1, samples=seq_samples)
+    note(f"{spec} one at a time", s_recs, s_st)
+    p_recs, p_st = run(model, tok, args.batch_size, prefill=8)
+    note(f"{spec} batched, prefill batch 8", p_recs, p_st)
+    n_recs = n_st = None
+    if not args.skip_no_reuse:
+        n_recs, n_st = run(model, tok, args.batch_size, reuse=False)
+        note(f"{spec} batched, no cache reuse", n_recs, n_st)
 
-        b_recs, b_st = run(model, tok, args.batch_size)
-        note(f"{spec} batched (batch {args.batch_size}, cache reuse)", b_recs, b_st)
-        s_recs, s_st = run(model, tok, 1, samples=seq_samples)
-        note(f"{spec} one at a time", s_recs, s_st)
-        p_recs, p_st = run(model, tok, args.batch_size, prefill=8)
-        note(f"{spec} batched, prefill batch 8", p_recs, p_st)
-        n_recs = n_st = None
-        if not args.skip_no_reuse:
-            n_recs, n_st = run(model, tok, args.batch_size, reuse=False)
-            note(f"{spec} batched, no cache reuse", n_recs, n_st)
+    return model_result(spec, path, args, tasks, sc, prompt_lens, ceiling, b_recs, b_st, s_recs, s_st, p_recs, p_st,
+                        n_recs, n_st)
 
-        by_key = {(r["task_id"], r["sample"]): r for r in b_recs}
-        same_seq = all(r["token_ids"] == by_key[(r["task_id"], r["sample"])]["token_ids"] for r in s_recs)
-        same_nocache = None if n_recs is None else [r["token_ids"] for r in n_recs] == [r["token_ids"] for r in b_recs]
-        same_prefill8 = [r["token_ids"] for r in p_recs] == [r["token_ids"] for r in b_recs]
-        b_eps, s_eps = len(b_recs) / b_st["wall_s"], len(s_recs) / s_st["wall_s"]
-        b_eps_c, s_eps_c = len(b_recs) / b_st["cpu_s"], len(s_recs) / s_st["cpu_s"]
-        pf_reuse = b_st["prompt_tokens"] / b_st["gen_tokens"]
-        pf_none = None if n_st is None else n_st["prompt_tokens"] / n_st["gen_tokens"]
-        res = {
-            "model": spec,
-            "model_path": str(path),
-            "tools": args.tools,
-            "backend": args.backend,
-            "turns": args.turns,
-            "tasks": len(tasks),
-            "k": args.k,
-            "episodes_batched": len(b_recs),
-            "episodes_one_at_a_time": len(s_recs),
-            "batch_size": args.batch_size,
-            "max_tokens_per_message": args.max_tokens,
-            "prompt_tokens_first_turn": {"min": min(prompt_lens), "max": max(prompt_lens)},
-            "messages_per_episode": sorted({r["num_messages"] for r in b_recs}),
-            "conversation_tokens_mean": round(sum(len(r["prompt_token_ids"]) + len(r["token_ids"]) for r in b_recs)
-                                              / len(b_recs), 1),
-            "rewards": sorted({r["reward"] for r in b_recs}),
-            "episodes_per_wall_s": {"batched": round(b_eps, 3), "one_at_a_time": round(s_eps, 3)},
-            "gen_tok_per_wall_s": {"batched": round(b_st["gen_tokens"] / b_st["wall_s"], 1),
-                                   "one_at_a_time": round(s_st["gen_tokens"] / s_st["wall_s"], 1)},
-            "speedup_batched": {"wall": round(b_eps / s_eps, 2), "cpu": round(b_eps_c / s_eps_c, 2)},
-            "batched_equals_one_at_a_time": same_seq,
-            "prefill_batch": {"auto": RolloutRequest(tasks=tasks, k=1, sampling=sc, batch_size=args.batch_size).prefill_batch(episodes=True),
-                              "episodes_per_wall_s_at_8": round(len(p_recs) / p_st["wall_s"], 3),
-                              "speedup_auto_over_8": round(b_eps / (len(p_recs) / p_st["wall_s"]), 2),
-                              "same_tokens": same_prefill8},
-            "no_reuse_equals_reuse": same_nocache,
-            "prefill_per_gen_token": {"reuse": round(pf_reuse, 2), "no_reuse": pf_none and round(pf_none, 2)},
-            "prefill_reduction": pf_none and round(pf_none / pf_reuse, 2),
-            "profile_s": {name: {"wall": round(st["wall_s"], 2), "decode": round(st["gen"]["decode_s"], 2),
-                                 "prefill": round(st["gen"]["prefill_s"], 2), "decode_steps": st["gen"]["decode_steps"]}
-                          for name, st in (("batched", b_st), ("one_at_a_time", s_st), ("prefill_batch_8", p_st),
-                                           ("no_reuse", n_st)) if st is not None},
-            "wall_s_no_reuse_over_reuse": n_st and round(n_st["wall_s"] / b_st["wall_s"], 2),
-            "forward_ceiling": ceiling,
-            "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
-            "load_avg": [round(x, 2) for x in os.getloadavg()],
-        }
-        print(json.dumps(res, indent=2), flush=True)
-        rows.append(res)
-        del model
 
+def print_table(rows: list[dict]) -> None:
     print("\n| model | tools | episodes (batched / alone) | first prompt tokens | episodes/s batched | episodes/s alone "
           "| speedup (wall / CPU) | batched == alone | prefill/gen token, reuse | no reuse | reduction |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -281,6 +290,26 @@ def main() -> None:
               f"| {'yes' if r['batched_equals_one_at_a_time'] else 'NO'} "
               f"| {r['prefill_per_gen_token']['reuse']} | {r['prefill_per_gen_token']['no_reuse']} "
               f"| **{r['prefill_reduction']}x** |")
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+
+    from mlx_ssp.rollout.config import SamplingConfig
+
+    scripted_policy()
+    profile_generator()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_episodes."))
+    tasks = episode_tasks(args.backend, args.turns, args.tasks, args.tools)
+    sc = SamplingConfig(temperature=args.temperature, max_tokens=args.max_tokens)
+    seq_samples = seq_sample_plan(tasks, args.k, args.seq_episodes)
+    rows = []
+    for spec in args.models:
+        res = bench_model(spec, args, tasks, sc, seq_samples, tmp)
+        print(json.dumps(res, indent=2), flush=True)
+        rows.append(res)
+
+    print_table(rows)
 
 
 if __name__ == "__main__":

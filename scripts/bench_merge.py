@@ -224,7 +224,7 @@ def io_floor(models: list[Path], out: Path) -> float:
     return time.perf_counter() - t
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--methods", default="linear,ties,dare_ties")
     ap.add_argument("--small", action="store_true", help="hidden 256, intermediate 1024, 4 layers, vocab 8000")
@@ -239,7 +239,80 @@ def main() -> None:
                     help="compare our last round's output with mergekit's, tensor by tensor (bf16 outputs)")
     ap.add_argument("--compare", default=None, metavar="TREE",
                     help="also time another checkout's merge (alternating with ours) and check identical outputs")
-    args = ap.parse_args()
+    return ap
+
+
+def method_rounds(name: str, cfg: Path, cfgs: dict, args, root: Path, mk_yaml, have_mk: bool) -> tuple:
+    """One method's rounds: the I/O floor, ours (and --compare's tree) and mergekit, times and peak RSS of each."""
+    # ours, mergekit and the I/O floor back to back, `--repeat` times: this machine's pace
+    # drifts by 10-30% within minutes, so each ratio is taken within one round, and the
+    # table reports medians over rounds (with the range of the per-round speedups)
+    ours_s, ours_rss, mk_s, mk_rss, floors, cmp_s, same, loads = [], [], [], [], [], [], [], []
+    diff = None
+    for r in range(args.repeat):
+        loads.append(round(os.getloadavg()[0], 1))  # a shared machine: the 1-minute load per round
+        floors.append(io_floor([Path(m) for m in config_models(cfgs[name])], root / "floor"))
+        # with --compare, alternate which tree goes first so that drift favours neither
+        order = (None,) if not args.compare else (None, args.compare) if r % 2 == 0 else (args.compare, None)
+        last = r == args.repeat - 1 and args.diff and have_mk
+        # each tree writes its own directory: ours is kept for --diff in the last round
+        runs = {tree: timed_merge(tree, cfg, root / (f"ours_{name}" if tree is None else f"cmp_{name}"),
+                                 keep=last and tree is None, workers=args.workers) for tree in order}
+        wall, rss, sha = runs[None]
+        ours_s.append(wall)
+        ours_rss.append(rss)
+        if args.compare:
+            cmp_s.append(runs[args.compare][0])
+            same.append(runs[args.compare][2] == sha)
+        if have_mk:
+            mk_out = root / f"mk_{name}"
+            shutil.rmtree(mk_out, ignore_errors=True)
+            wall, rss = timed([mk_yaml, str(cfg), str(mk_out), "--random-seed", "1"])
+            mk_s.append(wall)
+            mk_rss.append(rss)
+            if last:
+                diff = diff_outputs(root / f"ours_{name}", mk_out)
+                shutil.rmtree(root / f"ours_{name}", ignore_errors=True)
+            shutil.rmtree(mk_out, ignore_errors=True)
+    return ours_s, ours_rss, mk_s, mk_rss, floors, cmp_s, same, loads, diff
+
+
+def method_row(name: str, args, have_mk: bool, ours_s, ours_rss, mk_s, mk_rss, floors, cmp_s, same, loads,
+               diff) -> dict:
+    """One method's record: medians over the rounds, the per-round ratios' median and range."""
+    med = lambda v: float(np.median(v))  # noqa: E731
+    row = {"method": name, "rounds": args.repeat, "ours_s": round(med(ours_s), 2), "ours_rss_mib": round(max(ours_rss)),
+           "io_floor_s": round(med(floors), 2),
+           "ours_over_floor": round(med([o / f for o, f in zip(ours_s, floors)]), 2),
+           "ours_s_all": [round(x, 2) for x in ours_s], "load_1min": loads}
+    if args.compare:
+        ratios = [o / c for o, c in zip(ours_s, cmp_s)]
+        row.update({"compare_s": round(med(cmp_s), 2), "ours_over_compare": round(med(ratios), 3),
+                    "ours_over_compare_range": [round(min(ratios), 3), round(max(ratios), 3)],
+                    "compare_s_all": [round(x, 2) for x in cmp_s], "identical_outputs": all(same)})
+    if have_mk:
+        per_round = [m / o for m, o in zip(mk_s, ours_s)]
+        row.update({"mergekit_s": round(med(mk_s), 2), "mergekit_rss_mib": round(min(mk_rss)),
+                    "speedup": round(med(per_round), 2),
+                    "speedup_range": [round(min(per_round), 2), round(max(per_round), 2)],
+                    "rss_ratio": round(max(ours_rss) / min(mk_rss), 2), "mergekit_s_all": [round(x, 2) for x in mk_s]})
+    if args.diff and have_mk:
+        row["diff_vs_mergekit"] = diff
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n| method | ours s | ours RSS MiB | mergekit s | mergekit RSS MiB | speedup (range) | RSS ratio | I/O floor s | ours/floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        rng = f" ({r['speedup_range'][0]}-{r['speedup_range'][1]})" if "speedup_range" in r and r["rounds"] > 1 else ""
+        print(f"| {r['method']} | {r['ours_s']} | {r['ours_rss_mib']} | {r.get('mergekit_s', '-')} | "
+              f"{r.get('mergekit_rss_mib', '-')} | {r.get('speedup', '-')}{rng} | {r.get('rss_ratio', '-')} | "
+              f"{r['io_floor_s']} | {r['ours_over_floor']} |")
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     args.hidden, args.intermediate, args.layers_, args.heads, args.vocab = (
         (256, 1024, 4, 4, 8000) if args.small else (1024, 4096, 14, 16, 32000))
     args.layers = args.layers or args.layers_
@@ -259,65 +332,14 @@ def main() -> None:
     for name in args.methods.split(","):
         cfg = root / f"{name}.yml"
         cfg.write_text(yaml.safe_dump(cfgs[name]))
-        # ours, mergekit and the I/O floor back to back, `--repeat` times: this machine's pace
-        # drifts by 10-30% within minutes, so each ratio is taken within one round, and the
-        # table reports medians over rounds (with the range of the per-round speedups)
-        ours_s, ours_rss, mk_s, mk_rss, floors, cmp_s, same, loads = [], [], [], [], [], [], [], []
-        for r in range(args.repeat):
-            loads.append(round(os.getloadavg()[0], 1))  # a shared machine: the 1-minute load per round
-            floors.append(io_floor([Path(m) for m in config_models(cfgs[name])], root / "floor"))
-            # with --compare, alternate which tree goes first so that drift favours neither
-            order = (None,) if not args.compare else (None, args.compare) if r % 2 == 0 else (args.compare, None)
-            last = r == args.repeat - 1 and args.diff and have_mk
-            # each tree writes its own directory: ours is kept for --diff in the last round
-            runs = {tree: timed_merge(tree, cfg, root / (f"ours_{name}" if tree is None else f"cmp_{name}"),
-                                     keep=last and tree is None, workers=args.workers) for tree in order}
-            wall, rss, sha = runs[None]
-            ours_s.append(wall)
-            ours_rss.append(rss)
-            if args.compare:
-                cmp_s.append(runs[args.compare][0])
-                same.append(runs[args.compare][2] == sha)
-            if have_mk:
-                mk_out = root / f"mk_{name}"
-                shutil.rmtree(mk_out, ignore_errors=True)
-                wall, rss = timed([mk_yaml, str(cfg), str(mk_out), "--random-seed", "1"])
-                mk_s.append(wall)
-                mk_rss.append(rss)
-                if last:
-                    diff = diff_outputs(root / f"ours_{name}", mk_out)
-                    shutil.rmtree(root / f"ours_{name}", ignore_errors=True)
-                shutil.rmtree(mk_out, ignore_errors=True)
-        med = lambda v: float(np.median(v))  # noqa: E731
-        row = {"method": name, "rounds": args.repeat, "ours_s": round(med(ours_s), 2), "ours_rss_mib": round(max(ours_rss)),
-               "io_floor_s": round(med(floors), 2),
-               "ours_over_floor": round(med([o / f for o, f in zip(ours_s, floors)]), 2),
-               "ours_s_all": [round(x, 2) for x in ours_s], "load_1min": loads}
-        if args.compare:
-            ratios = [o / c for o, c in zip(ours_s, cmp_s)]
-            row.update({"compare_s": round(med(cmp_s), 2), "ours_over_compare": round(med(ratios), 3),
-                        "ours_over_compare_range": [round(min(ratios), 3), round(max(ratios), 3)],
-                        "compare_s_all": [round(x, 2) for x in cmp_s], "identical_outputs": all(same)})
-        if have_mk:
-            per_round = [m / o for m, o in zip(mk_s, ours_s)]
-            row.update({"mergekit_s": round(med(mk_s), 2), "mergekit_rss_mib": round(min(mk_rss)),
-                        "speedup": round(med(per_round), 2),
-                        "speedup_range": [round(min(per_round), 2), round(max(per_round), 2)],
-                        "rss_ratio": round(max(ours_rss) / min(mk_rss), 2), "mergekit_s_all": [round(x, 2) for x in mk_s]})
-        if args.diff and have_mk:
-            row["diff_vs_mergekit"] = diff
+        rounds = method_rounds(name, cfg, cfgs, args, root, mk_yaml, have_mk)
+        row = method_row(name, args, have_mk, *rounds)
         rows.append(row)
         print(json.dumps(row), flush=True)
     shutil.rmtree(root / "floor", ignore_errors=True)
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
-    print("\n| method | ours s | ours RSS MiB | mergekit s | mergekit RSS MiB | speedup (range) | RSS ratio | I/O floor s | ours/floor |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        rng = f" ({r['speedup_range'][0]}-{r['speedup_range'][1]})" if "speedup_range" in r and r["rounds"] > 1 else ""
-        print(f"| {r['method']} | {r['ours_s']} | {r['ours_rss_mib']} | {r.get('mergekit_s', '-')} | "
-              f"{r.get('mergekit_rss_mib', '-')} | {r.get('speedup', '-')}{rng} | {r.get('rss_ratio', '-')} | "
-              f"{r['io_floor_s']} | {r['ours_over_floor']} |")
+    print_table(rows)
     print(f"command: python scripts/bench_merge.py {' '.join(sys.argv[1:])}")
     print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (at the end; {os.cpu_count()} CPUs)")
 

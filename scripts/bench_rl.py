@@ -346,9 +346,9 @@ def load1() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for name, peer in PEERS.items():
+    for peer in PEERS.values():
         ap.add_argument(peer.option, default=None, help=f"python with {peer.dist} installed (skipped if absent)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--sizes", default=",".join(SIZES), help="random models to build (ignored with --model)")
@@ -371,13 +371,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--work", default=None, help="working directory (kept; a random model built there is reused)")
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--report", default=None, metavar="JSON", help="print an earlier run's JSON as markdown tables")
-    a = ap.parse_args(argv)
-    if a.report:
-        print(markdown(json.loads(Path(a.report).read_text())))
-        return 0
-    if a.steps <= a.warmup:
-        ap.error("--steps must exceed --warmup")
-    limit = a.memory_limit_gb * 2**30 if a.memory_limit_gb else (machine_memory_bytes() or float("inf"))
+    return ap
+
+
+def find_peers(a: argparse.Namespace) -> dict:
+    """The peers whose python was given and has the package: name -> (python, version)."""
     peers = {}
     for name, peer in PEERS.items():
         version, why = peer_version(getattr(a, peer.option[2:].replace("-", "_")), peer)
@@ -385,6 +383,73 @@ def main(argv: Optional[list[str]] = None) -> int:
             peers[name] = (getattr(a, peer.option[2:].replace("-", "_")), version)
         else:
             print(f"# {name} skipped: {why}")
+    return peers
+
+
+def prepare_model(spec: str, work: Path, a: argparse.Namespace, limit: float):
+    """Build (or reuse) one model and its matched system prompt, refusing a shape predicted over the memory limit."""
+    probe = Shape(batch=a.batch, group=a.group, max_tokens=a.max_tokens)
+    cfg = arch_config(spec)
+    if cfg is not None:  # a random architecture: refuse before building it
+        preflight(spec, cfg, ours_rl(work, a.steps, probe), a.prompt_tokens or 64, limit)
+    model, cfg = build_model(spec, work)
+    system, lens = chat_system(model, a.prompt_tokens)
+    preflight(spec, cfg, ours_rl(work, a.steps, probe), max(lens), limit)
+    return model, system, lens
+
+
+def print_ratios(setting: str, res: dict) -> None:
+    """Our throughput, CPU per token and peak memory against each peer's."""
+    others = [t for t in res if t != "mlx_ssp"]
+    if others:
+        o = res["mlx_ssp"]
+        best = max(others, key=lambda t: res[t]["tok_per_s"])
+        for t in others:
+            print(f"{setting:9s} ratio vs {t:12s} throughput x{o['tok_per_s'] / res[t]['tok_per_s']:.2f} "
+                  f"(tok/s), x{res[t]['cpu_s'] / o['cpu_s'] * o['gen_tokens'] / res[t]['gen_tokens']:.2f} "
+                  f"(CPU s per token), peak memory x{o['peak_mb'] / res[t]['peak_mb']:.2f} (ours/theirs)"
+                  + ("  <- fastest peer" if t == best else ""))
+
+
+def run_setting(a: argparse.Namespace, setting: str, spec: str, n: int, model: Path, system: str, lens: list[int],
+                work: Path, peers: dict, ours_set: tuple, report: dict) -> None:
+    """Every tool at one setting on one model: a line each, the JSON rewritten after each, then the ratios."""
+    shape = Shape(batch=a.batch, group=a.group, max_tokens=a.max_tokens, settings=setting,
+                  system=system, warmup=a.warmup, micro_batch_size=a.micro_batch_size, ours_set=ours_set)
+    runs = [("mlx_ssp", lambda w: run_ours(model, w, a.steps, shape))]
+    if "mlx-lm-lora" in peers:
+        runs.append(("mlx-lm-lora", lambda w: run_lora(peers["mlx-lm-lora"][0], model, w, a.steps, shape)))
+    if "mlxrl" in peers:
+        runs.append(("mlxrl", lambda w: run_mlxrl(peers["mlxrl"][0], model, w, a.steps, shape)))
+    res = {}
+    for tool, fn in runs:
+        w = work / setting / tool
+        w.mkdir(parents=True, exist_ok=True)
+        before = load1()
+        r = fn(w)
+        r.update(tool=tool, model=spec, params=n, settings=setting, load=[before, load1()],
+                 shape={"batch": a.batch, "group": a.group, "max_tokens": a.max_tokens,
+                        "matched_prompt_tokens": [min(lens), max(lens)]})
+        res[tool] = r
+        report["runs"].append({k: v for k, v in r.items()})
+        split = ", ".join(f"{k} {v:.2f}" for k, v in r["split"].items())
+        print(f"{setting:9s} {tool:12s} {r['step_s']:8.2f} {r['min_step_s']:8.2f} {r['cpu_s']:8.2f} "
+              f"{r['tok_per_s']:7.2f} {r['peak_mb']:8.0f} {before:4.1f}-{load1():4.1f}  {split}", flush=True)
+        if a.json:
+            write_json_atomic(a.json, report)
+    print_ratios(setting, res)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.report:
+        print(markdown(json.loads(Path(a.report).read_text())))
+        return 0
+    if a.steps <= a.warmup:
+        ap.error("--steps must exceed --warmup")
+    limit = a.memory_limit_gb * 2**30 if a.memory_limit_gb else (machine_memory_bytes() or float("inf"))
+    peers = find_peers(a)
     settings = list(SETTINGS) if a.settings == "both" else [a.settings]
     ours_set = tuple((k, yaml.safe_load(v)) for k, v in (kv.split("=", 1) for kv in a.ours_set))
     report = {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
@@ -397,14 +462,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for spec in models:
             work = root / spec.replace("/", "_")
             work.mkdir(parents=True, exist_ok=True)
-            probe = Shape(batch=a.batch, group=a.group, max_tokens=a.max_tokens)
             try:
-                cfg = arch_config(spec)
-                if cfg is not None:  # a random architecture: refuse before building it
-                    preflight(spec, cfg, ours_rl(work, a.steps, probe), a.prompt_tokens or 64, limit)
-                model, cfg = build_model(spec, work)
-                system, lens = chat_system(model, a.prompt_tokens)
-                preflight(spec, cfg, ours_rl(work, a.steps, probe), max(lens), limit)
+                model, system, lens = prepare_model(spec, work, a, limit)
             except UserError as e:
                 print(f"bench_rl: {e}")
                 refused += 1
@@ -416,38 +475,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{'settings':9s} {'tool':12s} {'step_s':>8s} {'min_s':>8s} {'cpu_s':>8s} {'tok/s':>7s} "
                   f"{'peak_MB':>8s} {'load':>10s}  split")
             for setting in settings:
-                shape = Shape(batch=a.batch, group=a.group, max_tokens=a.max_tokens, settings=setting,
-                              system=system, warmup=a.warmup, micro_batch_size=a.micro_batch_size, ours_set=ours_set)
-                runs = [("mlx_ssp", lambda w: run_ours(model, w, a.steps, shape))]
-                if "mlx-lm-lora" in peers:
-                    runs.append(("mlx-lm-lora", lambda w: run_lora(peers["mlx-lm-lora"][0], model, w, a.steps, shape)))
-                if "mlxrl" in peers:
-                    runs.append(("mlxrl", lambda w: run_mlxrl(peers["mlxrl"][0], model, w, a.steps, shape)))
-                res = {}
-                for tool, fn in runs:
-                    w = work / setting / tool
-                    w.mkdir(parents=True, exist_ok=True)
-                    before = load1()
-                    r = fn(w)
-                    r.update(tool=tool, model=spec, params=n, settings=setting, load=[before, load1()],
-                             shape={"batch": a.batch, "group": a.group, "max_tokens": a.max_tokens,
-                                    "matched_prompt_tokens": [min(lens), max(lens)]})
-                    res[tool] = r
-                    report["runs"].append({k: v for k, v in r.items()})
-                    split = ", ".join(f"{k} {v:.2f}" for k, v in r["split"].items())
-                    print(f"{setting:9s} {tool:12s} {r['step_s']:8.2f} {r['min_step_s']:8.2f} {r['cpu_s']:8.2f} "
-                          f"{r['tok_per_s']:7.2f} {r['peak_mb']:8.0f} {before:4.1f}-{load1():4.1f}  {split}", flush=True)
-                    if a.json:
-                        write_json_atomic(a.json, report)
-                others = [t for t in res if t != "mlx_ssp"]
-                if others:
-                    o = res["mlx_ssp"]
-                    best = max(others, key=lambda t: res[t]["tok_per_s"])
-                    for t in others:
-                        print(f"{setting:9s} ratio vs {t:12s} throughput x{o['tok_per_s'] / res[t]['tok_per_s']:.2f} "
-                              f"(tok/s), x{res[t]['cpu_s'] / o['cpu_s'] * o['gen_tokens'] / res[t]['gen_tokens']:.2f} "
-                              f"(CPU s per token), peak memory x{o['peak_mb'] / res[t]['peak_mb']:.2f} (ours/theirs)"
-                              + ("  <- fastest peer" if t == best else ""))
+                run_setting(a, setting, spec, n, model, system, lens, work, peers, ours_set, report)
         if a.json:
             write_json_atomic(a.json, report)
         return 2 if refused == len(models) else 0

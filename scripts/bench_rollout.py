@@ -55,7 +55,7 @@ def gsm8k_tasks(n: int):
     return tasks
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="'tiny' (random float32 Qwen3), 'demo', or a model dir")
     ap.add_argument("--tasks", type=int, default=16)
@@ -67,30 +67,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--engine-only", action="store_true",
                     help="ours without verification and without the JSONL writes: the rollout engine alone")
-    args = ap.parse_args()
+    return ap
 
-    import mlx.core as mx
+
+def timers(model, tok, args, tasks, sc, all_prompts, sampler, tmp: Path):
+    """The three timed arms: one sample at a time, mlx-lm's batch_generate, and our rollout engine."""
     from mlx_lm import batch_generate, stream_generate
-    from mlx_lm.sample_utils import make_sampler
 
     from mlx_ssp.io import JsonlAppender
-    from mlx_ssp.models import load_model
-    from mlx_ssp.rollout import SamplingConfig, iter_rollouts
-    from mlx_ssp.tasks import render_prompt
-
-    tmp = Path(tempfile.mkdtemp(prefix="bench_rollout."))
-    if args.model == "tiny":
-        from mlx_ssp.testing import make_tiny_model
-
-        spec = str(make_tiny_model(tmp / "tiny", "qwen3"))
-    else:
-        spec = args.model
-    model, tok, path = load_model(spec)
-    tasks = gsm8k_tasks(args.tasks)
-    sc = SamplingConfig(temperature=args.temperature, max_tokens=args.max_tokens)
-    prompts = [render_prompt(tok, t) for t in tasks]
-    all_prompts = [p for p in prompts for _ in range(args.k)]
-    sampler = make_sampler(args.temperature)
+    from mlx_ssp.rollout import iter_rollouts
 
     # Each timer returns (tokens, wall s, CPU s of this process). On a shared machine the wall time
     # swings with other people's load; CPU time (all threads) is the steadier figure.
@@ -119,6 +104,16 @@ def main() -> None:
                     app.write_many(group)
         return stats["gen_tokens"], time.perf_counter() - t0, time.process_time() - c0, stats["verify_s"]
 
+    return sequential, raw, ours
+
+
+def warm_up(model, tok, tasks, sc, all_prompts, sampler, args, sequential) -> None:
+    """Compile paths, fill the allocator and build math-verify's grammar before anything is timed."""
+    import mlx.core as mx
+    from mlx_lm import batch_generate
+
+    from mlx_ssp.rollout import iter_rollouts
+
     # warm-up: compile paths and allocator
     mx.random.seed(0)
     sequential(1)
@@ -132,18 +127,18 @@ def main() -> None:
     for t in tasks:
         verify(f"So the answer is {t.answer}.", t)
 
-    def rate(x):  # (tokens/wall s, tokens/CPU s)
-        return x[0] / x[1], x[0] / x[2]
 
-    def note(name, r):  # partial figures as they come (a long run on a busy machine may be cut short)
-        print(f"# {name}: {r[0]} tokens, {r[1]:.2f} s wall, {r[2]:.2f} s CPU, {r[0] / r[1]:.1f} tok/s", file=sys.stderr, flush=True)
-        return r
+def rate(x):  # (tokens/wall s, tokens/CPU s)
+    return x[0] / x[1], x[0] / x[2]
 
-    seq = note("sequential", sequential(args.seq_samples))
-    raws, ourss = [], []
-    for i in range(args.repeats):
-        raws.append(note("raw batch_generate", raw()))
-        ourss.append(note("ours", ours(i)))
+
+def note(name, r):  # partial figures as they come (a long run on a busy machine may be cut short)
+    print(f"# {name}: {r[0]} tokens, {r[1]:.2f} s wall, {r[2]:.2f} s CPU, {r[0] / r[1]:.1f} tok/s", file=sys.stderr, flush=True)
+    return r
+
+
+def result(args, path, tasks, seq, raws, ourss) -> dict:
+    """The record: tokens/s of each arm (best repeat), speedup over sequential, overhead over raw, verify share."""
     best = lambda runs, j: max(rate(r)[j] for r in runs)  # noqa: E731
     seq_w, seq_c = rate(seq)
     raw_w, raw_c = best(raws, 0), best(raws, 1)
@@ -168,6 +163,40 @@ def main() -> None:
         "cpu_utilisation_pct": round(100 * sum(r[2] for r in raws + ourss) / sum(r[1] for r in raws + ourss), 0),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
     }
+    return res
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_ssp.models import load_model
+    from mlx_ssp.rollout import SamplingConfig
+    from mlx_ssp.tasks import render_prompt
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_rollout."))
+    if args.model == "tiny":
+        from mlx_ssp.testing import make_tiny_model
+
+        spec = str(make_tiny_model(tmp / "tiny", "qwen3"))
+    else:
+        spec = args.model
+    model, tok, path = load_model(spec)
+    tasks = gsm8k_tasks(args.tasks)
+    sc = SamplingConfig(temperature=args.temperature, max_tokens=args.max_tokens)
+    prompts = [render_prompt(tok, t) for t in tasks]
+    all_prompts = [p for p in prompts for _ in range(args.k)]
+    sampler = make_sampler(args.temperature)
+
+    sequential, raw, ours = timers(model, tok, args, tasks, sc, all_prompts, sampler, tmp)
+    warm_up(model, tok, tasks, sc, all_prompts, sampler, args, sequential)
+    seq = note("sequential", sequential(args.seq_samples))
+    raws, ourss = [], []
+    for i in range(args.repeats):
+        raws.append(note("raw batch_generate", raw()))
+        ourss.append(note("ours", ours(i)))
+    res = result(args, path, tasks, seq, raws, ourss)
     print(json.dumps(res, indent=2))
 
 

@@ -138,59 +138,48 @@ def spectrum_curve(ctx: common.Ctx, name: str, model_dir, domain: str) -> dict[s
     return {f"pass@{k} (n={n})": v for k, v in common.pass_at_ks(res, ks, domain).items()}
 
 
-def run(ctx: common.Ctx) -> dict:
+def seed_domain_result(ctx: common.Ctx, seed: int, d: str, specs: dict, evals: dict, base, after_rl: dict) -> dict:
+    """One (seed, domain) cell: scores before and after RL, paired differences, spectrum curves."""
     k = ctx.eval_cfg.k
-    common.samples_setting(ctx.raw.get("spectrum_eval"), "spectrum_eval")  # fail before any work
-    stats = spectrum_stats(ctx)
-    rows = []
-    per_seed: dict = {}
-    pooled_diffs: dict[str, list[float]] = {"pass@1": [], "pass@k": []}
-    for seed in ctx.sft_seeds:
-        specs = {arm: common.specialists(ctx, arm, seed) for arm in ARMS}
-        evals = {
-            arm: {d: ctx.evaluate(f"{arm}-s{seed}-{d}", p, [d]) for d, p in specs[arm].items()} for arm in ARMS
-        }
-        base = ctx.evaluate("base", None)  # after the specialists: the comparison comes first
-        after_rl = {arm: {d: common.rl_from(ctx, f"{arm}-s{seed}-{d}", p, d) for d, p in specs[arm].items()}
-                    for arm in ARMS}
-        per_seed[seed] = {}
-        for d in specs["diverse"]:
-            r = {
-                "rl": {arm: common.scores(after_rl[arm][d], k, d) for arm in ARMS},
-                "rl_dir": {arm: str(common.rl_from_dir(ctx, f"{arm}-s{seed}-{d}", specs[arm][d])) for arm in ARMS},
-                "rl_diverse_minus_first": common.paired(after_rl["first_matched"][d], after_rl["diverse"][d], k, d),
-                "base": common.scores(base, k, d),
-                "first_matched": common.scores(evals["first_matched"][d], k, d),
-                "diverse": common.scores(evals["diverse"][d], k, d),
-                "diverse_minus_first": common.paired(evals["first_matched"][d], evals["diverse"][d], k, d),
-                "first_minus_base": common.paired(base, evals["first_matched"][d], k, d),
-                "diverse_minus_base": common.paired(base, evals["diverse"][d], k, d),
-                "spectrum": {"base": spectrum_curve(ctx, "base", None, d),
-                             **{arm: spectrum_curve(ctx, f"{arm}-s{seed}-{d}", specs[arm][d], d) for arm in ARMS}},
-                "chosen_step": {arm: json.loads((ctx.sft_dir(f"{arm}-s{seed}") / d / "result.json").read_text())
-                                ["chosen_step"] for arm in ARMS},
-            }
-            r["task_diffs"] = {  # diverse - first per held-out task: the seeds x tasks SE (seeds.py)
-                "SFT pass@1": common.task_diff_map(evals["first_matched"][d], evals["diverse"][d], k, d),
-                "RL pass@1": common.task_diff_map(after_rl["first_matched"][d], after_rl["diverse"][d], k, d)}
-            sp = r["spectrum"]
-            r["spectrum_diverse_minus_first"] = {m: sp["diverse"][m] - sp["first_matched"][m] for m in sp["diverse"]}
-            per_seed[seed][d] = r
-            for m, xs in common.task_diffs(evals["first_matched"][d], evals["diverse"][d], k, d).items():
-                pooled_diffs[m] += xs
-            rows.append([d, str(seed), str(r["diverse"]["n_tasks"]),
-                         common.fmt(r["base"]["pass@1"]), common.fmt(r["first_matched"]["pass@1"]),
-                         common.fmt(r["diverse"]["pass@1"]),
-                         common.fdiff(r["diverse_minus_first"], "pass@1"),
-                         common.fmt(r["base"]["pass@k"]), common.fmt(r["first_matched"]["pass@k"]),
-                         common.fmt(r["diverse"]["pass@k"]),
-                         common.fdiff(r["diverse_minus_first"], "pass@k"),
-                         common.fmt(r["rl"]["first_matched"]["pass@1"]), common.fmt(r["rl"]["diverse"]["pass@1"]),
-                         common.fdiff(r["rl_diverse_minus_first"], "pass@1")])
-    # pooled over domains and seeds: every (task, seed) paired difference; the SE treats them as
-    # independent, which understates it when seeds of one task are correlated
-    pooled = {m: common.mean_se(xs) for m, xs in pooled_diffs.items()}
-    n_pooled = len(pooled_diffs["pass@1"])
+    r = {
+        "rl": {arm: common.scores(after_rl[arm][d], k, d) for arm in ARMS},
+        "rl_dir": {arm: str(common.rl_from_dir(ctx, f"{arm}-s{seed}-{d}", specs[arm][d])) for arm in ARMS},
+        "rl_diverse_minus_first": common.paired(after_rl["first_matched"][d], after_rl["diverse"][d], k, d),
+        "base": common.scores(base, k, d),
+        "first_matched": common.scores(evals["first_matched"][d], k, d),
+        "diverse": common.scores(evals["diverse"][d], k, d),
+        "diverse_minus_first": common.paired(evals["first_matched"][d], evals["diverse"][d], k, d),
+        "first_minus_base": common.paired(base, evals["first_matched"][d], k, d),
+        "diverse_minus_base": common.paired(base, evals["diverse"][d], k, d),
+        "spectrum": {"base": spectrum_curve(ctx, "base", None, d),
+                     **{arm: spectrum_curve(ctx, f"{arm}-s{seed}-{d}", specs[arm][d], d) for arm in ARMS}},
+        "chosen_step": {arm: json.loads((ctx.sft_dir(f"{arm}-s{seed}") / d / "result.json").read_text())
+                        ["chosen_step"] for arm in ARMS},
+    }
+    r["task_diffs"] = {  # diverse - first per held-out task: the seeds x tasks SE (seeds.py)
+        "SFT pass@1": common.task_diff_map(evals["first_matched"][d], evals["diverse"][d], k, d),
+        "RL pass@1": common.task_diff_map(after_rl["first_matched"][d], after_rl["diverse"][d], k, d)}
+    sp = r["spectrum"]
+    r["spectrum_diverse_minus_first"] = {m: sp["diverse"][m] - sp["first_matched"][m] for m in sp["diverse"]}
+    return r
+
+
+def result_row(d: str, seed: int, r: dict) -> list[str]:
+    """The main table's row for one (seed, domain) cell."""
+    return [d, str(seed), str(r["diverse"]["n_tasks"]),
+            common.fmt(r["base"]["pass@1"]), common.fmt(r["first_matched"]["pass@1"]),
+            common.fmt(r["diverse"]["pass@1"]),
+            common.fdiff(r["diverse_minus_first"], "pass@1"),
+            common.fmt(r["base"]["pass@k"]), common.fmt(r["first_matched"]["pass@k"]),
+            common.fmt(r["diverse"]["pass@k"]),
+            common.fdiff(r["diverse_minus_first"], "pass@k"),
+            common.fmt(r["rl"]["first_matched"]["pass@1"]), common.fmt(r["rl"]["diverse"]["pass@1"]),
+            common.fdiff(r["rl_diverse_minus_first"], "pass@1")]
+
+
+def report(ctx: common.Ctx, rows: list, stats: dict, per_seed: dict, pooled: dict, n_pooled: int) -> str:
+    """The markdown report: the main table, the data statistics, the pooled line, the spectrum curves."""
+    k = ctx.eval_cfg.k
     head = ["domain", "seed", "held-out tasks", "base pass@1", "first-win pass@1", "diverse pass@1",
             "diverse - first (±SE)", f"base pass@{k}", f"first-win pass@{k}", f"diverse pass@{k}",
             "diverse - first (±SE)", "after RL: first-win pass@1", "after RL: diverse pass@1",
@@ -221,6 +210,36 @@ def run(ctx: common.Ctx) -> dict:
     if curve_rows:
         labels = next(iter(next(iter(per_seed.values())).values()))["spectrum"]["diverse"]
         text += "\n\n" + common.md_table(["domain", "seed", "model (after SFT)", *labels], curve_rows)
+    return text
+
+
+def run(ctx: common.Ctx) -> dict:
+    k = ctx.eval_cfg.k
+    common.samples_setting(ctx.raw.get("spectrum_eval"), "spectrum_eval")  # fail before any work
+    stats = spectrum_stats(ctx)
+    rows = []
+    per_seed: dict = {}
+    pooled_diffs: dict[str, list[float]] = {"pass@1": [], "pass@k": []}
+    for seed in ctx.sft_seeds:
+        specs = {arm: common.specialists(ctx, arm, seed) for arm in ARMS}
+        evals = {
+            arm: {d: ctx.evaluate(f"{arm}-s{seed}-{d}", p, [d]) for d, p in specs[arm].items()} for arm in ARMS
+        }
+        base = ctx.evaluate("base", None)  # after the specialists: the comparison comes first
+        after_rl = {arm: {d: common.rl_from(ctx, f"{arm}-s{seed}-{d}", p, d) for d, p in specs[arm].items()}
+                    for arm in ARMS}
+        per_seed[seed] = {}
+        for d in specs["diverse"]:
+            r = seed_domain_result(ctx, seed, d, specs, evals, base, after_rl)
+            per_seed[seed][d] = r
+            for m, xs in common.task_diffs(evals["first_matched"][d], evals["diverse"][d], k, d).items():
+                pooled_diffs[m] += xs
+            rows.append(result_row(d, seed, r))
+    # pooled over domains and seeds: every (task, seed) paired difference; the SE treats them as
+    # independent, which understates it when seeds of one task are correlated
+    pooled = {m: common.mean_se(xs) for m, xs in pooled_diffs.items()}
+    n_pooled = len(pooled_diffs["pass@1"])
+    text = report(ctx, rows, stats, per_seed, pooled, n_pooled)
     results = {"k": k, "spectrum_source": ctx.raw.get("spectrum_source", "rollouts"), "spectrum": stats, "per_seed": per_seed, "pooled_diverse_minus_first": pooled}
     common.write_results(ctx, "exp1", results, text)
     return results

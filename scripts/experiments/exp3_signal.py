@@ -136,6 +136,77 @@ def metrics(path: Path) -> list[dict]:
     return read_jsonl(path) if path.exists() else []
 
 
+def train_arms(ctx: common.Ctx, lam: float, extra: dict, start, domains: list, scale_setting):
+    """Train and evaluate every RL arm from the merged model: MGPO, GRPO, the extra lambdas and the scaled-lr GRPO."""
+    tag = common._fingerprint({"rl": ctx.raw["rl"], "every": ctx.rl_eval_every, "start": start})[:8]
+    out = ctx.path("rl", tag)
+    arms = {"mgpo": lam, "grpo": 0.0}
+    evals = {arm: common.rl_arm(ctx, arm, l, start, out, domains) for arm, l in {**arms, **extra}.items()}
+    run_dirs = {arm: out / arm for arm in {**arms, **extra}}
+    scale = lr = None
+    if scale_setting is not None:
+        scale = lr_scale(scale_setting, metrics(out / "mgpo" / "metrics.jsonl"))
+        lr = ctx.rl_cfg.learning_rate * scale
+        # the directory names the learning rate, so arms at different scales do not share a run
+        run_dirs["grpo_lr"] = out / f"grpo-lr{lr:.4g}"
+        check_cached_lr(run_dirs["grpo_lr"], lr)
+        evals["grpo_lr"] = common.rl_arm(ctx, run_dirs["grpo_lr"].name, 0.0, start, out, domains,
+                                         update={"learning_rate": lr})
+    return out, arms, evals, run_dirs, scale, lr
+
+
+def arm_curves(start_eval, evals: dict, extra: dict, k: int) -> dict:
+    """Every arm's held-out curve: pass@1 / pass@k and the paired gain over the merged model, plus the paired arm differences."""
+    s0 = common.scores(start_eval, k)
+    curve: dict = {arm: {0: s0} for arm in evals}
+    for arm, ev in evals.items():
+        for s in sorted(ev):
+            curve[arm][s] = {**common.scores(ev[s], k), "gain": common.paired(start_eval, ev[s], k)}
+    for other in [a for a in evals if a in ("grpo", "grpo_lr")]:
+        curve[f"mgpo_minus_{other}"] = {s: common.paired(evals[other][s], evals["mgpo"][s], k) for s in evals["mgpo"]}
+    for arm in extra:
+        curve[f"{arm}_minus_grpo"] = {s: common.paired(evals["grpo"][s], evals[arm][s], k) for s in evals[arm]}
+    return curve
+
+
+def train_rows(logs: dict, arms: dict, steps: int) -> list[list[str]]:
+    """Per training step: each arm's train pass rate, mean MGPO weight and fraction of mixed groups."""
+    rows = []
+    for i in range(steps):
+        r = [str(i + 1)]
+        for arm in arms:
+            m = logs[arm][i] if i < len(logs[arm]) else {}
+            r += [common.fmt(m.get("pass_rate")), common.fmt(m.get("mgpo_weight_mean")),
+                  common.fmt(m.get("frac_groups_mixed"))]
+        rows.append(r)
+    return rows
+
+
+def more_tables(curve: dict, evals: dict, extra: dict, scale, lr, scale_setting, cell) -> list[str]:
+    """The optional tables: the extra lambdas and GRPO at the scaled learning rate."""
+    more = []
+    if extra:
+        lam_rows = [[f"{extra[arm]:g}", str(s), cell(arm, s), common.fdiff(curve[arm][s]["gain"], "pass@1"),
+                     common.fdiff(curve[f"{arm}_minus_grpo"][s], "pass@1")] for arm in extra for s in sorted(evals[arm])]
+        more += ["", "Other lambdas (extra_lambdas), each against the same GRPO arm:", "",
+                 common.md_table(["lambda", "step", "pass@1", "gain vs step 0", "minus GRPO"], lam_rows)]
+    if scale is not None:
+        lr_rows = [[str(s), cell("grpo_lr", s), common.fdiff(curve["grpo_lr"][s]["gain"], "pass@1"),
+                    common.fdiff(curve["mgpo_minus_grpo_lr"][s], "pass@1")] for s in sorted(evals["grpo_lr"])]
+        more += ["", f"GRPO at {scale:.4g} x the learning rate ({lr:.4g}; grpo_lr_scale={scale_setting}):", "",
+                 common.md_table(["step", "GRPO (scaled lr) pass@1", "its gain vs step 0", "MGPO - it"], lr_rows)]
+    return more
+
+
+def keep_copies(ctx: common.Ctx, out: Path, extra: dict, scale_setting) -> None:
+    """Keep every RL setting's results next to its runs (exp3/results.* is the latest run)."""
+    # the arms a run adds to the shared two name its copy, so a grid run and a plain one keep theirs
+    arms_key = {"extra_lambdas": sorted(extra.values()), "grpo_lr_scale": scale_setting}
+    suffix = "" if not extra and scale_setting is None else f"-{common._fingerprint(arms_key)[:8]}"
+    for name in ("results.json", "results.md"):
+        shutil.copyfile(ctx.path("exp3", name), out / name.replace("results", f"results{suffix}"))
+
+
 def run(ctx: common.Ctx) -> dict:
     k = ctx.eval_cfg.k
     lam = ctx.rl_cfg.mgpo_lambda
@@ -148,31 +219,10 @@ def run(ctx: common.Ctx) -> dict:
     domains = list(specs)
     seed = ctx.sft_seeds[0]
     start_eval = ctx.evaluate(f"merged-diverse-s{seed}-{ctx.merge_cfg.method}", start, domains)
-    tag = common._fingerprint({"rl": ctx.raw["rl"], "every": ctx.rl_eval_every, "start": start})[:8]
-    out = ctx.path("rl", tag)
-    arms = {"mgpo": lam, "grpo": 0.0}
-    evals = {arm: common.rl_arm(ctx, arm, l, start, out, domains) for arm, l in {**arms, **extra}.items()}
-    run_dirs = {arm: out / arm for arm in {**arms, **extra}}
+    out, arms, evals, run_dirs, scale, lr = train_arms(ctx, lam, extra, start, domains, scale_setting)
     steps = ctx.rl_cfg.steps
-    scale = None
-    if scale_setting is not None:
-        scale = lr_scale(scale_setting, metrics(out / "mgpo" / "metrics.jsonl"))
-        lr = ctx.rl_cfg.learning_rate * scale
-        # the directory names the learning rate, so arms at different scales do not share a run
-        run_dirs["grpo_lr"] = out / f"grpo-lr{lr:.4g}"
-        check_cached_lr(run_dirs["grpo_lr"], lr)
-        evals["grpo_lr"] = common.rl_arm(ctx, run_dirs["grpo_lr"].name, 0.0, start, out, domains,
-                                         update={"learning_rate": lr})
-    s0 = common.scores(start_eval, k)
-    # every arm's held-out curve: pass@1 / pass@k and the paired gain over the merged model
-    curve: dict = {arm: {0: s0} for arm in evals}
-    for arm, ev in evals.items():
-        for s in sorted(ev):
-            curve[arm][s] = {**common.scores(ev[s], k), "gain": common.paired(start_eval, ev[s], k)}
-    for other in [a for a in evals if a in ("grpo", "grpo_lr")]:
-        curve[f"mgpo_minus_{other}"] = {s: common.paired(evals[other][s], evals["mgpo"][s], k) for s in evals["mgpo"]}
-    for arm in extra:
-        curve[f"{arm}_minus_grpo"] = {s: common.paired(evals["grpo"][s], evals[arm][s], k) for s in evals[arm]}
+    curve = arm_curves(start_eval, evals, extra, k)
+    s0 = curve["mgpo"][0]
     steps_ = ctx.rl_cfg.steps
     task_diffs_ = {f"{arm} - grpo pass@1": common.task_diff_map(evals["grpo"][steps_], evals[arm][steps_], k)
                    for arm in ("mgpo", *extra)}
@@ -187,26 +237,8 @@ def run(ctx: common.Ctx) -> dict:
              for s in sorted(evals["mgpo"])]
     per_step = {arm: {"pass@1_gain_per_step": curve[arm][steps]["gain"]["d_pass@1"] / steps,
                       "se": (curve[arm][steps]["gain"]["d_pass@1_se"] or 0.0) / steps} for arm in arms}
-    train_rows = []
     logs = {arm: metrics(d / "metrics.jsonl") for arm, d in run_dirs.items()}
-    for i in range(steps):
-        r = [str(i + 1)]
-        for arm in arms:
-            m = logs[arm][i] if i < len(logs[arm]) else {}
-            r += [common.fmt(m.get("pass_rate")), common.fmt(m.get("mgpo_weight_mean")),
-                  common.fmt(m.get("frac_groups_mixed"))]
-        train_rows.append(r)
-    more = []
-    if extra:
-        lam_rows = [[f"{extra[arm]:g}", str(s), cell(arm, s), common.fdiff(curve[arm][s]["gain"], "pass@1"),
-                     common.fdiff(curve[f"{arm}_minus_grpo"][s], "pass@1")] for arm in extra for s in sorted(evals[arm])]
-        more += ["", "Other lambdas (extra_lambdas), each against the same GRPO arm:", "",
-                 common.md_table(["lambda", "step", "pass@1", "gain vs step 0", "minus GRPO"], lam_rows)]
-    if scale is not None:
-        lr_rows = [[str(s), cell("grpo_lr", s), common.fdiff(curve["grpo_lr"][s]["gain"], "pass@1"),
-                    common.fdiff(curve["mgpo_minus_grpo_lr"][s], "pass@1")] for s in sorted(evals["grpo_lr"])]
-        more += ["", f"GRPO at {scale:.4g} x the learning rate ({lr:.4g}; grpo_lr_scale={scale_setting}):", "",
-                 common.md_table(["step", "GRPO (scaled lr) pass@1", "its gain vs step 0", "MGPO - it"], lr_rows)]
+    more = more_tables(curve, evals, extra, scale, lr, scale_setting, cell)
     c = ctx.rl_cfg
     text = "\n".join([
         f"## Experiment 3: MGPO (lambda={lam}) vs GRPO (lambda=0) from the merged model "
@@ -221,7 +253,7 @@ def run(ctx: common.Ctx) -> dict:
             for arm in arms),
         "",
         common.md_table(["step", "MGPO train pass rate", "MGPO mean w", "MGPO mixed groups",
-                         "GRPO train pass rate", "GRPO mean w", "GRPO mixed groups"], train_rows),
+                         "GRPO train pass rate", "GRPO mean w", "GRPO mixed groups"], train_rows(logs, arms, steps)),
         *more,
     ])
     results = {"k": k, "lambda": lam, "steps": steps, "curve": curve, "per_step": per_step,
@@ -231,12 +263,7 @@ def run(ctx: common.Ctx) -> dict:
     if extra:
         results["extra_lambdas"] = extra
     common.write_results(ctx, "exp3", results, text)
-    # keep every RL setting's results (exp3/results.* is the latest run); the arms a run adds to the
-    # shared two name its copy, so a grid run and a plain one keep theirs
-    arms_key = {"extra_lambdas": sorted(extra.values()), "grpo_lr_scale": scale_setting}
-    suffix = "" if not extra and scale_setting is None else f"-{common._fingerprint(arms_key)[:8]}"
-    for name in ("results.json", "results.md"):
-        shutil.copyfile(ctx.path("exp3", name), out / name.replace("results", f"results{suffix}"))
+    keep_copies(ctx, out, extra, scale_setting)
     return results
 
 

@@ -116,7 +116,7 @@ def summary_md(exp: str, agg: dict[str, dict], seeds: list[int], command: str) -
     return "\n".join(text)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("exps", metavar="EXP[,EXP...]", help=f"one or more of {', '.join(sorted(EXPERIMENTS))}, run in this order per seed")
     ap.add_argument("--profile", default="demo", choices=sorted(common.PROFILES))
@@ -128,7 +128,11 @@ def main() -> None:
     ap.add_argument("--tag", default=None, help="names this setting's summaries (OUT/summary-EXP-TAG.*), so runs of "
                     "other --set values in the same OUT (which share its cached steps) keep theirs")
     ap.add_argument("--tiny", action="store_true", help="the scripts' --tiny (plumbing check)")
-    args = ap.parse_args()
+    return ap
+
+
+def checked_exps(args: argparse.Namespace) -> list[str]:
+    """The experiments to run, after refusing unknown ones, seed overrides and a tag that cannot name a file."""
     exps = [e.strip() for e in args.exps.split(",") if e.strip()]
     unknown = [e for e in exps if e not in EXPERIMENTS]
     if unknown or not exps:
@@ -138,12 +142,11 @@ def main() -> None:
         raise SystemExit(f"--set {bad[0]}: the seed is this driver's (--seeds)")
     if args.tag is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.tag):
         raise SystemExit(f"--tag {args.tag!r}: letters, digits, '.', '_' and '-' only (it names files)")
-    suffix = f"-{args.tag}" if args.tag else ""
-    seeds = parse_seeds(args.seeds)
-    out = Path(args.out or f"runs/seeds-{args.profile}{'-tiny' if args.tiny else ''}")
-    out.mkdir(parents=True, exist_ok=True)
-    out_lock = lock_out(out)  # noqa: F841  (held until exit)
+    return exps
 
+
+def run_seeds(args: argparse.Namespace, exps: list[str], seeds: list[int], out: Path, t0: float) -> None:
+    """Run each seed's experiments in order (seeds in parallel with --jobs); stop all at the first failure."""
     def cmd(exp: str, seed: int) -> list[str]:
         c = [sys.executable, str(HERE / f"{EXPERIMENTS[exp]}.py"), "--profile", args.profile, "--work-dir",
              str(out / f"seed-{seed}"), "--no-progress", "--set", f"seed={seed}", "--set", f"sft_seeds=[{seed}]"]
@@ -151,13 +154,6 @@ def main() -> None:
             c += ["--set", o]
         return c + (["--tiny"] if args.tiny else [])
 
-    if not args.tiny:  # the model is built (or converted) once here, not by each parallel seed
-        from mlx_ssp.config import apply_overrides
-        from mlx_ssp.models import resolve_model
-
-        cfg = apply_overrides(dict(common.PROFILES[args.profile]), [o for o in args.overrides if o.startswith("model=")])
-        resolve_model(cfg["model"])
-    t0 = time.perf_counter()
     failed: list[str] = []
     procs: dict[int, subprocess.Popen] = {}
     lock = threading.Lock()
@@ -185,6 +181,10 @@ def main() -> None:
         list(pool.map(one_seed, seeds))
     if failed:
         raise SystemExit(f"{failed[0]} failed; see {out}/seed-*.log; rerun the same command to resume")
+
+
+def summarize(args: argparse.Namespace, exps: list[str], seeds: list[int], out: Path, suffix: str, t0: float) -> None:
+    """Aggregate each experiment over the seeds: OUT/summary-EXP.json/.md and the RL curves' report."""
     from mlx_ssp.io import write_json_atomic, write_text_atomic
 
     command = " ".join(["python", "scripts/experiments/seeds.py", *sys.argv[1:]])
@@ -207,6 +207,25 @@ def main() -> None:
             if specs:
                 build_comparison(specs, out / f"report-{exp}{suffix}")
         print(text + "\n")
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    exps = checked_exps(args)
+    suffix = f"-{args.tag}" if args.tag else ""
+    seeds = parse_seeds(args.seeds)
+    out = Path(args.out or f"runs/seeds-{args.profile}{'-tiny' if args.tiny else ''}")
+    out.mkdir(parents=True, exist_ok=True)
+    out_lock = lock_out(out)  # noqa: F841  (held until exit)
+    if not args.tiny:  # the model is built (or converted) once here, not by each parallel seed
+        from mlx_ssp.config import apply_overrides
+        from mlx_ssp.models import resolve_model
+
+        cfg = apply_overrides(dict(common.PROFILES[args.profile]), [o for o in args.overrides if o.startswith("model=")])
+        resolve_model(cfg["model"])
+    t0 = time.perf_counter()
+    run_seeds(args, exps, seeds, out, t0)
+    summarize(args, exps, seeds, out, suffix, t0)
 
 
 if __name__ == "__main__":
