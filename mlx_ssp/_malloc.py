@@ -15,7 +15,6 @@ calls it at import so that every command, and the training steps' per-step buffe
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
@@ -37,8 +36,8 @@ def keep_freed_memory() -> bool:
         status = f"disabled by {DISABLE_ENV}"
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        # the process's own symbols include libc's; find_library would run `ldconfig -p` at every import
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # musl and other C libraries have no mallopt
         status = "no glibc mallopt"
         return False
