@@ -48,6 +48,7 @@ from typing import Optional, Protocol
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -82,8 +83,6 @@ def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
     values in the same float32 order (MLX's exp; the running sums from the top, sequentially), so
     the threshold and the kept tokens are the same (tests check it against mlx-lm's). On a GPU, or
     for dtypes NumPy lacks (bfloat16), mlx-lm's function runs as is."""
-    from mlx_lm.sample_utils import apply_top_p
-
     if mx.default_device() != mx.cpu or logprobs.dtype not in (mx.float32, mx.float16):
         return apply_top_p(logprobs, top_p)
     ordered = np.sort(np.array(logprobs), axis=-1)
@@ -100,8 +99,6 @@ def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
 def _filters(top_p: float, top_k: int, min_p: float):
     """mlx-lm's own truncation functions, in mlx-lm's order (reused, not reimplemented; top-p
     through :func:`top_p_filter`, the same result computed faster)."""
-    from mlx_lm.sample_utils import apply_min_p, apply_top_k
-
     fs = []
     if 0 < top_p < 1.0:
         fs.append(lambda x: top_p_filter(x, top_p))
