@@ -24,6 +24,7 @@ import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
 from mlx_ssp.merge import kernels as K
+from mlx_ssp.merge import torch_math as TM
 from mlx_ssp.merge.kernels import F32, aligned, f32, item32, kernel, rnd, scalar
 
 
@@ -87,9 +88,11 @@ def slerp_coefficients(t: float, v0: mx.array, v1: mx.array, cd=F32, dot_thresho
     dot = np.clip(K.torch_sum(dots), np.float32(-1), one)
     if abs(dot) > dot_threshold:
         return one - t32, t32
-    theta = np.arccos(dot)
-    s = np.sin(theta)
-    return np.sin((one - t32) * theta) / s, np.sin(t32 * theta) / s
+    # float32 outputs: torch's own acos / sin (bf16 ones keep NumPy's, whose last bit they round away)
+    acos, sin = (TM.acos, TM.sin) if cd == F32 else (np.arccos, np.sin)
+    theta = acos(dot)
+    s = sin(theta)
+    return sin((one - t32) * theta) / s, sin(t32 * theta) / s
 
 
 def slerp_parts(t: float, v0: mx.array, v1: mx.array, cd=F32, out=None, dot_threshold: float = 0.9995,
@@ -139,6 +142,21 @@ def _unvectors(v: mx.array, shape: Optional[tuple], row_wise: bool, flatten: boo
     return v.reshape(-1)
 
 
+def _sines(cos: mx.array, t: float, eps: float, cd) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """From the (clipped) cosines of the vectors' angles theta: ``sin((1 - t) theta)``,
+    ``sin(t theta)``, ``sin(theta)`` (1 where linear) and where nuslerp is linear
+    (``1 - cos^2 <= eps^2``), each rounded to ``cd``. float32: the angle and sines from torch's
+    own float32 ``acos`` / ``sin`` (:mod:`.torch_math`); bf16 / fp16 round their last bit away."""
+    r = lambda x: rnd(x, cd)  # noqa: E731
+    lin = r(1 - r(mx.square(cos))) <= eps ** 2
+    if cd == F32:
+        theta = TM.acos(np.asarray(mx.where(lin, 0.0, cos)))
+        ca, cb = TM.sin(np.float32(1 - t) * theta), TM.sin(np.float32(t) * theta)
+        return mx.array(ca), mx.array(cb), mx.where(lin, 1.0, mx.array(TM.sin(theta))), lin
+    theta = r(mx.arccos(mx.where(lin, 0.0, cos)))
+    return r(mx.sin(r((1 - t) * theta))), r(mx.sin(r(t * theta))), mx.where(lin, 1.0, r(mx.sin(theta))), lin
+
+
 def _nuslerp_whole(t: float, v0: mx.array, v1: mx.array, shape: Optional[tuple], row_wise: bool, flatten: bool,
                    eps: float, cd) -> mx.array:
     """nuslerp as one float32 array, every statistic an MLX float32 sum along the vectors (used for
@@ -149,11 +167,8 @@ def _nuslerp_whole(t: float, v0: mx.array, v1: mx.array, shape: Optional[tuple],
     au = r(a / r(mx.maximum(r(_norm(a, axis=-1, keepdims=True)), 1e-7)))
     bu = r(b / r(mx.maximum(r(_norm(b, axis=-1, keepdims=True)), 1e-7)))
     cos = mx.clip(r(mx.sum(r(au * bu), axis=-1, keepdims=True)), -1.0, 1.0)
-    colinear = r(1 - r(mx.square(cos))) <= eps ** 2
-    theta = r(mx.arccos(mx.where(colinear, 0.0, cos)))
-    s = r(mx.sin(theta))
-    num = r(r(r(mx.sin(r((1 - t) * theta))) * a) + r(r(mx.sin(r(t * theta))) * b))
-    sph = r(num / mx.where(colinear, 1.0, s))
+    ca, cb, s, colinear = _sines(cos, t, eps, cd)
+    sph = r(r(r(ca * a) + r(cb * b)) / s)
     res = mx.where(colinear, r(r((1 - t) * a) + r(t * b)), sph)
     return _unvectors(res, shape, row_wise, flatten)
 
@@ -204,11 +219,7 @@ def nuslerp_parts(t: float, v0: mx.array, v1: mx.array, cd=F32, out=None, shape:
     else:  # bf16 / fp16 round the last bits away: sliced float64 sums, no full-size copy
         (c,) = K.sums(lambda lo, hi: [ck(shaped(v0[lo:hi], lo, hi), shaped(v1[lo:hi], lo, hi), stat(na, lo, hi),
                                          stat(nb, lo, hi)).reshape(-1)], v0.size, width)
-    cos = mx.clip(r(c), -1.0, 1.0)
-    lin = r(1 - r(mx.square(cos))) <= eps ** 2
-    theta = r(mx.arccos(mx.where(lin, 0.0, cos)))
-    s = mx.where(lin, 1.0, r(mx.sin(theta)))
-    ca, cb = r(mx.sin(r((1 - t) * theta))), r(mx.sin(r(t * theta)))
+    ca, cb, s, lin = _sines(mx.clip(r(c), -1.0, 1.0), t, eps, cd)
     mx.eval(ca, cb, s, lin)
     mix = kernel(("nus_mix", str(cd), str(out)), lambda: _nus_mix(cd, out))
     u, tt = scalar(np.float32(1 - t)), scalar(np.float32(t))
