@@ -303,16 +303,13 @@ def _running(x: np.ndarray) -> np.ndarray:
     return np.cumsum(x, axis=0, dtype=np.float32)[-1]
 
 
-def _torch_row_sum(rows: np.ndarray) -> np.ndarray:
-    """torch's CPU ``row_sum`` of ``rows`` (n, lanes): 4 interleaved accumulators (row i to
-    accumulator i % 4) over the first n // 4 * 4 rows, summed in up to 4 levels of groups of
-    ``2^max(4, ceil(log2(n // 4)) // 4)`` (each group's sum from 0 is added to the next level,
+def _multi_row_sum(rows: np.ndarray) -> np.ndarray:
+    """torch's CPU ``multi_row_sum`` of ``rows`` (n, ...) along axis 0: in up to 4 levels of groups
+    of ``2^max(4, ceil(log2(n)) // 4)`` rows (each group's sum from 0 is added to the next level,
     which is carried on and reset when its own group is full; the last level is never reset), the
-    leftover rows added to accumulator 0, then the accumulators added in order."""
-    m = rows.shape[0] // 4
-    level = rows[: 4 * m].reshape((m, 4) + rows.shape[1:])
-    step = 1 << max(4, _ceil_log2(m) // 4)
-    kept = []
+    levels then added in order."""
+    step = 1 << max(4, _ceil_log2(rows.shape[0]) // 4)
+    level, kept = rows, []
     for _ in range(3):  # levels 0-2: full groups move up; the rest stays in the level's accumulator
         ng = level.shape[0] // step
         full = level[: ng * step].reshape((ng, step) + level.shape[1:])
@@ -321,6 +318,15 @@ def _torch_row_sum(rows: np.ndarray) -> np.ndarray:
     acc = kept[0]
     for a in (kept[1], kept[2], _running(level)):
         acc = (acc + a).astype(np.float32)
+    return acc
+
+
+def _torch_row_sum(rows: np.ndarray) -> np.ndarray:
+    """torch's CPU ``row_sum`` of ``rows`` (n, lanes): 4 interleaved accumulators (row i to
+    accumulator i % 4) over the first n // 4 * 4 rows, each a :func:`_multi_row_sum` of its n // 4
+    rows, the leftover rows added to accumulator 0, then the accumulators added in order."""
+    m = rows.shape[0] // 4
+    acc = _multi_row_sum(rows[: 4 * m].reshape((m, 4) + rows.shape[1:]))
     for r in rows[4 * m:]:
         acc[0] = (acc[0] + r).astype(np.float32)
     total = acc[0]
@@ -348,3 +354,23 @@ def torch_sum(x, width: Optional[int] = None):
         for v in [rows[:, c] for c in range(nv * TORCH_LANES, w)] + list(lanes):
             got = (got + v).astype(np.float32)
     return got if width else np.float32(got[0])
+
+
+def torch_column_sums(x) -> np.ndarray:
+    """torch's CPU float32 ``sum`` over axis 0 of a C-contiguous (n, m) array (a reduction across
+    rows, e.g. ``sum(dim=-1)`` of a transposed view), one thread (checked bit for bit against torch
+    2.14 from 1 x 33 to 100000 x 3 and 300 x 1000): the columns in blocks of four 8-lane vectors,
+    each column the :func:`_multi_row_sum` of its n values; the columns left over each summed as
+    :func:`_torch_row_sum` sums (4 interleaved accumulators)."""
+    x = np.asarray(x, dtype=np.float32)
+    nb = x.shape[1] // (4 * TORCH_LANES) * (4 * TORCH_LANES)
+    head = _multi_row_sum(x[:, :nb]) if nb and x.shape[0] else np.zeros(nb, np.float32)
+    tail = _torch_row_sum(x[:, nb:]) if x.shape[0] else np.zeros(x.shape[1] - nb, np.float32)
+    return np.concatenate([head, tail])
+
+
+def torch_column_norms(x) -> np.ndarray:
+    """torch's CPU float32 2-norm over axis 0 of a C-contiguous (n, m) array (``norm(dim=-1)`` of a
+    transposed view): the squares summed in order, row after row."""
+    x = np.asarray(x, dtype=np.float32)
+    return np.sqrt(_running(np.square(x)))

@@ -173,6 +173,18 @@ def _nuslerp_whole(t: float, v0: mx.array, v1: mx.array, shape: Optional[tuple],
     return _unvectors(res, shape, row_wise, flatten)
 
 
+def _nuslerp_columns(t: float, v0: mx.array, v1: mx.array, shape: tuple, eps: float) -> mx.array:
+    """float32 nuslerp of the vectors along axis 0 (``row_wise``) as one flat array, in torch's
+    order: mergekit transposes them to the last axis, so its norms and dots are reductions across
+    rows (:func:`.kernels.torch_column_norms`, :func:`.kernels.torch_column_sums`)."""
+    a, b = (np.asarray(f32(v)).reshape(shape[0], -1) for v in (v0, v1))
+    au, bu = (x / np.maximum(K.torch_column_norms(x), np.float32(1e-7)) for x in (a, b))
+    cos = np.clip(K.torch_column_sums(au * bu), np.float32(-1), np.float32(1))
+    ca, cb, s, lin = _sines(mx.array(cos), t, eps, F32)
+    A, B = mx.array(a), mx.array(b)
+    return mx.where(lin, (1 - t) * A + t * B, (ca * A + cb * B) / s).reshape(-1)
+
+
 def _nus_cos(cd):
     return lambda a, b, na, nb: rnd(rnd(aligned(a, cd) / na, cd) * rnd(aligned(b, cd) / nb, cd), cd)
 
@@ -199,6 +211,10 @@ def nuslerp_parts(t: float, v0: mx.array, v1: mx.array, cd=F32, out=None, shape:
     out = out or cd
     mx.eval(v0, v1)
     rows = not flatten and shape is not None and len(shape) >= 2
+    if v0.size and rows and row_wise and cd == F32:
+        res = _nuslerp_columns(t, v0, v1, shape, eps).astype(out)
+        mx.eval(res)
+        return [res]
     if v0.size == 0 or (rows and row_wise):
         res = _nuslerp_whole(t, v0, v1, shape, row_wise, flatten, eps, cd).astype(cd).astype(out)
         mx.eval(res)
