@@ -24,6 +24,7 @@ import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
 from mlx_ssp.merge import kernels as K
+from mlx_ssp.merge import torch_math as TM
 from mlx_ssp.merge.kernels import F32, aligned, each, f32, item32, kernel, rnd, scalar
 
 
@@ -88,13 +89,24 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     at = {lo: k for k, (lo, _) in enumerate(K.slices(size, K.ALIGN))}  # slice start -> index of the held slice
     mn = mean_norm.reshape(())
     dk = kernel(("msl_dots",) + key, lambda: _msl_dots(cd))
-    _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], [x[lo:hi] for x in xs], dn, mn), size, into=mean)
-    dots = [r(d).reshape(()) for d in dsums]
+    if cd == F32:  # the dots summed as torch sums them: the products kept whole (float32), then summed
+        kept, _ = K.sweep(lambda lo, hi: (dk(mean[at[lo]], [x[lo:hi] for x in xs], dn, mn), ()), size)
+        mean = [k[0] for k in kept]
+        dots = [mx.array(K.torch_sum(np.concatenate([np.asarray(k[1][i]) for k in kept]))) for i in range(n)]
+        del kept
+    else:
+        _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], [x[lo:hi] for x in xs], dn, mn), size, into=mean)
+        dots = [r(d).reshape(()) for d in dsums]
     tk = kernel(("msl_tan",) + key, lambda: _msl_tan(cd))
     tangent, (tsq,) = K.sweep(lambda lo, hi: tk(mean[at[lo]], [x[lo:hi] for x in xs], dn, dots, Wl), size, blk)
     tn = r(r(mx.sqrt(tsq)) + eps).reshape(())
-    cs, sn = r(mx.cos(tn)), r(r(mx.sin(tn)) / tn)
-    avg = r(mx.sum(r(norms * W)))
+    if cd == F32:  # torch's own float32 cos / sin, and its order for the weighted norms' sum
+        tn32 = item32(tn)
+        cs, sn = scalar(TM.cos(tn32)), scalar(TM.sin(tn32) / tn32)
+        avg = scalar(K.torch_sum(np.asarray(norms * W)))
+    else:
+        cs, sn = r(mx.cos(tn)), r(r(mx.sin(tn)) / tn)
+        avg = r(mx.sum(r(norms * W)))
     fk = kernel(("msl_out", str(cd), str(out)), lambda: _msl_out(cd, out))
 
     def final(lo, hi):
