@@ -229,15 +229,23 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
                 cast_rounding=True)
     p = scalar(pending if pending is not None else 1.0)
     _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], units[at[lo]], p), size, into=mean)
+    if cd == F32:  # torch.dot of the whole vectors, in BLAS's order (:func:`.torch_math.dot`)
+        m = np.concatenate([np.asarray(x) for x in mean])
+        dsums = [mx.array(TM.dot(m, np.concatenate([np.asarray(u[j]) for u in units]))) for j in range(len(al))]
     act, dots, coefs = [], [], []
     for j, d in enumerate(dsums):
         dot = mx.clip(r(d.reshape(())), -1.0, 1.0)
-        theta = r(mx.arccos(dot))
+        if cd == F32:  # torch's own float32 acos / sin
+            theta = scalar(TM.acos(item32(dot)))
+            sin = scalar(TM.sin(item32(theta)))
+        else:
+            theta = r(mx.arccos(dot))
+            sin = r(mx.sin(theta))
         if theta.item() < tol:  # already at the mean
             continue
         act.append(j)
         dots.append(dot)
-        coefs.append(r(al[j] * r(theta / r(mx.sin(theta)))))
+        coefs.append(r(al[j] * r(theta / sin)))
     if not act:
         return False, None
     tk = kernel(("kar_tsq", len(act), str(cd)), lambda: _kar_tsq(cd), cast_rounding=True)
@@ -248,7 +256,8 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
     if tn < tol:
         return False, None
     stk = kernel(("kar_step", str(cd)), lambda: _kar_step(cd), cast_rounding=True)
-    cs, sn, tn_ = r(scalar(np.cos(tn))), r(scalar(np.sin(tn))), scalar(tn)
+    cos, sin = (TM.cos, TM.sin) if cd == F32 else (np.cos, np.sin)  # float32: torch's own
+    cs, sn, tn_ = r(scalar(cos(tn))), r(scalar(sin(tn))), scalar(tn)
 
     def step(lo, hi):
         k = at[lo]

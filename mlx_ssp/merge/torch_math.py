@@ -1,5 +1,5 @@
-"""float32 ``acos``, ``sin`` and ``cos`` with the last bits of torch's CPU kernels, for the float32
-merges that reproduce mergekit (slerp, nuslerp, karcher, multislerp).
+"""float32 ``acos``, ``sin``, ``cos`` and ``dot`` with the last bits of torch's CPU kernels, for the
+float32 merges that reproduce mergekit (slerp, nuslerp, karcher, multislerp).
 
 torch's x86_64 builds (the PyPI wheels link Intel oneMKL) compute float32 ``acos``, ``sin`` and
 ``cos`` of a tensor of any size, 0-d included, with oneMKL's vector math (``vmsAcos``, ``vmsSin``,
@@ -53,6 +53,7 @@ def _mkl() -> Optional[ctypes.CDLL]:
         lib.MKL_Set_Threading_Layer(ctypes.c_int(1))
         for name in ("vmsAcos", "vmsSin", "vmsCos"):
             getattr(lib, name).restype = None
+        lib.cblas_sdot.restype = ctypes.c_float
         return lib
     return None
 
@@ -94,3 +95,17 @@ def sin(x):
 def cos(x):
     """torch's float32 ``cos`` of ``x`` (float32 scalar or array)."""
     return _unary("vmsCos", np.cos, x)
+
+
+def dot(x: np.ndarray, y: np.ndarray) -> np.float32:
+    """torch's float32 ``dot`` of two float32 vectors: BLAS's ``sdot``, oneMKL's in torch's x86_64
+    builds (checked bit for bit against torch 2.14.1 from 1 to 3M elements, one thread); without
+    oneMKL, the float32 products summed in float64 and rounded."""
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    y = np.ascontiguousarray(y, dtype=np.float32).reshape(-1)
+    lib = _mkl()
+    if lib is None or x.size > _MAX_N:
+        return np.float32((x * y).sum(dtype=np.float64))
+    ptr = ctypes.POINTER(ctypes.c_float)
+    return np.float32(lib.cblas_sdot(ctypes.c_int(x.size), x.ctypes.data_as(ptr), ctypes.c_int(1),
+                                     y.ctypes.data_as(ptr), ctypes.c_int(1)))
