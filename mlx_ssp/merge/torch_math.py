@@ -11,13 +11,15 @@ bits is oneMKL itself: when Intel's runtime is installed (the ``mkl`` PyPI packa
 the ``torch-parity`` extra) :func:`acos`, :func:`sin` and :func:`cos` call it through ctypes
 (checked bit for bit against torch 2.14.1 on 4M inputs each; oneMKL 2026.2 and torch's bundled
 2024.2 agree). Otherwise they round NumPy's float64 values to float32: correctly rounded, within
-one ulp of torch's. :func:`backend` says which is in use.
+one ulp of torch's. :func:`backend` says which is in use; ``MLX_SSP_TORCH_MATH=numpy`` in the
+environment chooses NumPy's whatever is installed (the same bits on every machine).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -39,8 +41,17 @@ def _candidates() -> list[str]:
     return [p for p in local if Path(p).is_file()] + list(_MKL_NAMES)
 
 
-@functools.cache
+#: environment variable: ``numpy`` makes :func:`backend` NumPy's even where oneMKL is installed
+ENV = "MLX_SSP_TORCH_MATH"
+
+
 def _mkl() -> Optional[ctypes.CDLL]:
+    """oneMKL's runtime, or None (not installed, or NumPy chosen by :data:`ENV`)."""
+    return None if os.environ.get(ENV, "").lower() == "numpy" else _load_mkl()
+
+
+@functools.cache
+def _load_mkl() -> Optional[ctypes.CDLL]:
     """oneMKL's runtime, loaded on first use (an optional library of ~650 MB), or None."""
     if sys.platform != "linux":
         return None
@@ -63,8 +74,8 @@ def backend() -> str:
     return "mkl" if _mkl() is not None else "numpy"
 
 
-def _vml(name: str, x: np.ndarray) -> np.ndarray:
-    f = getattr(_mkl(), name)
+def _vml(lib: ctypes.CDLL, name: str, x: np.ndarray) -> np.ndarray:
+    f = getattr(lib, name)
     flat = np.ascontiguousarray(x.reshape(-1))
     out = np.empty_like(flat)
     ptr = ctypes.POINTER(ctypes.c_float)
@@ -78,7 +89,8 @@ def _unary(name: str, f64: Callable[[np.ndarray], np.ndarray], x):
     """``x`` (a float32 scalar or array) through oneMKL's ``name``, or ``f64`` rounded to float32;
     a scalar in, a NumPy float32 scalar out."""
     a = np.asarray(x, dtype=np.float32)
-    y = _vml(name, a) if _mkl() is not None else f64(a.astype(np.float64)).astype(np.float32)
+    lib = _mkl()
+    y = _vml(lib, name, a) if lib is not None else f64(a.astype(np.float64)).astype(np.float32)
     return np.float32(y.reshape(())) if a.ndim == 0 else y
 
 
@@ -97,12 +109,23 @@ def cos(x):
     return _unary("vmsCos", np.cos, x)
 
 
+def _aligned64(x) -> np.ndarray:
+    """A flat float32 copy of ``x`` starting on a 64-byte boundary, as torch allocates tensors:
+    oneMKL's ``sdot`` sums in an order that depends on the vectors' alignment."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    buf = np.empty(x.size + 16, np.float32)
+    lo = (-buf.ctypes.data % 64) // 4
+    out = buf[lo:lo + x.size]
+    out[...] = x
+    return out
+
+
 def dot(x: np.ndarray, y: np.ndarray) -> np.float32:
     """torch's float32 ``dot`` of two float32 vectors: BLAS's ``sdot``, oneMKL's in torch's x86_64
-    builds (checked bit for bit against torch 2.14.1 from 1 to 3M elements, one thread); without
-    oneMKL, the float32 products summed in float64 and rounded."""
-    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-    y = np.ascontiguousarray(y, dtype=np.float32).reshape(-1)
+    builds (checked bit for bit against torch 2.14.1 from 1 to 3M elements, one thread), on copies
+    aligned as torch's tensors are; without oneMKL, the float32 products summed in float64 and
+    rounded."""
+    x, y = _aligned64(x), _aligned64(y)
     lib = _mkl()
     if lib is None or x.size > _MAX_N:
         return np.float32((x * y).sum(dtype=np.float64))
