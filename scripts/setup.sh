@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install mlx_ssp and everything it needs into the active Python environment.
 # On Linux it also installs the system OpenBLAS (float32 matmul ~40x faster than mlx's reference BLAS).
-# Usage: setup.sh [EXTRAS] (default "dev"; scripts/test.sh passes "dev,trackers").
+# Usage: setup.sh [EXTRAS] (default "dev"; scripts/test.sh passes "dev,trackers,torch-parity").
 set -euo pipefail
 EXTRAS="${1:-dev}"
 cd "$(dirname "$0")/.."

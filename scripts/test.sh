@@ -3,7 +3,9 @@
 # Used verbatim by the README and by .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev,trackers  # trackers: tests/test_trackers.py runs the real TensorBoard, W&B, Trackio
+# trackers: tests/test_trackers.py runs the real TensorBoard, W&B, Trackio; torch-parity: oneMKL, with which
+# the float32 slerp / nuslerp / karcher goldens are plain tests (tests/test_merge_goldens.py, test_torch_math.py)
+bash scripts/setup.sh dev,trackers,torch-parity
 set +e
 python -m pytest -q "$@"
 rc=$?
