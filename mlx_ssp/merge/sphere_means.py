@@ -217,6 +217,16 @@ def _kar_out(cd, out, pending: bool):
     return f
 
 
+def _whole(parts: list) -> np.ndarray:
+    """Float32 slices as one vector, aligned as torch allocates it (:func:`.torch_math.empty64`)."""
+    out = TM.empty64(sum(x.size for x in parts))
+    lo = 0
+    for x in parts:
+        out[lo:lo + x.size] = np.asarray(x)
+        lo += x.size
+    return out
+
+
 def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], tol: float, cd, at: dict,
                    size: int) -> tuple[bool, Optional[float]]:
     """One fixed-point step of the mean, updated in place, slice by slice (three passes: the dots,
@@ -228,10 +238,12 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
     dk = kernel(("kar_dots", pending is not None) + size_key, lambda: _kar_dots(cd, pending is not None),
                 cast_rounding=True)
     p = scalar(pending if pending is not None else 1.0)
-    _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], units[at[lo]], p), size, into=mean)
     if cd == F32:  # torch.dot of the whole vectors, in BLAS's order (:func:`.torch_math.dot`)
-        m = np.concatenate([np.asarray(x) for x in mean])
-        dsums = [mx.array(TM.dot(m, np.concatenate([np.asarray(u[j]) for u in units]))) for j in range(len(al))]
+        K.sweep(lambda lo, hi: (dk(mean[at[lo]], units[at[lo]], p)[0], ()), size, into=mean)
+        m = _whole(mean)
+        dsums = [mx.array(TM.dot(m, _whole([u[j] for u in units]))) for j in range(len(al))]
+    else:
+        _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], units[at[lo]], p), size, into=mean)
     act, dots, coefs = [], [], []
     for j, d in enumerate(dsums):
         dot = mx.clip(r(d.reshape(())), -1.0, 1.0)

@@ -109,22 +109,29 @@ def cos(x):
     return _unary("vmsCos", np.cos, x)
 
 
-def _aligned64(x) -> np.ndarray:
-    """A flat float32 copy of ``x`` starting on a 64-byte boundary, as torch allocates tensors:
-    oneMKL's ``sdot`` sums in an order that depends on the vectors' alignment."""
-    x = np.asarray(x, dtype=np.float32).reshape(-1)
-    buf = np.empty(x.size + 16, np.float32)
+def empty64(n: int) -> np.ndarray:
+    """An uninitialised float32 vector of ``n`` elements starting on a 64-byte boundary, as torch
+    allocates tensors: oneMKL's ``sdot`` sums in an order that depends on the vectors' alignment."""
+    buf = np.empty(n + 16, np.float32)
     lo = (-buf.ctypes.data % 64) // 4
-    out = buf[lo:lo + x.size]
+    return buf[lo:lo + n]
+
+
+def _aligned64(x) -> np.ndarray:
+    """``x`` as a flat float32 vector on a 64-byte boundary (a copy unless it already is one)."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    if x.flags.c_contiguous and x.ctypes.data % 64 == 0:
+        return x
+    out = empty64(x.size)
     out[...] = x
     return out
 
 
 def dot(x: np.ndarray, y: np.ndarray) -> np.float32:
     """torch's float32 ``dot`` of two float32 vectors: BLAS's ``sdot``, oneMKL's in torch's x86_64
-    builds (checked bit for bit against torch 2.14.1 from 1 to 3M elements, one thread), on copies
-    aligned as torch's tensors are; without oneMKL, the float32 products summed in float64 and
-    rounded."""
+    builds (checked bit for bit against torch 2.14.1 from 1 to 3M elements, one thread), on the
+    vectors aligned as torch's tensors are (:func:`empty64`; others are copied); without oneMKL,
+    the float32 products summed in float64 and rounded."""
     x, y = _aligned64(x), _aligned64(y)
     lib = _mkl()
     if lib is None or x.size > _MAX_N:
