@@ -60,13 +60,13 @@ Deviations from mergekit 0.1.5 (numerical only):
   whole-tensor ``sum`` into T partial sums, each rounded to the tensor's dtype: nuslerp's bf16
   cosine of a 2^18-element tensor took another bf16 value with 2 threads than with 1 or 4, and
   4 of 39 tensors of a small model then differ (up to 234 ulps). We compute the single-threaded
-  value. In float32 the dots still differ from torch's in the last bit now and then (torch's
-  ``dot`` is BLAS's), and nearly parallel tensors amplify that through ``arccos`` (an ulp of the
-  cosine is ~10 ulps of the angle): bit-identical multislerp 97.4%, nuslerp 91.6% (per row 69.3%,
-  per column 17.8%), karcher 8.6% (the last bits of ten iterations); relative differences ~1e-6.
-  With the norms and dots equal to torch's, the angles still differ: torch's float32 ``acos`` /
-  ``sin`` are its own vectorised kernels, which differ from NumPy's in the last bit for about a
-  third of inputs (from MLX's for 4-10%).
+  value. In float32 the angles, sines and dots are torch's own (:mod:`.torch_math`: oneMKL's
+  vector math and ``sdot`` where Intel's runtime is installed, as torch's x86_64 builds compute
+  them), the dots of multislerp and of nuslerp per column summed in torch's order: against
+  mergekit's kernels run with one torch thread, float32 slerp, nuslerp (all three modes),
+  multislerp and karcher are bit-identical on 4 tensors of 1k-4M elements; without oneMKL
+  (NumPy's correctly rounded angles) multislerp and slerp still are, nuslerp 96-100% per mode,
+  karcher 24%, relative differences ~2e-7.
 - arcee_fusion's quantiles of a tensor over 10^6 elements come from a sample drawn with a PCG64
   stream seeded by (seed, tensor name, model) instead of torch's global generator.
 - nuslerp and multislerp take no base model here (see :mod:`.methods`).
