@@ -5,6 +5,8 @@ full-size float32 copy of a tensor."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -255,3 +257,21 @@ def test_torch_sum_adds_in_torch_order():
         x = (np.random.default_rng(2).standard_normal(n) * 0.02).astype(np.float32)
         assert np.float32(x.sum(dtype=np.float64)).view(np.uint32) == f64_bits  # the data is as recorded
         assert K.torch_sum(x).view(np.uint32) == torch_bits, n
+
+
+def test_torch_column_sums_and_norms_in_torch_order():
+    """Sums and 2-norms across rows (mergekit's nuslerp per column: ``sum`` / ``norm`` over the last
+    axis of a transposed view) as torch 2.14 gives them on one thread, recorded as sha256 of its
+    results: each shape's sums differ from both the float64 and the sequential sums in 26-49
+    columns (the (5, 100) case: 2 from the sequential), so neither order passes."""
+    recorded = {(37, 65): ("687ff0b4c4f0", "b5c283092806", "e44738c4b626"),
+                (130, 40): ("ca74bc4b794d", "4da6079c7047", "ccc8c42e1d19"),
+                (5, 100): ("f0020d2b11aa", "f4b5161a06e1", "fc366cc47515"),
+                (20000, 33): ("3944165d5486", "f704dc3d8c32", "422af68351d9")}
+    h = lambda a: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:12]  # noqa: E731
+    for shape, (hx, hsum, hnorm) in recorded.items():
+        x = (np.random.default_rng(3).standard_normal(shape) * 0.02).astype(np.float32)
+        assert h(x) == hx  # the data is as recorded
+        assert h(K.torch_column_sums(x)) == hsum, shape
+        assert h(K.torch_column_norms(x)) == hnorm, shape
+        assert h(np.float32(x.astype(np.float64).sum(0))) != hsum

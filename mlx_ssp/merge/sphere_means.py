@@ -9,7 +9,9 @@ one tensor at a time (the shared conventions, parity figures and deviations: :mo
 Their whole-tensor statistics are passes of sliced sums (:func:`.kernels.sweep`); what a later
 pass reads again is held in the compute dtype, as mergekit holds it (every value is rounded to
 it, so the copy is exact): multislerp's mean and tangent, karcher's unit vectors, mean and
-tangent. The inputs stay in their own dtype; no full-size float32 copy exists. ``*_parts`` are
+tangent. The inputs stay in their own dtype; no full-size float32 copy exists, except in float32,
+where the dots need whole vectors to be summed in torch's order (multislerp: the products with the
+mean; karcher: the mean and the unit vectors, copied for BLAS's ``sdot``). ``*_parts`` are
 the merge engine's entry points; :func:`multislerp` and :func:`karcher` return the same values as
 one float32 array.
 """
