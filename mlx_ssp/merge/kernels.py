@@ -101,7 +101,8 @@ def kernel(key, build, cast_rounding: bool = False, shapeless: bool = False):
     in this kernel, and ``shapeless`` compiles it once for every shape (bit rounding needs
     per-shape tracing). Which is faster depends on the kernel (measured, CPU per 4096 x 1024 bf16
     tensor: karcher 0.57 s with bit rounding, 0.46 s with casts; model_stock 0.031 s, 0.025 s with
-    casts and shapeless; nuslerp 0.033 s, 0.058 s with casts)."""
+    casts and shapeless; nuslerp 0.033 s, 0.058 s with casts; multislerp, its unit vectors held,
+    0.082 s, 0.070 s with casts)."""
     k = _KERNELS.get(key)
     if k is None:
         with _KERNELS_LOCK:  # merging threads: one compiled function per key
@@ -163,6 +164,8 @@ class _Exact:
     """Whole-tensor sums in float64 (NumPy's pairwise sum of the float32 terms), rounded to float32
     at the end: within rounding of the exact sum, whatever the slicing."""
 
+    lazy = False  # :meth:`add` takes evaluated terms
+
     def __init__(self):
         self.totals: Optional[np.ndarray] = None
 
@@ -176,9 +179,14 @@ class _Exact:
 
 class _Lanes:
     """Sums in the order of torch's CPU norm kernel (:data:`TORCH_LANES`), over the whole tensor or
-    per row of ``width`` elements; the state between slices is each term's lane accumulators."""
+    per row of ``width`` elements; the state between slices is each term's lane accumulators.
+
+    Whole tensor, :meth:`add` takes the slice's terms unevaluated and leaves the new accumulators
+    unevaluated (:meth:`pending`), so that the caller evaluates them with the terms in one graph
+    and the terms' buffers are reused in place (the caller keeps no reference to them)."""
 
     def __init__(self, size: int, block: int, width: Optional[int] = None):
+        self.lazy = width is None
         self.per_row = width is not None
         self.width = width or size
         self.m = self.width - self.width % block  # the vectorised prefix of a row
@@ -206,12 +214,19 @@ class _Lanes:
             self.tail = [[] for _ in xs]
         v_hi = min(hi, self.m)
         for i, x in enumerate(xs):
-            if lo < v_hi:  # the lanes go on from the previous slice's (slices are whole vectors)
-                seg = x[: v_hi - lo].reshape(-1, TORCH_LANES)
-                self.acc[i] = mx.sum(mx.concatenate([self.acc[i], seg]), axis=0, keepdims=True)
             if hi > self.m:
                 self.tail[i].append(np.asarray(x[max(self.m, lo) - lo:], dtype=np.float32))
-        mx.eval(self.acc)
+            if lo < v_hi:  # the lanes go on from the previous slice's (slices are whole vectors)
+                # the accumulators added to the first row, ((acc + x0) + x1) + ...: the running sum
+                # in order, the slice's buffer updated in place (no concatenated copy)
+                seg = x[: v_hi - lo].reshape(-1, TORCH_LANES)
+                self.acc[i] = mx.sum(seg.at[0].add(self.acc[i][0]), axis=0, keepdims=True)
+        xs.clear()
+        part.clear()
+
+    def pending(self) -> list:
+        """The accumulators (unevaluated after :meth:`add`)."""
+        return self.acc or []
 
     def _add_rows(self, xs: list[mx.array]) -> None:
         got = []
@@ -251,12 +266,17 @@ def sweep(step: Callable[[int, int], tuple[Any, Sequence[mx.array]]], size: int,
     for k, (lo, hi) in enumerate(slices(size, ALIGN)):
         keep, terms = step(lo, hi)
         part = list(terms)
-        mx.eval(keep, part)
+        del terms
+        if acc.lazy:
+            acc.add(lo, hi, part)  # empties ``part``: the terms are the graph's alone
+            mx.eval(keep, acc.pending())
+        else:
+            mx.eval(keep, part)
+            acc.add(lo, hi, part)
         if into is not None:
             into[k] = keep
         else:
             kept.append(keep)
-        acc.add(lo, hi, part)
     return kept, acc.result()
 
 
@@ -278,8 +298,10 @@ def sums(terms: Callable[[int, int], Sequence[mx.array]], size: int, width: Opti
         acc = _Lanes(size, block, width)
         for lo, hi in slices(size, width or ALIGN):
             part = list(terms(lo, hi))
-            mx.eval(part)
+            if not acc.lazy:
+                mx.eval(part)
             acc.add(lo, hi, part)
+            mx.eval(acc.pending())
         return acc.result()
     if width:
         rows: Optional[list[list]] = None

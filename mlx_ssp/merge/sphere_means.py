@@ -8,12 +8,13 @@ one tensor at a time (the shared conventions, parity figures and deviations: :mo
 
 Their whole-tensor statistics are passes of sliced sums (:func:`.kernels.sweep`); what a later
 pass reads again is held in the compute dtype, as mergekit holds it (every value is rounded to
-it, so the copy is exact): multislerp's mean and tangent, karcher's unit vectors, mean and
-tangent. The inputs stay in their own dtype; no full-size float32 copy exists, except in float32,
-where the dots need whole vectors to be summed in torch's order (multislerp: the products with the
-mean; karcher: the mean and the unit vectors, copied for BLAS's ``sdot``). ``*_parts`` are
-the merge engine's entry points; :func:`multislerp` and :func:`karcher` return the same values as
-one float32 array.
+it, so the copy is exact): the unit vectors, the mean and the tangent of both. Their kernels
+round to bf16 by casts (:func:`.kernels.kernel`'s ``cast_rounding``: measured faster here). The
+inputs stay in their own dtype; no full-size float32 copy exists, except in float32, where the
+dots need whole vectors to be summed in torch's order (multislerp: the products with the mean;
+karcher: the mean and the unit vectors, copied for BLAS's ``sdot``). ``*_parts`` are the merge
+engine's entry points; :func:`multislerp` and :func:`karcher` return the same values as one
+float32 array.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     the unit vectors, exponential map back), scaled by the weighted mean norm; each step rounded to
     ``cd`` as mergekit computes it (the weights too). Its four whole-tensor statistics (the norms,
     the mean's norm, the dots with the mean, the tangent's norm) are each one pass of sliced sums
-    (:func:`.kernels.sums`, :func:`.kernels.sweep`); the mean (normalised in the dots' pass) and
-    the tangent are held in ``cd`` for the passes after theirs, the output replacing them. Two
+    (:func:`.kernels.sums`, :func:`.kernels.sweep`); the unit vectors, the mean (normalised in the
+    dots' pass) and the tangent are held in ``cd`` for the passes after theirs, the tangent
+    replacing the unit vectors and the output the mean and the tangent, slice by slice. Two
     antipodal inputs whose weighted mean vanishes fall back to the linear combination; more than
     two raise ``ValueError``."""
     out = out or cd
@@ -78,8 +80,10 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     blk = K.torch_block(cd)
     norms = mx.concatenate([r(mx.sqrt(v)) for v in K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, blk)])
     dn = [r(norms[i] + eps) for i in range(n)]
-    mk = kernel(("msl_mean",) + key, lambda: _msl_mean_k(cd))
-    mean, (msq,) = K.sweep(lambda lo, hi: mk([x[lo:hi] for x in xs], dn, Wl), size, blk)
+    mk = kernel(("msl_mean",) + key, lambda: _msl_mean_k(cd), cast_rounding=True)
+    kept, (msq,) = K.sweep(lambda lo, hi: mk([x[lo:hi] for x in xs], dn, Wl), size, blk)
+    mean, units = [k[0] for k in kept], [k[1] for k in kept]  # per slice: the mean, the unit vectors
+    kept.clear()
     mean_norm = r(mx.sqrt(msq))
     if mean_norm.item() < eps:
         if n != 2:
@@ -90,17 +94,22 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
         return each(size, lambda lo, hi: lk(xs[0][lo:hi], xs[1][lo:hi], Wl[0], Wl[1]))
     at = {lo: k for k, (lo, _) in enumerate(K.slices(size, K.ALIGN))}  # slice start -> index of the held slice
     mn = mean_norm.reshape(())
-    dk = kernel(("msl_dots",) + key, lambda: _msl_dots(cd))
+    dk = kernel(("msl_dots",) + key, lambda: _msl_dots(cd), cast_rounding=True)
     if cd == F32:  # the dots summed as torch sums them: the products kept whole (float32), then summed
-        kept, _ = K.sweep(lambda lo, hi: (dk(mean[at[lo]], [x[lo:hi] for x in xs], dn, mn), ()), size)
+        kept, _ = K.sweep(lambda lo, hi: (dk(mean[at[lo]], units[at[lo]], mn), ()), size)
         mean = [k[0] for k in kept]
         dots = [mx.array(K.torch_sum(np.concatenate([np.asarray(k[1][i]) for k in kept]))) for i in range(n)]
         del kept
     else:
-        _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], [x[lo:hi] for x in xs], dn, mn), size, into=mean)
+        _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], units[at[lo]], mn), size, into=mean)
         dots = [r(d).reshape(()) for d in dsums]
-    tk = kernel(("msl_tan",) + key, lambda: _msl_tan(cd))
-    tangent, (tsq,) = K.sweep(lambda lo, hi: tk(mean[at[lo]], [x[lo:hi] for x in xs], dn, dots, Wl), size, blk)
+    tk = kernel(("msl_tan",) + key, lambda: _msl_tan(cd), cast_rounding=True)
+
+    def tangent_step(lo, hi):
+        k = at[lo]
+        us, units[k] = units[k], None  # freed as the tangent's slice is made
+        return tk(mean[k], us, dots, Wl)
+    tangent, (tsq,) = K.sweep(tangent_step, size, blk)
     tn = r(r(mx.sqrt(tsq)) + eps).reshape(())
     if cd == F32:  # torch's own float32 cos / sin, and its order for the weighted norms' sum
         tn32 = item32(tn)
@@ -109,7 +118,7 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     else:
         cs, sn = r(mx.cos(tn)), r(r(mx.sin(tn)) / tn)
         avg = r(mx.sum(r(norms * W)))
-    fk = kernel(("msl_out", str(cd), str(out)), lambda: _msl_out(cd, out))
+    fk = kernel(("msl_out", str(cd), str(out)), lambda: _msl_out(cd, out), cast_rounding=True)
 
     def final(lo, hi):
         k = at[lo]
@@ -120,26 +129,28 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
 
 
 def _msl_mean_k(cd):
-    """The weighted mean of the unit vectors (held in ``cd``: it is rounded to it) and its squares."""
+    """The unit vectors and their weighted mean (held in ``cd``: each is rounded to it) and the
+    mean's squares."""
     def f(xs, dn, W):
-        m = _msl_mean(_msl_units(xs, dn, cd), W, cd)
-        return m.astype(cd), [mx.square(m)]
+        us = _msl_units(xs, dn, cd)
+        m = _msl_mean(us, W, cd)
+        return (m.astype(cd), [u.astype(cd) for u in us]), [mx.square(m)]
     return f
 
 
 def _msl_dots(cd):
     """The mean divided by its norm (held in ``cd``) and its rounded products with the unit
     vectors (the dots' terms)."""
-    def f(mean, xs, dn, mn):
+    def f(mean, us, mn):
         m = rnd(f32(mean) / mn, cd)
-        return m.astype(cd), [rnd(u * m, cd) for u in _msl_units(xs, dn, cd)]
+        return m.astype(cd), [rnd(f32(u) * m, cd) for u in us]
     return f
 
 
 def _msl_tan(cd):
     """The tangent at the (normalised) mean (held in ``cd``) and its squares."""
-    def f(m, xs, dn, dots, W):
-        tg = _msl_tangent(_msl_units(xs, dn, cd), f32(m), dots, W, cd)
+    def f(m, us, dots, W):
+        tg = _msl_tangent([f32(u) for u in us], f32(m), dots, W, cd)
         return tg.astype(cd), [mx.square(tg)]
     return f
 
