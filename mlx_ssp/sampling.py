@@ -54,7 +54,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlx_ssp import keyed_noise, nucleus
+from mlx_ssp import keyed_noise, nucleus, row_logsumexp
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -162,6 +162,18 @@ def nucleus_draw(logprobs: mx.array, top_p: float, keys: np.ndarray, T: float) -
     pos = padded.argmax(axis=-1)
     tokens = np.where(padded.max(axis=-1) == -np.inf, 0, cols[np.cumsum(counts) - counts + pos])
     return mx.array(tokens.astype(np.uint32))
+
+
+def tempered_logsumexp(logprobs: mx.array, T: float) -> mx.array:
+    """``mx.logsumexp(logprobs * (1.0 / T), axis=-1, keepdims=True)``; on the CPU for float32
+    rows, the same values from the terms that can change the sum (:mod:`mlx_ssp.row_logsumexp`)."""
+    scaled = logprobs * (1.0 / T)
+    if logprobs.dtype != mx.float32 or not _numpy_path(logprobs) or not row_logsumexp.exact_here():
+        return mx.logsumexp(scaled, axis=-1, keepdims=True)
+    x = np.array(scaled)
+    if np.isnan(x).any():
+        return mx.logsumexp(scaled, axis=-1, keepdims=True)
+    return mx.array(row_logsumexp.logsumexp_rows(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], 1))
 
 
 class Float32Logits:
@@ -308,7 +320,7 @@ class BatchSampler:
         # behaviour log-probs in the same graph; scheduled now so that reading them never waits
         lp = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
         if T > 0 and T != 1.0:  # the rows are normalised at T=1 already
-            lp = lp / T - mx.logsumexp(logprobs * (1.0 / T), axis=-1, keepdims=True)
+            lp = lp / T - tempered_logsumexp(logprobs, T)
         mx.async_eval(lp)
         step = _StepLogprobs(lp)
         for row, u in enumerate(uids):

@@ -10,8 +10,9 @@ import pytest
 from mlx_lm.sample_utils import apply_top_p
 
 import mlx_ssp  # noqa: F401
-from mlx_ssp import keyed_noise, nucleus
-from mlx_ssp.sampling import BatchSampler, _gumbel_max, _gumbel_rows, nucleus_draw, top_p_filter
+from mlx_ssp import keyed_noise, nucleus, row_logsumexp
+from mlx_ssp.sampling import (BatchSampler, _gumbel_max, _gumbel_rows, nucleus_draw, tempered_logsumexp,
+                              top_p_filter)
 
 V = 49152  # the demo model's vocabulary: rows whose tail really is long
 
@@ -134,3 +135,42 @@ def test_batch_sampler_takes_the_kept_token_route_only_for_top_p_alone():
     assert BatchSampler(0.9).nucleus_only is None
     assert BatchSampler(0.9, top_p=0.95, top_k=20).nucleus_only is None
     assert BatchSampler(0.9, top_p=0.95, min_p=0.05).nucleus_only is None
+
+
+def same_bits(a, b) -> bool:
+    return np.array_equal(np.asarray(a, dtype=np.float32).view(np.uint32), np.asarray(b, dtype=np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 512, 1000, V])
+def test_row_logsumexp_equals_mlx_logsumexp(vocab):
+    """Bit for bit, on real-looking rows at several temperatures, with -inf entries, an all -inf
+    row and a +inf one, row lengths on and off the block size."""
+    x = np.array(lm_like(5, vocab, vocab=vocab))
+    x[1, ::7] = -np.inf
+    x[2] = -np.inf
+    x[3, vocab // 2] = np.inf
+    for T in (0.3, 0.9, 1.0, 1.6):
+        scaled = np.array(mx.array(x) * (1.0 / T))
+        want = np.array(mx.logsumexp(mx.array(scaled), axis=-1))
+        assert same_bits(row_logsumexp.logsumexp_rows(scaled), want), T
+    assert row_logsumexp.exact_here()
+
+
+def test_row_logsumexp_skips_most_terms_of_a_long_row():
+    """The point of it: most of a 49k-token row is never exponentiated (and the result is exact)."""
+    x = np.array(lm_like(2, 11))
+    bound = np.repeat(row_logsumexp._earlier_block_max(x), row_logsumexp.BLOCK, axis=1)[:, :V]
+    assert ((x >= bound - row_logsumexp.MARGIN).sum(axis=-1) < V / 2).all()
+
+
+def test_tempered_logsumexp_is_mlx_s_expression():
+    x = lm_like(4, 12)
+    for T in (0.7, 0.9, 1.3):
+        want = mx.logsumexp(x * (1.0 / T), axis=-1, keepdims=True)
+        got = tempered_logsumexp(x, T)
+        assert got.shape == want.shape and same_bits(got, want), T
+    with_nan = mx.where(mx.arange(V) == 3, float("nan"), x)  # MLX's own op then
+    want = mx.logsumexp(with_nan * (1.0 / 0.9), axis=-1, keepdims=True)
+    assert mx.array_equal(tempered_logsumexp(with_nan, 0.9), want, equal_nan=True).item()
+    half = x.astype(mx.float16)
+    assert mx.array_equal(tempered_logsumexp(half, 0.9), mx.logsumexp(half * (1.0 / 0.9), axis=-1, keepdims=True)).item()
