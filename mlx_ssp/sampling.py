@@ -15,10 +15,13 @@ graphs per step: on a small model that costs as much as the forward pass). :clas
 is that one shared object: it maps rows to sequences, builds the (B, 2) key array of the step in
 Python, and draws all B noise rows with one ``vmap``-ed ``gumbel`` (bit-identical to B separate
 keyed draws), so a step costs a constant number of ops, like mlx-lm's own ``categorical`` sampler.
-On the CPU two exact shortcuts cut the full-vocabulary work of a top-p step: the nucleus threshold
-comes from the top of each row (:mod:`mlx_ssp.nucleus`), and with top-p alone the noise is drawn
-at the kept tokens only (:func:`nucleus_draw`, :mod:`mlx_ssp.keyed_noise`: the elements of the same
-keyed rows); the tokens are those of the whole-row draw, bit for bit (tested).
+On the CPU three exact shortcuts cut the full-vocabulary work of a step: the nucleus threshold
+comes from the top of each row (:mod:`mlx_ssp.nucleus`); with top-p alone the noise is drawn at
+the kept tokens only (:func:`nucleus_draw`, :mod:`mlx_ssp.keyed_noise`: the elements of the same
+keyed rows); and the behaviour log-prob's tempered ``logsumexp`` is summed from the terms that can
+change it (:func:`tempered_logsumexp`, :mod:`mlx_ssp.row_logsumexp`). The tokens and log-probs are
+those of MLX's whole-row ops, bit for bit (tested; the noise and the logsumexp also check
+themselves against MLX once per process and fall back to MLX's ops if they differ).
 :class:`SequenceSampler` draws the same tokens one sequence at a time (the fallback).
 Both sit behind one interface, :class:`SamplingPath` (:data:`SAMPLING_PATHS`, chosen by
 :func:`sampling_path`), so the rollout engine drives either without knowing which.
