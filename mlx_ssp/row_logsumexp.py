@@ -40,12 +40,23 @@ def _earlier_block_max(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def candidates(x: np.ndarray) -> np.ndarray:
+    """(B, V) bool: the terms that may change the sum (those not under an earlier block's largest
+    value minus :data:`MARGIN`)."""
+    b, v = x.shape
+    full = v // BLOCK
+    bound = _earlier_block_max(x) - MARGIN
+    parts = [(x[:, : full * BLOCK].reshape(b, full, BLOCK) >= bound[:, :full, None]).reshape(b, -1)]
+    if v % BLOCK:
+        parts.append(x[:, full * BLOCK:] >= bound[:, full:])
+    return np.concatenate(parts, axis=1)
+
+
 def logsumexp_rows(x: np.ndarray) -> np.ndarray:
     """``mx.logsumexp(x, axis=-1)`` of the (B, V) float32 rows ``x`` without NaN, as float32 (B,)."""
     b, v = x.shape
     m = x.max(axis=-1)
-    bound = np.repeat(_earlier_block_max(x), BLOCK, axis=1)[:, :v] - MARGIN
-    cols = [np.flatnonzero(row >= lo) for row, lo in zip(x, bound)]
+    cols = [np.flatnonzero(row) for row in candidates(x)]
     with np.errstate(invalid="ignore"):  # inf - inf in a row whose maximum is infinite: its result is m
         diffs = np.concatenate([row[c] - mi for row, c, mi in zip(x, cols, m)]) if b else np.zeros(0, np.float32)
     terms = np.array(mx.exp(mx.array(diffs)))

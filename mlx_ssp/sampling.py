@@ -170,12 +170,12 @@ def nucleus_draw(logprobs: mx.array, top_p: float, keys: np.ndarray, T: float) -
 def tempered_logsumexp(logprobs: mx.array, T: float) -> mx.array:
     """``mx.logsumexp(logprobs * (1.0 / T), axis=-1, keepdims=True)``; on the CPU for float32
     rows, the same values from the terms that can change the sum (:mod:`mlx_ssp.row_logsumexp`)."""
-    scaled = logprobs * (1.0 / T)
     if logprobs.dtype != mx.float32 or not _numpy_path(logprobs) or not row_logsumexp.exact_here():
-        return mx.logsumexp(scaled, axis=-1, keepdims=True)
-    x = np.array(scaled)
+        return mx.logsumexp(logprobs * (1.0 / T), axis=-1, keepdims=True)
+    # NumPy's float32 product is MLX's (one IEEE rounding of the same two float32 operands)
+    x = np.array(logprobs) * np.float32(1.0 / T)
     if np.isnan(x).any():
-        return mx.logsumexp(scaled, axis=-1, keepdims=True)
+        return mx.logsumexp(logprobs * (1.0 / T), axis=-1, keepdims=True)
     return mx.array(row_logsumexp.logsumexp_rows(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], 1))
 
 
