@@ -15,6 +15,13 @@ graphs per step: on a small model that costs as much as the forward pass). :clas
 is that one shared object: it maps rows to sequences, builds the (B, 2) key array of the step in
 Python, and draws all B noise rows with one ``vmap``-ed ``gumbel`` (bit-identical to B separate
 keyed draws), so a step costs a constant number of ops, like mlx-lm's own ``categorical`` sampler.
+On the CPU three exact shortcuts cut the full-vocabulary work of a step: the nucleus threshold
+comes from the top of each row (:mod:`mlx_ssp.nucleus`); with top-p alone the noise is drawn at
+the kept tokens only (:func:`nucleus_draw`, :mod:`mlx_ssp.keyed_noise`: the elements of the same
+keyed rows); and the behaviour log-prob's tempered ``logsumexp`` is summed from the terms that can
+change it (:func:`tempered_logsumexp`, :mod:`mlx_ssp.row_logsumexp`). The tokens and log-probs are
+those of MLX's whole-row ops, bit for bit (tested; the noise and the logsumexp also check
+themselves against MLX once per process and fall back to MLX's ops if they differ).
 :class:`SequenceSampler` draws the same tokens one sequence at a time (the fallback).
 Both sit behind one interface, :class:`SamplingPath` (:data:`SAMPLING_PATHS`, chosen by
 :func:`sampling_path`), so the rollout engine drives either without knowing which.
@@ -50,6 +57,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from mlx_ssp import keyed_noise, nucleus, row_logsumexp
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -76,24 +85,25 @@ def step_key(stream: int, t: int) -> mx.array:
 def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
     """``mlx_lm.sample_utils.apply_top_p(logprobs, top_p)``, bit for bit, faster on the CPU.
 
-    Nucleus filtering needs each row sorted (the threshold is where the probabilities summed from
-    the top reach ``top_p``). On the CPU, MLX's sort of a batch of 49k-token rows costs more than
-    the small demo model's forward pass; NumPy's vectorised sort of the same rows returns the same
-    sorted values about 3.5x faster (measured at batch 128). The rest is mlx-lm's arithmetic on those
-    values in the same float32 order (MLX's exp; the running sums from the top, sequentially), so
-    the threshold and the kept tokens are the same (tests check it against mlx-lm's). On a GPU, or
+    Nucleus filtering needs each row's threshold (where the probabilities summed from the top
+    reach ``top_p``). On the CPU, MLX's sort of a batch of 49k-token rows costs more than the small
+    demo model's forward pass; :func:`mlx_ssp.nucleus.thresholds` finds the same thresholds from
+    the top of each row (see that module for why that is exact), sorting only there. On a GPU, or
     for dtypes NumPy lacks (bfloat16), mlx-lm's function runs as is."""
-    if mx.default_device() != mx.cpu or logprobs.dtype not in (mx.float32, mx.float16):
+    if not _numpy_path(logprobs):
         return apply_top_p(logprobs, top_p)
-    ordered = np.sort(np.array(logprobs), axis=-1)
-    probs = np.array(mx.exp(mx.array(ordered).astype(mx.float32)))  # MLX's exp: the same probabilities
-    # the sums from the top down, in the same sequential float32 order as mlx-lm's reverse cumsum
-    from_top = np.cumsum(probs[..., ::-1], axis=-1, dtype=np.float32)
-    total = from_top[..., -1:]
-    # mlx-lm's mass above the i-th smallest is from_top[V - 2 - i] (0 for the largest, never dropped)
-    num_dropped = (from_top[..., :-1] >= np.float32(top_p) * total).sum(axis=-1, keepdims=True)
-    threshold = np.take_along_axis(ordered, num_dropped, axis=-1)
-    return mx.where(logprobs < mx.array(threshold), -float("inf"), logprobs)
+    thr, _ = nucleus.thresholds(np.array(logprobs).reshape(-1, logprobs.shape[-1]), top_p)
+    return _drop_below(logprobs, thr)
+
+
+def _numpy_path(logprobs: mx.array) -> bool:
+    """Whether the NumPy routes apply: on the CPU, for the dtypes NumPy has."""
+    return mx.default_device() == mx.cpu and logprobs.dtype in (mx.float32, mx.float16)
+
+
+def _drop_below(logprobs: mx.array, thr: np.ndarray) -> mx.array:
+    """mlx-lm's mask: -inf where a log-prob is below its row's threshold."""
+    return mx.where(logprobs < mx.array(thr.reshape(*logprobs.shape[:-1], 1)), -float("inf"), logprobs)
 
 
 def _filters(top_p: float, top_k: int, min_p: float):
@@ -125,6 +135,48 @@ def _gumbel_rows(vocab_size: int):
     if f is None:
         f = _GUMBEL_ROWS[vocab_size] = mx.vmap(lambda k: mx.random.gumbel((vocab_size,), key=k))
     return f
+
+
+def _gumbel_max(x: mx.array, keys: mx.array, T: float) -> mx.array:
+    """``argmax(x + T * g)`` per row, row b's noise keyed by ``keys[b]`` (the whole row drawn)."""
+    g = _gumbel_rows(x.shape[-1])(keys)
+    return mx.argmax(x + (g if T == 1.0 else T * g), axis=-1)  # x * 1.0 is exact: same tokens
+
+
+def nucleus_draw(logprobs: mx.array, top_p: float, keys: np.ndarray, T: float) -> Optional[mx.array]:
+    """The tokens of ``argmax(apply_top_p(logprobs, top_p) + T * g)`` (row b's noise keyed by
+    ``keys[b]``), drawing the noise at the kept tokens only: a dropped token's value is -inf
+    whatever its noise, so the same argmax. ``x + T * g`` and the argmax (first maximum; column 0
+    when a whole row is -inf, as MLX's) are the same float32 operations on fewer elements.
+    None when a row needed the full sort (rows with NaN, unnormalised rows): the caller draws the
+    whole row then."""
+    x = np.array(logprobs)
+    thr, cand = nucleus.thresholds(x, top_p)
+    if any(c is None for c in cand):
+        return None
+    kept = nucleus.kept_columns(x, thr, cand)
+    counts = np.array([len(k) for k in kept])
+    rows = np.repeat(np.arange(len(kept)), counts)
+    cols = np.concatenate(kept)
+    g = keyed_noise.gumbel_at(keys[rows], cols, x.shape[-1])
+    vals = np.array(mx.array(x[rows, cols]) + (g if T == 1.0 else T * g))
+    padded = np.full((len(kept), counts.max()), -np.inf, dtype=vals.dtype)
+    padded[rows, np.arange(len(cols)) - np.repeat(np.cumsum(counts) - counts, counts)] = vals
+    pos = padded.argmax(axis=-1)
+    tokens = np.where(padded.max(axis=-1) == -np.inf, 0, cols[np.cumsum(counts) - counts + pos])
+    return mx.array(tokens.astype(np.uint32))
+
+
+def tempered_logsumexp(logprobs: mx.array, T: float) -> mx.array:
+    """``mx.logsumexp(logprobs * (1.0 / T), axis=-1, keepdims=True)``; on the CPU for float32
+    rows, the same values from the terms that can change the sum (:mod:`mlx_ssp.row_logsumexp`)."""
+    if logprobs.dtype != mx.float32 or not _numpy_path(logprobs) or not row_logsumexp.exact_here():
+        return mx.logsumexp(logprobs * (1.0 / T), axis=-1, keepdims=True)
+    # NumPy's float32 product is MLX's (one IEEE rounding of the same two float32 operands)
+    x = np.array(logprobs) * np.float32(1.0 / T)
+    if np.isnan(x).any():
+        return mx.logsumexp(logprobs * (1.0 / T), axis=-1, keepdims=True)
+    return mx.array(row_logsumexp.logsumexp_rows(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], 1))
 
 
 class Float32Logits:
@@ -197,6 +249,8 @@ class BatchSampler:
                  logprobs: bool = True):
         self.temperature = float(temperature)
         self.filters = _filters(top_p, top_k, min_p) if temperature > 0 else []
+        # top-p alone: the draw can look at the kept tokens only (:func:`nucleus_draw`)
+        self.nucleus_only = top_p if len(self.filters) == 1 and 0 < top_p < 1.0 else None
         self.logprobs = logprobs  # False: draw only (a tempered softmax over the vocabulary per step saved)
         self._t: dict[int, int] = {}  # uid -> tokens drawn so far
         self._stream: dict[int, int] = {}
@@ -255,18 +309,21 @@ class BatchSampler:
         if T <= 0:
             tokens = mx.argmax(logprobs, axis=-1)
         else:
-            keys = mx.array([_key_words(self._stream[u], t) for u, t in zip(uids, ts)], dtype=mx.uint32)
-            x = logprobs
-            for f in self.filters:  # mlx-lm's filters work row-wise on (B, V)
-                x = f(x)
-            g = _gumbel_rows(logprobs.shape[-1])(keys)
-            tokens = mx.argmax(x + (g if T == 1.0 else T * g), axis=-1)  # x * 1.0 is exact: same tokens
+            keys = np.array([_key_words(self._stream[u], t) for u, t in zip(uids, ts)], dtype=np.uint32)
+            tokens = None
+            if self.nucleus_only is not None and _numpy_path(logprobs) and keyed_noise.exact_here():
+                tokens = nucleus_draw(logprobs, self.nucleus_only, keys, T)
+            if tokens is None:
+                x = logprobs
+                for f in self.filters:  # mlx-lm's filters work row-wise on (B, V)
+                    x = f(x)
+                tokens = _gumbel_max(x, mx.array(keys), T)
         if not self.logprobs:
             return tokens
         # behaviour log-probs in the same graph; scheduled now so that reading them never waits
         lp = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
         if T > 0 and T != 1.0:  # the rows are normalised at T=1 already
-            lp = lp / T - mx.logsumexp(logprobs * (1.0 / T), axis=-1, keepdims=True)
+            lp = lp / T - tempered_logsumexp(logprobs, T)
         mx.async_eval(lp)
         step = _StepLogprobs(lp)
         for row, u in enumerate(uids):

@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus mass for every route (1 = off)")
     ap.add_argument("--seq-samples", type=int, default=8, help="samples timed one at a time")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--engine-only", action="store_true",
@@ -153,6 +154,8 @@ def result(args, path, tasks, seq, raws, ourss) -> dict:
         "tasks": len(tasks),
         "k": args.k,
         "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
         "batch_size": args.batch_size,
         "tok_per_wall_s": {"sequential": round(seq_w, 1), "raw_batch_generate": round(raw_w, 1), "ours": round(our_w, 1)},
         "tok_per_cpu_s": {"sequential": round(seq_c, 1), "raw_batch_generate": round(raw_c, 1), "ours": round(our_c, 1)},
@@ -184,10 +187,10 @@ def main() -> None:
         spec = args.model
     model, tok, path = load_model(spec)
     tasks = gsm8k_tasks(args.tasks)
-    sc = SamplingConfig(temperature=args.temperature, max_tokens=args.max_tokens)
+    sc = SamplingConfig(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     prompts = [render_prompt(tok, t) for t in tasks]
     all_prompts = [p for p in prompts for _ in range(args.k)]
-    sampler = make_sampler(args.temperature)
+    sampler = make_sampler(args.temperature, top_p=args.top_p)
 
     sequential, raw, ours = timers(model, tok, args, tasks, sc, all_prompts, sampler, tmp)
     warm_up(model, tok, tasks, sc, all_prompts, sampler, args, sequential)
