@@ -81,6 +81,7 @@ class RLConfig(StrictModel):
         "overlong", "mask_truncated_completions", "top_entropy_quantile", "tis_cap", "tis_mode", "entropy_coef",
         "share_prefix",  # shared prompt prefixes in training
         "auto_micro_batch",  # the memory model's rows per update piece
+        "trim_padding",  # update pieces cut after their last loss token
     })
 
     # data
@@ -100,6 +101,8 @@ class RLConfig(StrictModel):
     auto_micro_batch: bool = True
     # run the prompt prefix a block of rows (a group) shares once per pass, as a broadcast KV cache (rl/prefix.py)
     share_prefix: bool = True
+    # each update piece runs only up to its last loss token, not to the batch's longest row (rl/batch.py)
+    trim_padding: bool = True
     mu: int = Field(1, ge=1)  # inner updates per batch
     old_logprobs: Literal["recompute", "behaviour"] = "recompute"
 

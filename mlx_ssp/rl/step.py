@@ -36,7 +36,7 @@ from mlx_ssp import distributed as dist
 from mlx_ssp.finetune.lora import adapters_disabled
 from mlx_ssp.finetune.optim import OPTIMIZERS, build_optimizer, warmup_constant
 from mlx_ssp.rl import memory, objectives
-from mlx_ssp.rl.batch import slice_rows
+from mlx_ssp.rl.batch import slice_rows, trim_padding
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.lm_heads import head_of, head_trainable
 from mlx_ssp.rl.logprobs import chunk_tokens
@@ -225,7 +225,6 @@ class Updater:
         the old log-probs of the later ones (kept in ``old_parts``)."""
         recompute = self.cfg.old_logprobs == "recompute" or self.cfg.tis_cap is not None
         names, arrays = (list(x) for x in zip(*tree_flatten(self.model.trainable_parameters())))
-        L = batch["inputs"].shape[1]
         grads_sum, loss_sum, k = None, 0.0, 0
 
         def add(acc, g):
@@ -240,10 +239,13 @@ class Updater:
                 dkv = None
                 for i, j in pieces:
                     mb = slice_rows(batch, i, j)
+                    if self.cfg.trim_padding:
+                        mb = trim_padding(mb, keep=p + 1)
                     mb["prefix"] = p
                     if recompute:
                         mb["old"] = old_parts[k] if inner > 0 else None
-                    two = (j - i) * (L - p) > self._chunk_tokens and self._frozen_head and self._recompute_safe
+                    cols = mb["inputs"].shape[1]
+                    two = (j - i) * (cols - p) > self._chunk_tokens and self._frozen_head and self._recompute_safe
                     (loss, (totals, logp)), grads, gkv = piece_value_and_grad(self.model, loss_fn, mb, kv, names,
                                                                                arrays, two)
                     if inner == 0:  # sampler vs trainer log-probs of the same tokens: should be ~1e-5
