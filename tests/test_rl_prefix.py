@@ -247,7 +247,8 @@ def test_trim_padding_cuts_after_the_last_loss_token():
 
 
 @pytest.mark.parametrize("options", [dict(share_prefix=True, mu=2), dict(share_prefix=False, beta=0.1),
-                                     dict(share_prefix=True, importance_sampling_level="sequence", entropy_coef=0.01)])
+                                     dict(share_prefix=True, importance_sampling_level="sequence", entropy_coef=0.01,
+                                          top_entropy_quantile=0.5, beta=0.1)])
 def test_trimmed_pieces_give_the_same_update(tiny_llama, monkeypatch, options):
     """Pieces cut after their last loss token move the LoRA weights as full-width pieces do (float32
     rounding apart), and run only that far; the base weights stay as they were."""
@@ -273,7 +274,11 @@ def test_trimmed_pieces_give_the_same_update(tiny_llama, monkeypatch, options):
     mu = options.get("mu", 1)
     full = 16 - 1 + max(lengths)  # every row padded to the longest: prompt + completion - 1 inputs
     assert seen[False] == [full] * 4 * mu
-    assert seen[True] == [16 - 1 + n for n in lengths] * mu  # each row to its own last token
+    own = [16 - 1 + n for n in lengths] * mu  # each row to its own last token
+    if "top_entropy_quantile" in options:  # the selection masks tokens: a row's last loss token may come earlier
+        assert all(w <= o for w, o in zip(seen[True], own)) and seen[True] != seen[False]
+    else:
+        assert seen[True] == own
     assert max(np.abs(v).max() for v in moved[False].values()) > 1e-3  # the step did something
     for k in moved[False]:
         np.testing.assert_allclose(moved[True][k], moved[False][k], rtol=1e-3, atol=1e-5, err_msg=k)
@@ -288,3 +293,23 @@ def test_trim_padding_keeps_fingerprints():
     assert config_record(RLConfig(trim_padding=False), 0, "m")["rl"]["trim_padding"] is False
     on, off = (fingerprint(config_record(RLConfig(trim_padding=t), 0, "m")) for t in (True, False))
     assert on == off
+
+
+def test_trimmed_reference_forward_matches_on_the_loss_tokens(tiny_llama):
+    """The no-gradient forward (KL reference, entropy selection) with trimmed pieces: the same
+    values on every loss token, 0 after a piece's last one; the batch's width is kept."""
+    rng = np.random.default_rng(5)
+    recs = _group(rng, rng.integers(0, 300, 12).tolist(), (7, 2, 4))
+    batch = build_batch(recs, np.zeros(3, np.float32))
+    out = {}
+    for trim in (False, True):
+        cfg = RLConfig(batch_size=1, group_size=3, micro_batch_size=1, beta=0.1, progress=False, lora={"rank": 4},
+                       trim_padding=trim)
+        model, tok = _lora_model(tiny_llama)
+        up = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0).updater
+        out[trim] = np.array(up._ref_logprobs(batch, up.layout(batch)))
+    mask = np.array(batch["mask"]) > 0
+    assert out[True].shape == out[False].shape == mask.shape
+    np.testing.assert_allclose(out[True][mask], out[False][mask], rtol=1e-5, atol=1e-6)
+    for r, n in enumerate((7, 2, 4)):  # row r's last loss token is target 12 - 1 + n - 1
+        assert np.all(out[True][r, 11 + n:] == 0) and np.any(out[False][r, 11 + n:] != 0) == (n < 7)

@@ -298,16 +298,23 @@ class Updater:
 
     def _forward(self, model: nn.Module, batch: dict, layout, entropy: bool = False) -> mx.array:
         """Per-token log-probs (or entropies) of ``model`` on the batch, no gradient, in ``layout``
-        (:meth:`layout`): each block's prefix runs once, its pieces attend to it."""
+        (:meth:`layout`): each block's prefix runs once, its pieces attend to it. With
+        ``trim_padding`` a piece runs to its last loss token and its values after it are 0."""
         T = self.cfg.sampling.temperature
+        L = batch["inputs"].shape[1]
         parts = []
         for p, pieces in layout:
             kv = prefix_kv(model, batch["inputs"][pieces[0][0]:pieces[0][0] + 1, :p]) if p else None
             for i, j in pieces:
-                h = hidden_after(model, batch["inputs"][i:j, p:], kv) if p else model.model(batch["inputs"][i:j])
-                out = sequence_logprobs(model, batch["inputs"][i:j], batch["targets"][i:j], T, self.cfg.chunk_size,
+                mb = slice_rows(batch, i, j)
+                if self.cfg.trim_padding:
+                    mb = trim_padding(mb, keep=p + 1)
+                h = hidden_after(model, mb["inputs"][:, p:], kv) if p else model.model(mb["inputs"])
+                out = sequence_logprobs(model, mb["inputs"], mb["targets"], T, self.cfg.chunk_size,
                                         entropy=entropy, prefix=p, hidden=h)
                 x = out[1] if entropy else out
+                if x.shape[1] < L:
+                    x = mx.pad(x, [(0, 0), (0, L - x.shape[1])])
                 mx.eval(x)
                 parts.append(x)
         return mx.stop_gradient(mx.concatenate(parts))
