@@ -82,6 +82,7 @@ class RLConfig(StrictModel):
         "share_prefix",  # shared prompt prefixes in training
         "auto_micro_batch",  # the memory model's rows per update piece
         "trim_padding",  # update pieces cut after their last loss token
+        "gen_fold_lora",  # generation on the adapters folded into the weights
     })
 
     # data
@@ -96,6 +97,8 @@ class RLConfig(StrictModel):
     group_size: int = Field(8, ge=2)  # G rollouts per prompt
     sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=1.0, max_tokens=256))
     gen_batch_size: int = Field(64, ge=1)  # sequences decoded together by the rollout engine
+    # decode with the LoRA adapters folded into a copy of the weights (finetune/lora.py: folded_adapters)
+    gen_fold_lora: bool = True
     micro_batch_size: int = Field(16, ge=1)  # at most this many sequences per training forward/backward (grads accumulate)
     # fewer rows per piece where the memory model (rl/memory.py) says more would raise the step's peak
     auto_micro_batch: bool = True
