@@ -6,8 +6,8 @@ eval mode, one mlx-lm ``BatchGenerator`` over float32 logits driven by the reque
 With at most :data:`ONE_THREAD_ROWS` sequences decoding, OpenBLAS runs one thread for the pass
 (:func:`mlx_ssp._blas.threads`; Linux only). A step of a few rows multiplies each weight matrix by a
 few vectors: it is bound by reading the weights, so a second thread adds no speed and spins
-while it waits (on the demo model at 4 rows, 1.0x the wall time and 0.6-0.75x the CPU time of
-two threads, measured on a 2-core machine under load 3-6; outputs identical)."""
+while it waits (on the demo model at 4 rows, 93-116 against 150-180 ms of CPU per step, for the same
+or less wall time, on a 2-core machine under load 3-6; outputs bit-identical)."""
 
 from __future__ import annotations
 
