@@ -4,6 +4,10 @@ The Linux ``mlx[cpu]`` wheel resolves its BLAS symbols dynamically; when a real 
 loaded with RTLD_GLOBAL first, float32 matmul runs about 40x faster than with the reference
 BLAS the wheel falls back to. This must run before the first ``import mlx.core``, which is why
 ``mlx_ssp/__init__.py`` calls it first. Set ``MLX_SSP_NO_OPENBLAS=1`` to skip it.
+
+:func:`threads` sets OpenBLAS's thread count for a block of code (the decoder uses one thread for
+a few rows: see :mod:`mlx_ssp.rollout.decoder`); a count the user fixed with ``OPENBLAS_NUM_THREADS``
+is left alone.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 #: Where Debian/Ubuntu's ``libopenblas0-pthread`` (and friends) put the library.
 CANDIDATES = (
@@ -56,3 +62,32 @@ def preload_openblas() -> str | None:
             return path
     status = "not found (apt-get install -y libopenblas0-pthread)"
     return None
+
+
+def _library():
+    """The loaded OpenBLAS's thread functions, or None (nothing loaded, or a BLAS without them)."""
+    if loaded_path is None:
+        return None
+    lib = ctypes.CDLL(loaded_path)
+    if not (hasattr(lib, "openblas_get_num_threads") and hasattr(lib, "openblas_set_num_threads")):
+        return None
+    return lib
+
+
+@contextmanager
+def threads(n: int) -> Iterator[Optional[int]]:
+    """OpenBLAS computes with ``n`` threads inside the block (the count before is restored after);
+    yields the count before, or None where nothing changes: no OpenBLAS loaded by us (macOS uses
+    Accelerate), or ``OPENBLAS_NUM_THREADS`` set by the user. Results do not depend on it here:
+    OpenBLAS splits a product's output among its threads (the demo model's decoding outputs are
+    bit-identical with one and two threads at 4, 16 and 64 rows)."""
+    lib = None if os.environ.get("OPENBLAS_NUM_THREADS") else _library()
+    if lib is None:
+        yield None
+        return
+    before = int(lib.openblas_get_num_threads())
+    lib.openblas_set_num_threads(int(n))
+    try:
+        yield before
+    finally:
+        lib.openblas_set_num_threads(before)

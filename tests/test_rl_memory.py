@@ -26,9 +26,24 @@ MEASURED = {
                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 16384,
                "tie_word_embeddings": True},
     "rl": {"batch_size": 1, "group_size": 2, "sampling": {"temperature": 1.0, "max_tokens": 4}, "micro_batch_size": 1,
-           "lora": {"rank": 8, "num_layers": -1}, "optimizer": "adamw"},
+           "lora": {"rank": 8, "num_layers": -1}, "optimizer": "adamw",
+           "gen_fold_lora": False},  # measured before generation folded the adapters
     "prompt_tokens": 128, "peak_gen_mb": 91.7, "peak_train_mb": 115.6,
 }
+
+
+def test_folded_generation_adds_the_adapted_weights_once():
+    """gen_fold_lora: generation holds a folded copy of every adapted linear layer; the update does not."""
+    rl = {**MEASURED["rl"], "auto_micro_batch": False}
+    on, off = (memory.predict(MEASURED["config"], {**rl, "gen_fold_lora": f}, prompt_tokens=128) for f in (True, False))
+    c = MEASURED["config"]
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    linears = h * 8 * d + 2 * h * 4 * d + 8 * d * h + 3 * h * i  # q, k, v, o, gate, up, down
+    assert on.gen_bytes - off.gen_bytes == pytest.approx(4 * c["num_hidden_layers"] * linears)
+    assert on.train_bytes == off.train_bytes
+    keys = {**rl, "lora": {"rank": 8, "num_layers": 2, "keys": ["self_attn.q_proj"]}}
+    one, none = (memory.predict(c, {**keys, "gen_fold_lora": f}, prompt_tokens=128) for f in (True, False))
+    assert one.gen_bytes - none.gen_bytes == pytest.approx(4 * 2 * h * 8 * d)
 
 
 def _with(base: dict, path: str, value) -> dict:

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_ssp.models import load_model
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.lm_heads import head_of, head_vocab
-from mlx_ssp.rl.batch import build_batch
+from mlx_ssp.rl.batch import build_batch, trim_padding
 from mlx_ssp.rl.pieces import make_loss, sequence_logprobs
 from mlx_ssp.rl.policy import setup_model
 from mlx_ssp.rl.trainer import Trainer
@@ -166,7 +166,8 @@ def test_layout_and_the_two_phase_gradient(tiny_llama, monkeypatch):
     for share, chunk in ((False, None), (True, None), (True, 5), (False, 5), (True, 24)):
         cfg = RLConfig(batch_size=1, group_size=4, micro_batch_size=4, optimizer="sgd", learning_rate=1.0,
                        max_grad_norm=None, chunk_size=chunk, beta=0.1, progress=False, lora={"rank": 4},
-                       share_prefix=share, auto_micro_batch=False)  # pieces by micro_batch_size and chunk alone
+                       share_prefix=share, auto_micro_batch=False,  # pieces by micro_batch_size and chunk alone
+                       trim_padding=False)  # every piece as long as the longest row
         del calls[:]
         tr, batch, moved[share, chunk] = _update(tiny_llama, cfg, recs, adv)
         layout = tr.updater.layout(batch)
@@ -228,3 +229,87 @@ def test_a_run_saved_before_share_prefix_existed_resumes(tiny_llama, tmp_path):
     model, tok = _lora_model(tiny_llama)
     with pytest.raises(UserError, match="share_prefix"):
         train(model, tok, tasks, RLConfig(steps=3, share_prefix=False, **kw), tmp_path)
+
+
+def test_trim_padding_cuts_after_the_last_loss_token():
+    mask = np.zeros((2, 10), np.float32)
+    mask[0, 3:5] = 1
+    mask[1, 4:7] = 1
+    piece = {"inputs": mx.arange(20).reshape(2, 10), "mask": mx.array(mask), "adv": mx.array([1.0, -1.0]),
+             "tokens": 20}
+    cut = trim_padding(piece)
+    assert cut["inputs"].shape == (2, 7) and cut["mask"].shape == (2, 7)
+    assert cut["inputs"].tolist() == [list(range(7)), list(range(10, 17))]
+    assert cut["adv"].shape == (2,) and cut["tokens"] == 20  # per-row and scalar entries as they are
+    assert trim_padding(piece, keep=9)["inputs"].shape == (2, 9)  # never shorter than the shared prefix + 1
+    full = {**piece, "mask": mx.ones((2, 10))}
+    assert trim_padding(full) is full
+
+
+@pytest.mark.parametrize("options", [dict(share_prefix=True, mu=2), dict(share_prefix=False, beta=0.1),
+                                     dict(share_prefix=True, importance_sampling_level="sequence", entropy_coef=0.01,
+                                          top_entropy_quantile=0.5, beta=0.1)])
+def test_trimmed_pieces_give_the_same_update(tiny_llama, monkeypatch, options):
+    """Pieces cut after their last loss token move the LoRA weights as full-width pieces do (float32
+    rounding apart), and run only that far; the base weights stay as they were."""
+    import mlx_ssp.rl.step as step
+
+    widths = []
+    real = step.piece_value_and_grad
+    monkeypatch.setattr(step, "piece_value_and_grad", lambda *a: widths.append(a[2]["inputs"].shape[1]) or real(*a))
+    rng = np.random.default_rng(4)
+    lengths = (2, 11, 5, 3)
+    recs = _group(rng, rng.integers(0, 300, 16).tolist(), lengths)
+    adv = rng.normal(size=4).astype(np.float32)
+    moved, seen = {}, {}
+    for trim in (False, True):
+        cfg = RLConfig(batch_size=1, group_size=4, micro_batch_size=1, optimizer="sgd", learning_rate=1.0,
+                       max_grad_norm=None, progress=False, lora={"rank": 4}, trim_padding=trim, **options)
+        del widths[:]
+        tr, _, moved[trim] = _update(tiny_llama, cfg, recs, adv)
+        seen[trim] = list(widths)
+        base = {k: v for k, v in tree_flatten(tr.model.parameters()) if "lora" not in k}
+        fresh = dict(tree_flatten(_lora_model(tiny_llama)[0].parameters()))
+        assert all(mx.array_equal(v, fresh[k]).item() for k, v in base.items())  # only the adapters moved
+    mu = options.get("mu", 1)
+    full = 16 - 1 + max(lengths)  # every row padded to the longest: prompt + completion - 1 inputs
+    assert seen[False] == [full] * 4 * mu
+    own = [16 - 1 + n for n in lengths] * mu  # each row to its own last token
+    if "top_entropy_quantile" in options:  # the selection masks tokens: a row's last loss token may come earlier
+        assert all(w <= o for w, o in zip(seen[True], own)) and seen[True] != seen[False]
+    else:
+        assert seen[True] == own
+    assert max(np.abs(v).max() for v in moved[False].values()) > 1e-3  # the step did something
+    for k in moved[False]:
+        np.testing.assert_allclose(moved[True][k], moved[False][k], rtol=1e-3, atol=1e-5, err_msg=k)
+
+
+def test_trim_padding_keeps_fingerprints():
+    """A layout setting: left out of dumps at its default (runs saved before it existed resume) and
+    out of the resume fingerprint (a run may change it when it resumes), as auto_micro_batch."""
+    from mlx_ssp.rl.trainer import config_record, fingerprint
+
+    assert "trim_padding" not in config_record(RLConfig(), 0, "m")["rl"]
+    assert config_record(RLConfig(trim_padding=False), 0, "m")["rl"]["trim_padding"] is False
+    on, off = (fingerprint(config_record(RLConfig(trim_padding=t), 0, "m")) for t in (True, False))
+    assert on == off
+
+
+def test_trimmed_reference_forward_matches_on_the_loss_tokens(tiny_llama):
+    """The no-gradient forward (KL reference, entropy selection) with trimmed pieces: the same
+    values on every loss token, 0 after a piece's last one; the batch's width is kept."""
+    rng = np.random.default_rng(5)
+    recs = _group(rng, rng.integers(0, 300, 12).tolist(), (7, 2, 4))
+    batch = build_batch(recs, np.zeros(3, np.float32))
+    out = {}
+    for trim in (False, True):
+        cfg = RLConfig(batch_size=1, group_size=3, micro_batch_size=1, beta=0.1, progress=False, lora={"rank": 4},
+                       trim_padding=trim)
+        model, tok = _lora_model(tiny_llama)
+        up = Trainer(model, tok, _tasks(), cfg, "/tmp", seed=0).updater
+        out[trim] = np.array(up._ref_logprobs(batch, up.layout(batch)))
+    mask = np.array(batch["mask"]) > 0
+    assert out[True].shape == out[False].shape == mask.shape
+    np.testing.assert_allclose(out[True][mask], out[False][mask], rtol=1e-5, atol=1e-6)
+    for r, n in enumerate((7, 2, 4)):  # row r's last loss token is target 12 - 1 + n - 1
+        assert np.all(out[True][r, 11 + n:] == 0) and np.any(out[False][r, 11 + n:] != 0) == (n < 7)

@@ -75,6 +75,30 @@ def adapters_disabled(model):
             m.scale = s
 
 
+@contextmanager
+def folded_adapters(model):
+    """The model with every float LoRA linear layer swapped for one plain linear layer of weight
+    ``W + scale * B A`` (mlx-lm's ``fuse``) inside the block, the adapter layers put back after.
+    For decoding: one matmul per layer instead of three and the elementwise ops, on a copy of the
+    weights (the base and the adapters are not touched; the copy is freed after the block). The
+    outputs equal the adapter form's up to float rounding (``W x + s B (A x)`` is summed in
+    another order). DoRA, quantized and switch (expert) layers keep their adapters."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+    from mlx_lm.tuner.lora import LoRALinear
+
+    mods = [(n, m) for n, m in lora_modules(model)
+            if type(m) is LoRALinear and type(m.linear) is nn.Linear]
+    fused = [(n, m.fuse()) for n, m in mods]
+    mx.eval([f.parameters() for _, f in fused])
+    model.update_modules(tree_unflatten(fused))
+    try:
+        yield model
+    finally:
+        model.update_modules(tree_unflatten(mods))
+
+
 def adapter_config(lora: LoRAConfig, *, fine_tune_type: str, num_layers: int, **extra) -> dict:
     """``adapter_config.json`` as mlx-lm's ``load_adapters`` / ``fuse`` read it, plus ``extra``
     (provenance) after mlx-lm's keys."""

@@ -84,6 +84,23 @@ def slice_rows(batch: dict, i: int, j: int) -> dict:
     return {k: (v[i:j] if isinstance(v, mx.array) else v) for k, v in batch.items()}
 
 
+def trim_padding(piece: dict, keep: int = 1) -> dict:
+    """The piece's per-token arrays ([rows, L]) cut after its last column with a loss token (at least
+    ``keep`` columns). The rows are right-padded to the batch's longest sequence; the columns after
+    a piece's last loss token carry no loss and, causal attention looking only back, change nothing
+    before them, so the piece's loss and gradient are the same up to float32 rounding (summation
+    orders over fewer positions) for less work: a piece of one short row no longer runs as long
+    as the longest."""
+    mask = np.asarray(piece["mask"])
+    L = mask.shape[1]
+    used = np.flatnonzero(mask.any(axis=0))
+    end = max(keep, int(used[-1]) + 1 if used.size else 0)
+    if end >= L:
+        return piece
+    return {k: (v[:, :end] if isinstance(v, mx.array) and v.ndim == 2 and v.shape[1] == L else v)
+            for k, v in piece.items()}
+
+
 def advantage_batch(cfg: RLConfig, groups: list[list[dict]], rec: dict) -> dict:
     """MGPO advantages A' = w(p) * A of the kept groups (their statistics into ``rec``) and the
     training batch built from them."""

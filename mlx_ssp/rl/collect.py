@@ -6,7 +6,8 @@ Steps 1-2 of a step (VibeThinker-1.5B section 3.4; GRPO, DeepSeekMath arXiv:2402
    (:class:`TaskStream`; its position is saved in checkpoints);
 2. sample ``group_size`` completions per prompt from the *current* policy with the rollout engine
    (:func:`mlx_ssp.rollout.generate_rollouts`: mlx-lm's BatchGenerator, behaviour log-probs kept,
-   verifier rewards); with ``dynamic_sampling`` (DAPO) groups whose rewards are all equal (p in
+   verifier rewards; with ``gen_fold_lora`` on the LoRA adapters folded into a copy of the weights,
+   :func:`mlx_ssp.finetune.lora.folded_adapters`); with ``dynamic_sampling`` (DAPO) groups whose rewards are all equal (p in
    {0, 1} for binary rewards: no learning signal) are dropped and more prompts are sampled, at
    most ``max_refill_rounds`` extra rounds (:func:`collect`).
 
@@ -17,10 +18,12 @@ reward statistics of every sampled group, kept or dropped.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import mlx.nn as nn
 import numpy as np
 
+from mlx_ssp.finetune.lora import folded_adapters
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rollout import generate_rollouts
 from mlx_ssp.tasks import Task
@@ -55,11 +58,12 @@ def rollout_groups(model: nn.Module, tokenizer, tasks: list[Task], cfg: RLConfig
     """(the groups of ``group_size`` rollouts of ``tasks``, in task order, the engine's stats); the
     sampling seed is a function of (run seed, step, refill round), so a resumed run draws the same."""
     stats: dict = {}
-    recs = generate_rollouts(
-        model, tokenizer, tasks, k=cfg.group_size, sampling=cfg.sampling,
-        seed=(seed * 1_000_003 + step_no * 101 + round_no) % (2**31), batch_size=cfg.gen_batch_size,
-        progress=False, system=cfg.system, stats=stats,
-    )
+    with folded_adapters(model) if cfg.gen_fold_lora else nullcontext():
+        recs = generate_rollouts(
+            model, tokenizer, tasks, k=cfg.group_size, sampling=cfg.sampling,
+            seed=(seed * 1_000_003 + step_no * 101 + round_no) % (2**31), batch_size=cfg.gen_batch_size,
+            progress=False, system=cfg.system, stats=stats,
+        )
     by: dict[str, list[dict]] = {}
     for r in recs:
         by.setdefault(r["task_id"], []).append(r)

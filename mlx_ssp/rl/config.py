@@ -81,6 +81,8 @@ class RLConfig(StrictModel):
         "overlong", "mask_truncated_completions", "top_entropy_quantile", "tis_cap", "tis_mode", "entropy_coef",
         "share_prefix",  # shared prompt prefixes in training
         "auto_micro_batch",  # the memory model's rows per update piece
+        "trim_padding",  # update pieces cut after their last loss token
+        "gen_fold_lora",  # generation on the adapters folded into the weights
     })
 
     # data
@@ -95,11 +97,15 @@ class RLConfig(StrictModel):
     group_size: int = Field(8, ge=2)  # G rollouts per prompt
     sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=1.0, max_tokens=256))
     gen_batch_size: int = Field(64, ge=1)  # sequences decoded together by the rollout engine
+    # decode with the LoRA adapters folded into a copy of the weights (finetune/lora.py: folded_adapters)
+    gen_fold_lora: bool = True
     micro_batch_size: int = Field(16, ge=1)  # at most this many sequences per training forward/backward (grads accumulate)
     # fewer rows per piece where the memory model (rl/memory.py) says more would raise the step's peak
     auto_micro_batch: bool = True
     # run the prompt prefix a block of rows (a group) shares once per pass, as a broadcast KV cache (rl/prefix.py)
     share_prefix: bool = True
+    # each update piece runs only up to its last loss token, not to the batch's longest row (rl/batch.py)
+    trim_padding: bool = True
     mu: int = Field(1, ge=1)  # inner updates per batch
     old_logprobs: Literal["recompute", "behaviour"] = "recompute"
 

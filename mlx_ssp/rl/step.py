@@ -36,7 +36,7 @@ from mlx_ssp import distributed as dist
 from mlx_ssp.finetune.lora import adapters_disabled
 from mlx_ssp.finetune.optim import OPTIMIZERS, build_optimizer, warmup_constant
 from mlx_ssp.rl import memory, objectives
-from mlx_ssp.rl.batch import slice_rows
+from mlx_ssp.rl.batch import slice_rows, trim_padding
 from mlx_ssp.rl.config import RLConfig
 from mlx_ssp.rl.lm_heads import head_of, head_trainable
 from mlx_ssp.rl.logprobs import chunk_tokens
@@ -225,7 +225,6 @@ class Updater:
         the old log-probs of the later ones (kept in ``old_parts``)."""
         recompute = self.cfg.old_logprobs == "recompute" or self.cfg.tis_cap is not None
         names, arrays = (list(x) for x in zip(*tree_flatten(self.model.trainable_parameters())))
-        L = batch["inputs"].shape[1]
         grads_sum, loss_sum, k = None, 0.0, 0
 
         def add(acc, g):
@@ -240,10 +239,13 @@ class Updater:
                 dkv = None
                 for i, j in pieces:
                     mb = slice_rows(batch, i, j)
+                    if self.cfg.trim_padding:
+                        mb = trim_padding(mb, keep=p + 1)
                     mb["prefix"] = p
                     if recompute:
                         mb["old"] = old_parts[k] if inner > 0 else None
-                    two = (j - i) * (L - p) > self._chunk_tokens and self._frozen_head and self._recompute_safe
+                    cols = mb["inputs"].shape[1]
+                    two = (j - i) * (cols - p) > self._chunk_tokens and self._frozen_head and self._recompute_safe
                     (loss, (totals, logp)), grads, gkv = piece_value_and_grad(self.model, loss_fn, mb, kv, names,
                                                                                arrays, two)
                     if inner == 0:  # sampler vs trainer log-probs of the same tokens: should be ~1e-5
@@ -296,16 +298,23 @@ class Updater:
 
     def _forward(self, model: nn.Module, batch: dict, layout, entropy: bool = False) -> mx.array:
         """Per-token log-probs (or entropies) of ``model`` on the batch, no gradient, in ``layout``
-        (:meth:`layout`): each block's prefix runs once, its pieces attend to it."""
+        (:meth:`layout`): each block's prefix runs once, its pieces attend to it. With
+        ``trim_padding`` a piece runs to its last loss token and its values after it are 0."""
         T = self.cfg.sampling.temperature
+        L = batch["inputs"].shape[1]
         parts = []
         for p, pieces in layout:
             kv = prefix_kv(model, batch["inputs"][pieces[0][0]:pieces[0][0] + 1, :p]) if p else None
             for i, j in pieces:
-                h = hidden_after(model, batch["inputs"][i:j, p:], kv) if p else model.model(batch["inputs"][i:j])
-                out = sequence_logprobs(model, batch["inputs"][i:j], batch["targets"][i:j], T, self.cfg.chunk_size,
+                mb = slice_rows(batch, i, j)
+                if self.cfg.trim_padding:
+                    mb = trim_padding(mb, keep=p + 1)
+                h = hidden_after(model, mb["inputs"][:, p:], kv) if p else model.model(mb["inputs"])
+                out = sequence_logprobs(model, mb["inputs"], mb["targets"], T, self.cfg.chunk_size,
                                         entropy=entropy, prefix=p, hidden=h)
                 x = out[1] if entropy else out
+                if x.shape[1] < L:
+                    x = mx.pad(x, [(0, 0), (0, L - x.shape[1])])
                 mx.eval(x)
                 parts.append(x)
         return mx.stop_gradient(mx.concatenate(parts))

@@ -171,7 +171,7 @@ def latest_checkpoint(out_dir: Path) -> Optional[Path]:
 RESUMABLE_KEYS = ("steps", "checkpoint_every", "max_bad_steps", "progress", "kernels", "output",
                   # the update's layout (gradients accumulate, so the update is the same); a key that
                   # every earlier record holds stays out of here: finished phases hash these fingerprints
-                  "auto_micro_batch")
+                  "auto_micro_batch", "trim_padding", "gen_fold_lora")
 
 
 def config_record(cfg: RLConfig, seed: int, model_path: str) -> dict:
