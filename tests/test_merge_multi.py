@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_ssp.cli import main
 from mlx_ssp.config import load_yaml_documents, load_yaml_text
 from mlx_ssp.errors import UserError
-from mlx_ssp.merge import multi
+from mlx_ssp.merge import multi, torch_math
 from mlx_ssp.merge.config import load_merge_config
 from mlx_ssp.merge.engine import plan_merge, write_skeleton
 from mlx_ssp.merge.multi import STAMP, load_multimerge, read_stamp
@@ -385,6 +385,20 @@ def test_a_new_merger_version_redoes_every_merge(models, tmp_path, monkeypatch):
     assert set(actions(ok(run_cli(cfg, out))).values()) == {"kept"}
     monkeypatch.setattr(multi, "MERGER_VERSION", multi.MERGER_VERSION + 1)
     assert set(actions(ok(run_cli(cfg, out))).values()) == {"merged"}
+
+
+def test_another_float32_math_backend_redoes_every_merge(models, tmp_path, monkeypatch):
+    """oneMKL's and NumPy's float32 acos / sin / cos differ in the last bits: the backend is part of
+    the fingerprint, so switching it (MLX_SSP_TORCH_MATH=numpy) redoes the merges where it changes."""
+    cfg = write(tmp_path / "multi.yml", docs_yaml(*two_level(models)))
+    out = tmp_path / "out"
+    before = torch_math.backend()
+    ok(run_cli(cfg, out))
+    monkeypatch.setenv(torch_math.ENV, "numpy")
+    assert torch_math.backend() == "numpy"
+    want = {"merged"} if before == "mkl" else {"kept"}
+    assert set(actions(ok(run_cli(cfg, out))).values()) == want
+    assert set(actions(ok(run_cli(cfg, out))).values()) == {"kept"}
 
 
 def test_stand_ins_are_never_merge_outputs_and_always_removed(models, tmp_path, monkeypatch):

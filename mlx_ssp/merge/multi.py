@@ -45,6 +45,7 @@ import mlx.core as mx
 
 from mlx_ssp.config import digest, load_yaml_documents, read_config_text, validate
 from mlx_ssp.errors import UserError
+from mlx_ssp.merge import torch_math
 from mlx_ssp.merge.config import MergeConfig, check_parameter_names
 from mlx_ssp.merge.engine import MERGER_VERSION, plan_merge, source_files, source_paths, write_merge, write_skeleton
 from mlx_ssp.merge.outdir import Protected, check_clear_of_inputs, check_replaceable
@@ -260,8 +261,9 @@ def fingerprint(step: Step, job: MergeJob, upstream: dict[str, str], merged_dirs
         elif s.adapter_path is not None:  # keyed without the merge's directory (a dry run's is temporary)
             inputs[f"+{s.adapter_path}"] = file_identity(s, model=False)
     # the merger's identity: MERGER_VERSION moves with every output change of the engine, mlx's
-    # version with its kernels' rounding
-    merger = {"mlx_ssp": mlx_ssp.__version__, "engine": MERGER_VERSION, "mlx": mx.__version__}
+    # version with its kernels' rounding, the float32 math's backend (oneMKL or NumPy) with its last bits
+    merger = {"mlx_ssp": mlx_ssp.__version__, "engine": MERGER_VERSION, "mlx": mx.__version__,
+              "torch_math": torch_math.backend()}
     return digest({"merger": merger, "config": step.data, "upstream": {d: upstream[d] for d in step.deps},
                    "inputs": inputs, "options": options})
 
