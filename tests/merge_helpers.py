@@ -12,8 +12,24 @@ import numpy as np
 import mlx_ssp  # noqa: F401
 import mlx.core as mx
 
+from mlx_ssp.merge import torch_math as TM
 from mlx_ssp.merge.config import MergeConfig
 from mlx_ssp.merge.engine import run_merge
+
+#: the oneMKL code path torch's float32 goldens were recorded on (oneMKL may give other last bits
+#: on another path, e.g. an Intel CPU's AVX2 or AVX-512 one)
+RECORDED_MKL_BRANCH = json.loads((Path(__file__).resolve().parent / "goldens" / "torch_math"
+                                  / "mkl_branch.json").read_text())["mkl_cbwr_auto_branch"]
+
+
+def mkl_parity_skip() -> str | None:
+    """None where the torch float32 bit-identity tests apply (oneMKL, on the recorded code path),
+    else the one-line reason to skip them."""
+    here = TM.mkl_branch()
+    if TM.backend() == "mkl" and here == RECORDED_MKL_BRANCH:
+        return None
+    return (f"oneMKL code path here: {here} (backend {TM.backend()}), goldens recorded on "
+            f"{RECORDED_MKL_BRANCH}: torch's float32 bits are checked only on the recorded path")
 
 # ------------------------------------------------------------------ NumPy reference (independent)
 

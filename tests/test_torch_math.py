@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mlx_ssp.merge import torch_math as TM
+from merge_helpers import RECORDED_MKL_BRANCH, mkl_parity_skip
 
 GOLD = np.load(Path(__file__).resolve().parent / "goldens" / "torch_math" / "torch_float32.npz")
 CASES = [("acos", "acos_x"), ("sin", "trig_x"), ("cos", "trig_x")]
@@ -40,7 +41,7 @@ def test_reference_is_x86_torch():
     assert np.abs(GOLD["trig_x"]).max() > 1e30 and (np.abs(GOLD["acos_x"]) < 1e-38).any()
 
 
-@pytest.mark.skipif(TM.backend() != "mkl", reason="oneMKL not installed (the torch-parity extra)")
+@pytest.mark.skipif(mkl_parity_skip() is not None, reason=str(mkl_parity_skip()))
 @pytest.mark.parametrize("op, x", CASES)
 def test_mkl_is_torch_bit_for_bit(op, x, monkeypatch):
     got = getattr(TM, op)(GOLD[x])
@@ -51,10 +52,18 @@ def test_mkl_is_torch_bit_for_bit(op, x, monkeypatch):
     assert (getattr(TM, op)(GOLD[x]).view(np.int32) != GOLD[f"{op}_y"].view(np.int32)).mean() > 0.01
 
 
-@pytest.mark.skipif(TM.backend() != "mkl", reason="oneMKL not installed (the torch-parity extra)")
+@pytest.mark.skipif(mkl_parity_skip() is not None, reason=str(mkl_parity_skip()))
 def test_mkl_dot_is_torch_bit_for_bit():
     for x, y, want in _dots():
         assert TM.dot(x, y) == want, x.size
+
+
+def test_mkl_branch_is_recorded_and_reported():
+    assert isinstance(RECORDED_MKL_BRANCH, int) and RECORDED_MKL_BRANCH >= 1
+    b = TM.mkl_branch()
+    assert (b is None) == (TM.backend() == "numpy") and (b is None or b >= 1)
+    reason = mkl_parity_skip()
+    assert reason is None or (str(b) in reason and str(RECORDED_MKL_BRANCH) in reason)
 
 
 @pytest.mark.parametrize("op, x", CASES)
