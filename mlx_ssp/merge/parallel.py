@@ -5,7 +5,9 @@ nearly halves a merge. Each thread has its own mlx stream (mlx evaluates a strea
 the thread that created it). Threads take the largest pending tensor first (the classic
 longest-processing-time rule: the run then ends on small tensors, not with one thread alone on the
 lm_head), but never two of the largest at once: peak memory is about inputs x (largest tensor +
-(workers - 1) x largest ordinary tensor) + constant.
+(workers - 1) x largest ordinary tensor) + constant, plus the full-size copies some methods make of
+a tensor in flight (float32 nuslerp per column about 5; multislerp one unit vector per input, and
+in float32 its n dot products and a concatenated copy; docs/merge.md).
 """
 
 from __future__ import annotations
