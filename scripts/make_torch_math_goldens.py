@@ -9,7 +9,10 @@ thread; ``tests/test_torch_math.py`` compares with the stored values without tor
 The inputs: edge cases (signed zeros, subnormals, +-1 and their neighbours, multiples of pi, huge
 arguments), values spread over the ranges slerp's angles take and far beyond, and random vectors
 of 1 to 5000 elements for ``dot``. The npz also records torch's version and CPU capability: the
-values are those of that build on that CPU (x86_64 builds take them from oneMKL).
+values are those of that build on that CPU (x86_64 builds take them from oneMKL). oneMKL's code
+path for the CPU goes beside them by hand, measured with the project's oneMKL on the same machine
+(``mlx_ssp.merge.torch_math.mkl_branch()``) into tests/goldens/torch_math/mkl_branch.json: the
+bit-identity tests run only on that path.
 """
 
 from __future__ import annotations
