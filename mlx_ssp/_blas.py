@@ -6,8 +6,8 @@ BLAS the wheel falls back to. This must run before the first ``import mlx.core``
 ``mlx_ssp/__init__.py`` calls it first. Set ``MLX_SSP_NO_OPENBLAS=1`` to skip it.
 
 :func:`threads` sets OpenBLAS's thread count for a block of code (the decoder uses one thread for
-a few rows: see :mod:`mlx_ssp.rollout.decoder`); a count the user fixed with ``OPENBLAS_NUM_THREADS``
-is left alone.
+a few rows: see :mod:`mlx_ssp.rollout.decoder`); blocks may nest and end in any order, and a count
+the user fixed with ``OPENBLAS_NUM_THREADS``, ``GOTO_NUM_THREADS`` or ``OMP_NUM_THREADS`` is left alone.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -74,20 +75,60 @@ def _library():
     return lib
 
 
+#: Environment variables through which a user fixes OpenBLAS's thread count (then we leave it alone).
+USER_THREAD_ENVS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+
+# The thread count is process-global: blocks may nest or end out of order (two decoders), so the
+# first entry saves the count and the last exit restores it.
+_lock = threading.Lock()
+_depth = 0
+_saved: Optional[int] = None
+
+
+def user_fixed_threads() -> bool:
+    return any(os.environ.get(k) for k in USER_THREAD_ENVS)
+
+
+def enter_threads(n: int) -> Optional[int]:
+    """Start a block with OpenBLAS on ``n`` threads; returns the count before the outermost block, or
+    None where nothing changes (no OpenBLAS loaded by us, or a user setting in :data:`USER_THREAD_ENVS`).
+    Pair every call that returned a count with one :func:`exit_threads`."""
+    global _depth, _saved
+    lib = None if user_fixed_threads() else _library()
+    if lib is None:
+        return None
+    with _lock:
+        if _depth == 0:
+            _saved = int(lib.openblas_get_num_threads())
+        _depth += 1
+        lib.openblas_set_num_threads(int(n))
+        return _saved
+
+
+def exit_threads() -> None:
+    """End one block started by :func:`enter_threads`; the last one restores the saved count."""
+    global _depth, _saved
+    lib = _library()
+    with _lock:
+        if _depth == 0:
+            return
+        _depth -= 1
+        if _depth == 0 and lib is not None and _saved is not None:
+            lib.openblas_set_num_threads(_saved)
+            _saved = None
+
+
 @contextmanager
 def threads(n: int) -> Iterator[Optional[int]]:
-    """OpenBLAS computes with ``n`` threads inside the block (the count before is restored after);
-    yields the count before, or None where nothing changes: no OpenBLAS loaded by us (macOS uses
-    Accelerate), or ``OPENBLAS_NUM_THREADS`` set by the user. Results do not depend on it here:
-    OpenBLAS splits a product's output among its threads (the demo model's decoding outputs are
-    bit-identical with one and two threads at 4, 16 and 64 rows)."""
-    lib = None if os.environ.get("OPENBLAS_NUM_THREADS") else _library()
-    if lib is None:
-        yield None
-        return
-    before = int(lib.openblas_get_num_threads())
-    lib.openblas_set_num_threads(int(n))
+    """OpenBLAS computes with ``n`` threads inside the block (the count before the outermost block is
+    restored when the last block ends, also on an error); yields that count, or None where nothing
+    changes: no OpenBLAS loaded by us (macOS uses Accelerate), or a thread count set by the user
+    (``OPENBLAS_NUM_THREADS``, ``GOTO_NUM_THREADS`` or ``OMP_NUM_THREADS``). Results do not depend
+    on it here: OpenBLAS splits a product's output among its threads (the demo model's decoding
+    outputs are bit-identical with one and two threads at 4, 16 and 64 rows)."""
+    before = enter_threads(n)
     try:
         yield before
     finally:
-        lib.openblas_set_num_threads(before)
+        if before is not None:
+            exit_threads()

@@ -73,17 +73,29 @@ def gumbel_at(keys: np.ndarray, cols: np.ndarray, vocab_size: int) -> mx.array:
 _EXACT: dict[str, bool] = {}
 
 
+def shifted_columns(v: int) -> list[np.ndarray]:
+    """Column subsets whose elements sit at other positions than in the full row: every third
+    column from 1 (an odd count, so a vector kernel's scalar tail lands elsewhere) and all columns
+    reversed. A value that depended on its lane or position would differ there."""
+    every_third = np.arange(1, v, 3)
+    if len(every_third) % 2 == 0:
+        every_third = every_third[:-1]
+    return [every_third, np.arange(v)[::-1].copy()]
+
+
 def exact_here() -> bool:
     """Whether :func:`gumbel_at` equals ``mx.random.gumbel`` on this MLX and device (checked once:
-    two keys, an odd and an even row length, every column)."""
+    two keys, an odd and an even row length, every column, and subsets of columns gathered at
+    shifted positions: :func:`shifted_columns`)."""
     device = str(mx.default_device())
     if device not in _EXACT:
         ok = True
         for seed, v in ((7, 1001), (2**40 + 3, 1000)):
             key = mx.random.key(seed)
-            want = np.array(mx.random.gumbel((v,), key=key))
-            keys = np.broadcast_to(np.array(key, dtype=np.uint32), (v, 2))
-            got = np.array(gumbel_at(keys, np.arange(v), v))
-            ok = ok and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+            want = np.array(mx.random.gumbel((v,), key=key)).view(np.uint32)
+            for cols in [np.arange(v)] + shifted_columns(v):
+                keys = np.broadcast_to(np.array(key, dtype=np.uint32), (len(cols), 2))
+                got = np.array(gumbel_at(keys, cols, v)).view(np.uint32)
+                ok = ok and np.array_equal(got, want[cols])
         _EXACT[device] = ok
     return _EXACT[device]

@@ -17,7 +17,8 @@ sorted and summed, and the threshold is read off them. A row that does not quali
 sum under 0.5 or not finite, which normalised log-probs never give; a NaN) is handled by the
 full sort: NumPy's sort of the whole row, then the same arithmetic. The probabilities are MLX's
 ``exp`` of the float32 values in both cases (MLX's CPU ``exp`` is elementwise, so the value of an
-element does not depend on the array it sits in; tests check it), and the sums run in the same
+element does not depend on the array it sits in; tests check it, and :func:`exp_exact_here` checks
+it once per process, every row taking the full sort if it fails), and the sums run in the same
 sequential float32 order as mlx-lm's reverse cumsum (tests check the masks against mlx-lm's on
 peaked, flat, tied, truncated and float16 rows).
 """
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+
+from mlx_ssp.keyed_noise import shifted_columns
 
 #: candidates: log-prob >= this; exp(-17.4) < 2^-25 (= exp(-17.33)) with room for exp's rounding
 CANDIDATE_LOGPROB = -17.4
@@ -36,6 +39,23 @@ MIN_EXACT_TOTAL = np.float32(0.5)
 def _mlx_exp(values: np.ndarray) -> np.ndarray:
     """MLX's float32 exp of ``values`` (the probabilities mlx-lm computes, not NumPy's)."""
     return np.array(mx.exp(mx.array(values).astype(mx.float32)))
+
+
+_EXP_EXACT: dict[str, bool] = {}
+
+
+def exp_exact_here() -> bool:
+    """Whether MLX's ``exp`` of columns gathered at shifted positions (an odd-sized subset, the row
+    reversed) equals its ``exp`` of the full row there, bit for bit (checked once per device): the
+    shortcut exponentiates the candidates apart from the rest of their row."""
+    device = str(mx.default_device())
+    if device not in _EXP_EXACT:
+        row = np.linspace(-20.0, 0.0, 1001, dtype=np.float32) + np.float32(1e-3) * np.sin(np.arange(1001),
+                                                                                          dtype=np.float32)
+        full = _mlx_exp(row).view(np.uint32)
+        _EXP_EXACT[device] = all(np.array_equal(_mlx_exp(row[c]).view(np.uint32), full[c])
+                                 for c in shifted_columns(len(row)))
+    return _EXP_EXACT[device]
 
 
 def _threshold_full(row: np.ndarray, top_p: np.float32) -> np.ndarray:
@@ -57,7 +77,8 @@ def thresholds(x: np.ndarray, top_p: float) -> tuple[np.ndarray, list]:
     p = np.float32(top_p)
     lo = np.asarray(CANDIDATE_LOGPROB, dtype=x.dtype)
     has_nan = np.isnan(x).any(axis=-1)
-    cols = [None if bad else np.flatnonzero(row >= lo) for row, bad in zip(x, has_nan)]
+    shortcut = exp_exact_here()  # else every row takes the full sort (mlx-lm's own arithmetic)
+    cols = [None if bad or not shortcut else np.flatnonzero(row >= lo) for row, bad in zip(x, has_nan)]
     # one MLX exp for the candidates of every row, each row's sorted largest first
     tops = [np.sort(row[c])[::-1] if c is not None else row[:0] for row, c in zip(x, cols)]
     probs = _mlx_exp(np.concatenate(tops)) if tops else np.zeros(0, np.float32)

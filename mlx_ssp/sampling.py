@@ -19,7 +19,8 @@ On the CPU three exact shortcuts cut the full-vocabulary work of a step: the nuc
 comes from the top of each row (:mod:`mlx_ssp.nucleus`); with top-p alone the noise is drawn at
 the kept tokens only (:func:`nucleus_draw`, :mod:`mlx_ssp.keyed_noise`: the elements of the same
 keyed rows); and the behaviour log-prob's tempered ``logsumexp`` is summed from the terms that can
-change it (:func:`tempered_logsumexp`, :mod:`mlx_ssp.row_logsumexp`). The tokens and log-probs are
+change it (:func:`tempered_logsumexp`, :mod:`mlx_ssp.row_logsumexp`; only where the top-p draw
+already read the rows, so a step without it never waits for the forward pass). The tokens and log-probs are
 those of MLX's whole-row ops, bit for bit (tested; the noise and the logsumexp also check
 themselves against MLX once per process and fall back to MLX's ops if they differ).
 :class:`SequenceSampler` draws the same tokens one sequence at a time (the fallback).
@@ -167,10 +168,13 @@ def nucleus_draw(logprobs: mx.array, top_p: float, keys: np.ndarray, T: float) -
     return mx.array(tokens.astype(np.uint32))
 
 
-def tempered_logsumexp(logprobs: mx.array, T: float) -> mx.array:
+def tempered_logsumexp(logprobs: mx.array, T: float, *, evaluated: bool = True) -> mx.array:
     """``mx.logsumexp(logprobs * (1.0 / T), axis=-1, keepdims=True)``; on the CPU for float32
-    rows, the same values from the terms that can change the sum (:mod:`mlx_ssp.row_logsumexp`)."""
-    if logprobs.dtype != mx.float32 or not _numpy_path(logprobs) or not row_logsumexp.exact_here():
+    rows already evaluated, the same values from the terms that can change the sum
+    (:mod:`mlx_ssp.row_logsumexp`). ``evaluated=False`` (rows still lazy): MLX's own op, since
+    reading the rows would wait for the forward pass and lose mlx-lm's overlap of steps."""
+    if (not evaluated or logprobs.dtype != mx.float32 or not _numpy_path(logprobs)
+            or not row_logsumexp.exact_here()):
         return mx.logsumexp(logprobs * (1.0 / T), axis=-1, keepdims=True)
     # NumPy's float32 product is MLX's (one IEEE rounding of the same two float32 operands)
     x = np.array(logprobs) * np.float32(1.0 / T)
@@ -306,12 +310,14 @@ class BatchSampler:
             raise RuntimeError(f"batch sampler: sequence uid {e.args[0]} was never registered with add()") from None
         for u, t in zip(uids, ts):
             self._t[u] = t + 1
+        evaluated = False  # whether the rows were read here (then a NumPy step costs no wait)
         if T <= 0:
             tokens = mx.argmax(logprobs, axis=-1)
         else:
             keys = np.array([_key_words(self._stream[u], t) for u, t in zip(uids, ts)], dtype=np.uint32)
             tokens = None
             if self.nucleus_only is not None and _numpy_path(logprobs) and keyed_noise.exact_here():
+                evaluated = True  # nucleus_draw reads the rows (waits for the forward pass)
                 tokens = nucleus_draw(logprobs, self.nucleus_only, keys, T)
             if tokens is None:
                 x = logprobs
@@ -320,10 +326,11 @@ class BatchSampler:
                 tokens = _gumbel_max(x, mx.array(keys), T)
         if not self.logprobs:
             return tokens
-        # behaviour log-probs in the same graph; scheduled now so that reading them never waits
+        # behaviour log-probs in the same graph, scheduled now; unless the top-p draw already read
+        # the rows, everything here stays lazy so mlx-lm's next forward pass overlaps this step
         lp = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
         if T > 0 and T != 1.0:  # the rows are normalised at T=1 already
-            lp = lp / T - tempered_logsumexp(logprobs, T)
+            lp = lp / T - tempered_logsumexp(logprobs, T, evaluated=evaluated)
         mx.async_eval(lp)
         step = _StepLogprobs(lp)
         for row, u in enumerate(uids):

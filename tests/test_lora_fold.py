@@ -22,10 +22,10 @@ from mlx_ssp.tasks import Task
 from mlx_ssp.verify import VerifyResult, register
 
 
-def _policy(path):
+def _policy(path, train_dtype="float32"):
     """A LoRA policy whose adapters do something (lora_b starts at 0)."""
     model, tok, _ = load_model(str(path))
-    setup_model(model, RLConfig(lora={"rank": 4}))
+    setup_model(model, RLConfig(lora={"rank": 4}, train_dtype=train_dtype))
     model.update(tree_map(lambda p: p + 0.05 * mx.random.normal(p.shape, key=mx.random.key(7)),
                           model.trainable_parameters()))
     return model, tok
@@ -57,6 +57,39 @@ def test_folded_model_computes_the_adapter_model_and_is_put_back(tiny_qwen3):
     for _, m in lora_modules(model):
         m.scale = 0.0
     assert float(mx.abs(model(x) - want).max()) > 1e-2
+
+
+def test_bf16_layers_are_not_folded_and_decode_through_their_adapters(tiny_qwen3):
+    """fuse rounds B A and W + s B A to bf16, which would drop most of a small update: bf16 layers
+    keep their adapters, so decoding inside the block is the adapter path itself."""
+    model, tok = _policy(tiny_qwen3, train_dtype="bfloat16")
+    wrapped = lora_modules(model)
+    assert wrapped and all(m.linear.weight.dtype == mx.bfloat16 for _, m in wrapped)
+    kw = dict(k=4, sampling=SamplingConfig(temperature=1.0, max_tokens=16), seed=3, batch_size=8, progress=False,
+              verify=False)
+    plain = generate_rollouts(model, tok, _tasks(), **kw)
+    with folded_adapters(model):
+        assert lora_modules(model) == wrapped  # nothing folded
+        folded = generate_rollouts(model, tok, _tasks(), **kw)
+    assert [r["token_ids"] for r in folded] == [r["token_ids"] for r in plain]
+    assert [r["logprobs"] for r in folded] == [r["logprobs"] for r in plain]
+    # what the fold would lose: the bf16-rounded fused weight misses part of the float32 update
+    _, m = wrapped[0]
+    exact = m.linear.weight.astype(mx.float32) + m.scale * (m.lora_b.T @ m.lora_a.T)
+    lost = float(mx.abs(m.fuse().weight.astype(mx.float32) - exact).max())
+    assert lost > 0
+
+
+def test_only_float32_layers_are_folded(tiny_qwen3):
+    model, _ = _policy(tiny_qwen3)
+    names = [n for n, _ in lora_modules(model)]
+    half = set(names[: len(names) // 2])
+    for n, m in lora_modules(model):
+        if n in half:
+            m.linear.set_dtype(mx.bfloat16)
+    with folded_adapters(model):
+        assert {n for n, _ in lora_modules(model)} == half  # the float32 ones are plain layers inside
+    assert [n for n, _ in lora_modules(model)] == names
 
 
 def test_folded_decoding_draws_the_same_tokens(tiny_qwen3):

@@ -173,3 +173,73 @@ def test_tempered_logsumexp_is_mlx_s_expression():
     assert mx.array_equal(tempered_logsumexp(with_nan, 0.9), want, equal_nan=True).item()
     half = x.astype(mx.float16)
     assert mx.array_equal(tempered_logsumexp(half, 0.9), mx.logsumexp(half * (1.0 / 0.9), axis=-1, keepdims=True)).item()
+
+
+class _Generator:
+    """Calls the batch sampler as mlx-lm's generator does (the sampler reads ``uids`` from its caller)."""
+
+    def __init__(self, sampler, uids):
+        self.sampler, self.uids = sampler, uids
+
+    def step(self, logprobs):
+        return self.sampler(logprobs)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_tempered_log_probs_read_the_rows_only_after_the_top_p_draw_did(top_p, monkeypatch):
+    """T != 1 without a top-p draw: MLX's lazy logsumexp (reading the rows would wait for the forward
+    pass); after the top-p draw read them, the NumPy sum. The log-probs are MLX's expression either way."""
+    calls = []
+    real = row_logsumexp.logsumexp_rows
+    monkeypatch.setattr(row_logsumexp, "logsumexp_rows", lambda x: calls.append(1) or real(x))
+    T, x = 0.7, lm_like(3, 21)
+    s = BatchSampler(T, top_p=top_p)
+    for u in range(3):
+        s.add(u, stream=u)
+    tokens = _Generator(s, [0, 1, 2]).step(x)
+    got = [s.behaviour_logprob(u) for u in range(3)]
+    want = (mx.take_along_axis(x, tokens[:, None], axis=-1) / T
+            - mx.logsumexp(x * (1.0 / T), axis=-1, keepdims=True))[:, 0]
+    assert got == want.tolist()
+    assert bool(calls) == (top_p < 1.0 and row_logsumexp.exact_here())
+
+
+def test_noise_self_check_covers_shifted_positions(monkeypatch):
+    """exact_here compares columns gathered at other positions too: a stand-in whose value depends on
+    the lane an element is computed in (equal to MLX on the whole row) is caught."""
+    monkeypatch.setattr(keyed_noise, "_EXACT", {})
+    assert keyed_noise.exact_here()
+    real = keyed_noise.gumbel_at
+
+    def lane_dependent(keys, cols, vocab_size):
+        g = real(keys, cols, vocab_size)
+        moved = mx.array((np.arange(len(cols)) % 8) != (np.asarray(cols) % 8))
+        return mx.where(moved, g * (1 + 2.0**-20), g)
+
+    monkeypatch.setattr(keyed_noise, "gumbel_at", lane_dependent)
+    monkeypatch.setattr(keyed_noise, "_EXACT", {})
+    assert not keyed_noise.exact_here()
+
+
+def test_exp_self_check_covers_shifted_positions_and_falls_back(monkeypatch):
+    """nucleus.exp_exact_here: an exp whose scalar tail rounds differently from its vector lanes
+    (the whole row still MLX's) fails the check, and every row then takes the full sort."""
+    x = np.array(lm_like(3, 31))
+    monkeypatch.setattr(nucleus, "_EXP_EXACT", {})
+    assert nucleus.exp_exact_here()
+    thr, cols = nucleus.thresholds(x, 0.9)
+    assert all(c is not None for c in cols)
+    real = nucleus._mlx_exp
+
+    def tail_differs(values):
+        out = real(values)
+        tail = len(out) - len(out) % 8
+        out[tail:] = np.nextafter(out[tail:], np.float32(np.inf))
+        return out
+
+    monkeypatch.setattr(nucleus, "_mlx_exp", tail_differs)
+    monkeypatch.setattr(nucleus, "_EXP_EXACT", {})
+    assert not nucleus.exp_exact_here()
+    monkeypatch.setattr(nucleus, "_mlx_exp", real)  # the fallback is mlx-lm's arithmetic
+    thr_full, cols = nucleus.thresholds(x, 0.9)
+    assert all(c is None for c in cols) and np.array_equal(thr_full, thr)

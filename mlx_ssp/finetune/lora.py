@@ -75,21 +75,35 @@ def adapters_disabled(model):
             m.scale = s
 
 
-@contextmanager
-def folded_adapters(model):
-    """The model with every float LoRA linear layer swapped for one plain linear layer of weight
-    ``W + scale * B A`` (mlx-lm's ``fuse``) inside the block, the adapter layers put back after.
-    For decoding: one matmul per layer instead of three and the elementwise ops, on a copy of the
-    weights (the base and the adapters are not touched; the copy is freed after the block). The
-    outputs equal the adapter form's up to float rounding (``W x + s B (A x)`` is summed in
-    another order). DoRA, quantized and switch (expert) layers keep their adapters."""
+def foldable(module) -> bool:
+    """Whether :func:`folded_adapters` folds this LoRA layer: a plain LoRA linear on a float32 weight.
+    mlx-lm's ``fuse`` rounds ``B A`` and ``W + s B A`` to the weight's dtype, which in bf16/fp16
+    drops most of a small update (decoding would sample another policy); quantized, DoRA and switch
+    (expert) layers have no exact plain-linear form either."""
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx.utils import tree_unflatten
     from mlx_lm.tuner.lora import LoRALinear
 
-    mods = [(n, m) for n, m in lora_modules(model)
-            if type(m) is LoRALinear and type(m.linear) is nn.Linear]
+    return type(module) is LoRALinear and type(module.linear) is nn.Linear and module.linear.weight.dtype == mx.float32
+
+
+@contextmanager
+def folded_adapters(model):
+    """The model with every foldable LoRA layer (:func:`foldable`: plain linear, float32 weight)
+    swapped for one plain linear layer of weight ``W + scale * B A`` (mlx-lm's ``fuse``) inside the
+    block, the adapter layers put back after. For decoding: one matmul per layer instead of three
+    and the elementwise ops, on a copy of the weights (the base and the adapters are not touched;
+    the copy is freed after the block). The outputs equal the adapter form's up to float rounding
+    (``W x + s B (A x)`` is summed in another order). Layers on bf16/fp16 weights keep decoding
+    through their adapters (folding would round the update away), as do DoRA, quantized and
+    switch (expert) layers: with a bf16 model nothing is folded."""
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+
+    mods = [(n, m) for n, m in lora_modules(model) if foldable(m)]
+    if not mods:
+        yield model
+        return
     fused = [(n, m.fuse()) for n, m in mods]
     mx.eval([f.parameters() for _, f in fused])
     model.update_modules(tree_unflatten(fused))

@@ -97,7 +97,8 @@ class RLConfig(StrictModel):
     group_size: int = Field(8, ge=2)  # G rollouts per prompt
     sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=1.0, max_tokens=256))
     gen_batch_size: int = Field(64, ge=1)  # sequences decoded together by the rollout engine
-    # decode with the LoRA adapters folded into a copy of the weights (finetune/lora.py: folded_adapters)
+    # decode with the LoRA adapters folded into a copy of the float32 weights (finetune/lora.py:
+    # folded_adapters); bf16/fp16 layers keep their adapters (folding would round the update away)
     gen_fold_lora: bool = True
     micro_batch_size: int = Field(16, ge=1)  # at most this many sequences per training forward/backward (grads accumulate)
     # fewer rows per piece where the memory model (rl/memory.py) says more would raise the step's peak

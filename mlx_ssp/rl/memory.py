@@ -129,7 +129,7 @@ def lora_params(shape: ModelShape, rank: int, num_layers: int, keys: Optional[li
 
 def adapted_params(shape: ModelShape, num_layers: int, keys: Optional[list[str]] = None) -> int:
     """Weights of the linear layers LoRA adapts (the ones ``gen_fold_lora`` copies, folded, for
-    generation): in x out for each adapted linear of the last ``num_layers`` blocks (-1 = all)."""
+    generation when they are float32): in x out for each adapted linear of the last ``num_layers`` blocks (-1 = all)."""
     names = list(BLOCK_LINEARS) if keys is None else [k for k in keys if k in BLOCK_LINEARS]
     per_block = sum(i * o for i, o in (BLOCK_LINEARS[n](shape) for n in names))
     return per_block * (shape.layers if num_layers < 0 else min(num_layers, shape.layers))
@@ -196,8 +196,9 @@ def features(config: Mapping[str, Any], rl, *, phase: str, prompt_tokens: int, d
 def fixed_bytes(config: Mapping[str, Any], rl, *, phase: str, dtype: str = "float32") -> float:
     """The terms with no fitted coefficient: weights (a second copy for full fine-tuning with a KL
     reference), the trainable state (parameters, optimizer moments; gradients in the update:
-    the micro-batch's and the accumulated sum) and, in generation with ``gen_fold_lora``, the
-    folded copy of the adapted linear layers."""
+    the micro-batch's and the accumulated sum) and, in generation with ``gen_fold_lora`` in
+    float32, the folded copy of the adapted linear layers (bf16/fp16 layers are not folded:
+    :func:`mlx_ssp.finetune.lora.foldable`; experts and quantization are refused above)."""
     shape, rl = shape_from_config(config), _rl(rl)
     b = DTYPE_BYTES[dtype]
     weights = shape.params * b
@@ -206,7 +207,7 @@ def fixed_bytes(config: Mapping[str, Any], rl, *, phase: str, dtype: str = "floa
     if rl.fine_tune_type == "lora":
         trainable = lora_params(shape, rl.lora.rank, rl.lora.num_layers, rl.lora.keys)
         state = trainable * 4 * (1 + moments + grads)  # LoRA arrays are float32 (mlx-lm's init)
-        if phase == "gen" and rl.gen_fold_lora:
+        if phase == "gen" and rl.gen_fold_lora and dtype == "float32":  # only float32 layers are folded
             state += adapted_params(shape, rl.lora.num_layers, rl.lora.keys) * b
     else:
         state = shape.params * b * (moments + grads)

@@ -64,7 +64,7 @@ class Decoder:
         self.bar = progress.bar(total, unit=unit, desc=desc, enabled=request.progress)
         self._blas = ExitStack()
         if min(request.batch_size, total) <= ONE_THREAD_ROWS:
-            self._blas.enter_context(_blas.threads(1))
+            self._blas.enter_context(_blas.threads(1))  # ended in close(), whatever else fails there
         self.t_start = time.perf_counter()
         self.gen_s_before = 0.0  # time of an earlier pass in the same request (episodes, then single turns)
 
@@ -108,11 +108,13 @@ class Decoder:
         return time.perf_counter() - self.t_start
 
     def close(self, stats: dict) -> None:
-        self.gen.close()
-        self._blas.close()
-        self.bar.close()
-        if self.was_training:
-            self.model.train()
+        try:
+            self.gen.close()
+        finally:
+            self._blas.close()
+            self.bar.close()
+            if self.was_training:
+                self.model.train()
         stats["gen_s"] = self.gen_s_before + self.elapsed()
         # prompt tokens not prefilled again because samples shared their prompt's prefill
         stats["prefill_saved_tokens"] = stats.get("prefill_saved_tokens", 0) + self.saved_prefill

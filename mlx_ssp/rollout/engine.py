@@ -89,8 +89,12 @@ class _Generation:
         self.gen, self.bar, self.lp_temp = self.dec.gen, self.dec.bar, self.dec.lp_temp
         self.live: dict[int, LiveSequence] = {}
         groups = TaskGroups(Counter(ti for ti, _ in plan.work))
-        self.scorer = Scorer(request.tasks, groups, stats, verify=request.verify, workers=request.verify_workers,
-                             unlabelled=frozenset(request.unlabelled_ids()))
+        try:
+            self.scorer = Scorer(request.tasks, groups, stats, verify=request.verify, workers=request.verify_workers,
+                                 unlabelled=frozenset(request.unlabelled_ids()))
+        except BaseException:
+            self.dec.close({})  # the decoder's thread count and model mode back before the error goes on
+            raise
         self.next_work = 0
         self.t_start = self.last_bar = self.dec.t_start
 
