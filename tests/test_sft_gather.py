@@ -21,9 +21,15 @@ from mlx_ssp.models import load_model
 from mlx_ssp.rl.lm_heads import head_of
 from mlx_ssp.rl.logprobs import token_logprobs
 from mlx_ssp.sft import SFTConfig
-from mlx_ssp.sft.batches import (INDEX_MULTIPLE, default_loss_mask, make_iterate_batches,
-                                 make_masked_iterate_batches, masked_batch, target_index)
-from mlx_ssp.sft.loss import default_loss, make_loss, masked_loss
+from mlx_ssp.sft.batches import (
+    INDEX_MULTIPLE,
+    default_loss_mask,
+    make_iterate_batches,
+    make_masked_iterate_batches,
+    masked_batch,
+    target_index,
+)
+from mlx_ssp.sft.loss import default_loss, masked_loss
 from mlx_ssp.sft.packing import packed_batch
 
 
@@ -141,7 +147,7 @@ def test_gathered_logprobs_bit_identical_at_equal_chunking(lora_model):
     """Per-token log-probs of the gathered rows are the full-width op's at those positions, bit for
     bit: with one chunk each, and with the gathered rows in 16-row chunks (OpenBLAS gives a row of the
     head's matmul the same result whatever the row count here, from 16 rows up)."""
-    model, tok = lora_model
+    model, _ = lora_model
     head = head_of(model)
     tokens, weights = masked_batch(_items(model.args.vocab_size, [40, 7, 23, 61], seed=3), 2048)
     h = model.model(tokens[:, :-1])
@@ -157,7 +163,7 @@ def test_gathered_logprobs_bit_identical_at_equal_chunking(lora_model):
 def test_gathered_loss_under_mx_compile_with_changing_index_lengths(lora_model):
     """mlx-lm's step compiles value and gradient; compiled, on batches whose index lengths differ,
     the gathered loss and gradients equal the compiled full-width ones (:data:`GRAD_RTOL`)."""
-    model, tok = lora_model
+    model, _ = lora_model
     compiled = partial(mx.compile, inputs=[model.state], outputs=[model.state])
     vg_full = nn.value_and_grad(model, lambda m, *b: masked_loss(m, *b)[0])
     vg_gather = nn.value_and_grad(model, lambda m, *b: masked_loss(m, *b[:-1], index=b[-1])[0])
