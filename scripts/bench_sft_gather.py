@@ -27,6 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# first, at the top: loads OpenBLAS before mlx.core (the children import it; otherwise MLX's
+# reference BLAS runs the matmuls, tens of times slower)
+import mlx_ssp  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -51,10 +55,13 @@ def make_data(out: Path, n: int, seed: int = 0) -> Path:
 
 
 def child(a: dict) -> dict:
+    from mlx_ssp._blas import loaded_path
+
+    if loaded_path is None:
+        raise SystemExit("OpenBLAS is not loaded: the timing would be MLX's reference BLAS")
     import mlx.core as mx
     from mlx_lm.tuner.trainer import TrainingArgs, train
 
-    import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core, as the CLI)
     from mlx_ssp.demo import demo_dir
     from mlx_ssp.finetune.lora import attach_lora
     from mlx_ssp.models import load_model
@@ -88,7 +95,7 @@ def child(a: dict) -> dict:
                             steps_per_save=10**9, max_seq_length=256, adapter_file=str(Path(a["work"]) / "a.safetensors")),
           **batching(cfg, plan, 0))
     steps = [b - x for x, b in zip([t0] + stamps, stamps)]
-    return {"total": stamps[-1] - t0, "steady": statistics.median(steps[a["warm"]:]), "losses": losses}
+    return {"code": mlx_ssp.__file__, "total": stamps[-1] - t0, "steady": statistics.median(steps[a["warm"]:]), "losses": losses}
 
 
 def main() -> None:
@@ -121,6 +128,7 @@ def main() -> None:
                     sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
                 res = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])
                 res["load"] = (load0 + os.getloadavg()[0]) / 2
+                assert res["code"].startswith(str(tree)), (name, res["code"])  # that tree's code ran
                 results[name].append(res)
                 print(f"round {r + 1} {name:>12}: {res['total']:6.1f} s for {args.iters} iterations, "
                       f"{res['steady']:.3f} s/iteration steady, load {res['load']:.2f}, "
