@@ -95,7 +95,7 @@ def child(a: dict) -> dict:
                             steps_per_save=10**9, max_seq_length=256, adapter_file=str(Path(a["work"]) / "a.safetensors")),
           **batching(cfg, plan, 0))
     steps = [b - x for x, b in zip([t0] + stamps, stamps)]
-    return {"code": mlx_ssp.__file__, "total": stamps[-1] - t0, "steady": statistics.median(steps[a["warm"]:]), "losses": losses}
+    return {"code": mlx_ssp.__file__, "total": stamps[-1] - t0, "first": steps[: a["warm"]], "steady": statistics.median(steps[a["warm"]:]), "losses": losses}
 
 
 def main() -> None:
@@ -131,7 +131,8 @@ def main() -> None:
                 assert res["code"].startswith(str(tree)), (name, res["code"])  # that tree's code ran
                 results[name].append(res)
                 print(f"round {r + 1} {name:>12}: {res['total']:6.1f} s for {args.iters} iterations, "
-                      f"{res['steady']:.3f} s/iteration steady, load {res['load']:.2f}, "
+                      f"{res['steady']:.3f} s/iteration steady, first {' '.join(f'{x:.1f}' for x in res['first'])} s, "
+                      f"load {res['load']:.2f}, "
                       f"loss {res['losses'][0]:.4f} -> {res['losses'][-1]:.4f}", flush=True)
     print(f"\n| variant | s for {args.iters} iterations (median) | s/iteration steady (median) | load (mean) |")
     print("|---|---|---|---|")
