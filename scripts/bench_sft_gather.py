@@ -29,7 +29,7 @@ from pathlib import Path
 
 # first, at the top: loads OpenBLAS before mlx.core (the children import it; otherwise MLX's
 # reference BLAS runs the matmuls, tens of times slower)
-import mlx_ssp  # noqa: F401
+import mlx_ssp
 
 ROOT = Path(__file__).resolve().parents[1]
 
