@@ -178,9 +178,9 @@ def test_a_gold_episode_trains_through_the_sft_stage(tmp_path, base, gold):
     (plan,) = plan_domains(cfg, model, tok, {}, tmp_path)
     kw = batching(cfg, plan, 1)
     assert plan.stats["format"] == "tokens"
-    t, w = next(kw["iterate_batches"](plan.train_set, 1, 2048))
+    t, w, index = next(kw["iterate_batches"](plan.train_set, 1, 2048))  # the target index, by default
     want = masked_loss(model, t, w, kind="logits")
-    assert abs(float(kw["loss"](model, t, w)[0]) - float(want[0])) < 1e-5  # the chunked loss, by default
+    assert abs(float(kw["loss"](model, t, w, index)[0]) - float(want[0])) < 1e-5  # the chunked loss, by default
     losses = []
 
     class Spy:

@@ -12,7 +12,8 @@ For each domain d listed in the ``sft:`` section:
    (:func:`~mlx_ssp.sft.batches.make_masked_iterate_batches`) and the masked loss
    (:func:`~mlx_ssp.sft.loss.masked_loss`): every assistant turn is a target, nothing else is.
    The cross-entropy is the RL stage's chunked log-prob op by default (``sft.loss``,
-   :mod:`mlx_ssp.sft.loss`: the logits never exist whole), and ``sft.pack`` packs a batch's
+   :mod:`mlx_ssp.sft.loss`: the logits never exist whole; ``sft.gather_targets``: only at the
+   weighted targets), and ``sft.pack`` packs a batch's
    records into fewer rows (:mod:`mlx_ssp.sft.packing`); both give the same loss to float32 rounding.
 2. Every ``save_every`` steps (and at the last step) the adapter is saved as a checkpoint
    (``adapters.safetensors`` + ``adapter_config.json``, so ``mlx_lm fuse`` / ``load_adapters`` work on

@@ -1,16 +1,42 @@
-"""Batch iteration: mlx-lm's ``iterate_batches`` made reproducible and resumable."""
+"""Batch iteration: mlx-lm's ``iterate_batches`` made reproducible and resumable, and the flat
+indices of a batch's weighted targets (:func:`target_index`: the chunked loss runs the LM head there only)."""
 
 from __future__ import annotations
 
+import mlx.core as mx
+import numpy as np
+
 from mlx_ssp.sft.packing import packed_batch
 
+#: the target index is padded to a multiple of this many entries: few distinct shapes for the
+#: compiled step to trace
+INDEX_MULTIPLE = 16
 
-def make_iterate_batches(seed: int, skip: int = 0):
+
+def target_index(weights) -> mx.array:
+    """The flat indices (into ``weights.reshape(-1)``) of the nonzero target weights, in order, as
+    int32, padded with -1 to a multiple of :data:`INDEX_MULTIPLE` entries (at least one multiple).
+    Computed with the batch, outside the compiled step, whose shapes cannot depend on the data."""
+    flat = np.flatnonzero(np.asarray(weights).reshape(-1)).astype(np.int32)
+    n = max(INDEX_MULTIPLE, -(-flat.size // INDEX_MULTIPLE) * INDEX_MULTIPLE)
+    return mx.array(np.concatenate([flat, np.full(n - flat.size, -1, np.int32)]))
+
+
+def default_loss_mask(lengths, width: int) -> np.ndarray:
+    """The ``(B, width - 1)`` target mask of mlx-lm's ``default_loss`` for a ``(batch, lengths)``
+    batch of that width: target ``t`` counts when ``offset <= t + 1 <= length``."""
+    lengths = np.asarray(lengths)
+    steps = np.arange(1, width)
+    return (steps >= lengths[:, 0:1]) & (steps <= lengths[:, 1:])
+
+
+def make_iterate_batches(seed: int, skip: int = 0, gather: bool = False):
     """mlx-lm's ``iterate_batches`` with its NumPy shuffling confined to a private, seeded
     ``RandomState`` (training and validation get separate streams), and the first ``skip``
     training batches dropped (resume: they were already trained on). The training stream starts
-    from ``seed`` exactly as ``mlx_lm lora`` seeds NumPy, so the batch order is the same as its."""
-    import numpy as np
+    from ``seed`` exactly as ``mlx_lm lora`` seeds NumPy, so the batch order is the same as its.
+    With ``gather`` each ``(batch, lengths)`` also carries the :func:`target_index` of its
+    ``default_loss`` mask: ``(batch, lengths, index)``."""
     from mlx_lm.tuner.trainer import iterate_batches
 
     base_seed = seed  # mlx-lm's `seed=` argument of the iterator below is not ours
@@ -32,6 +58,8 @@ def make_iterate_batches(seed: int, skip: int = 0):
             n += 1
             if loop and n <= skip:
                 continue
+            if gather:
+                batch = (*batch, target_index(default_loss_mask(batch[1], batch[0].shape[1])))
             yield batch
 
     return wrapped
@@ -55,9 +83,6 @@ def masked_batch(items: list[tuple[list[int], list[int]]], max_seq_length: int):
     ``tokens[:, 1:]``: ``weights[b, t] = mask_b[t + 1]``, so padding and every mask-0 token weigh
     nothing. Items longer than ``max_seq_length`` are cut (the loader already did; this keeps the
     shape bound for a dataset made elsewhere)."""
-    import mlx.core as mx
-    import numpy as np
-
     longest = max(len(ids) for ids, _ in items)
     width = min(1 + PAD_TO * ((longest + PAD_TO - 1) // PAD_TO), max_seq_length)
     tokens = np.zeros((len(items), width), np.int32)
@@ -79,7 +104,7 @@ def as_masked_item(item) -> tuple[list[int], list[int]]:
     return ids, second
 
 
-def make_masked_iterate_batches(seed: int, skip: int = 0, pack: bool = False):
+def make_masked_iterate_batches(seed: int, skip: int = 0, pack: bool = False, gather: bool = False):
     """The batch iterator for token records (:class:`~mlx_ssp.sft.episodes.TokenDataset`), with
     mlx-lm's ``iterate_batches`` signature and batching rule: items sorted by length, cut into
     consecutive batches of ``batch_size`` (length bucketing: a batch holds episodes of similar
@@ -90,9 +115,8 @@ def make_masked_iterate_batches(seed: int, skip: int = 0, pack: bool = False):
     With ``loop`` the first ``skip`` batches are dropped (resume: they were trained on).
     With ``pack`` each batch holds the same records, packed into as few rows as fit
     (:func:`~mlx_ssp.sft.packing.packed_batch`: ``(tokens, weights, segments)``), and mlx-lm's
-    ``(token_ids, offset)`` items are taken too (:func:`as_masked_item`)."""
-    import numpy as np
-
+    ``(token_ids, offset)`` items are taken too (:func:`as_masked_item`). With ``gather`` every
+    batch also ends with the :func:`target_index` of its weights."""
     collate = packed_batch if pack else masked_batch
 
     base_seed = seed  # mlx-lm's `seed=` argument of the iterator below is not ours
@@ -112,7 +136,8 @@ def make_masked_iterate_batches(seed: int, skip: int = 0, pack: bool = False):
                 n += 1
                 if loop and n <= skip:
                     continue
-                yield collate([as_masked_item(dataset[j]) for j in batches[i]], max_seq_length)
+                batch = collate([as_masked_item(dataset[j]) for j in batches[i]], max_seq_length)
+                yield (*batch, target_index(batch[1])) if gather else batch
             if not loop:
                 return
 

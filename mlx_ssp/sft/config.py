@@ -71,7 +71,7 @@ class SFTConfig(StrictModel):
     """The ``sft:`` section."""
 
     # added after runs existed: old fingerprints kept
-    OMIT_AT_DEFAULT = frozenset({"blend", "curriculum", "loss", "pack"})
+    OMIT_AT_DEFAULT = frozenset({"blend", "curriculum", "gather_targets", "loss", "pack"})
 
     #: required by the command; the pipeline fills it from the tasks section when empty
     domains: dict[str, DomainSpec] = Field(default_factory=dict)
@@ -91,6 +91,9 @@ class SFTConfig(StrictModel):
     #: how the cross-entropy is computed (mlx_ssp.sft.loss.CE_KINDS): "chunked" (the log-prob op,
     #: logits one chunk of tokens at a time) or "logits" (mlx-lm's, the whole logits); same value
     loss: Literal[tuple(CE_KINDS)] = "chunked"
+    #: with the chunked loss, run the LM head only at the targets that carry weight (the completion,
+    #: not the prompt or padding); false = at every position (the same value up to float rounding)
+    gather_targets: bool = True
     #: pack each batch's records into as few rows as fit (a block-diagonal mask keeps them apart);
     #: the same records and loss per batch, less padding
     pack: bool = False

@@ -14,6 +14,13 @@ Two ways to get the per-token cross-entropy (:data:`CE_KINDS`, the ``sft.loss`` 
   (chunks sized for a compiled step: :func:`sft_chunk_size`).
   The same value as ``logits`` up to float32 rounding (tested).
 
+Gathered targets (the ``sft.gather_targets`` key, on by default with ``chunked``): the batch iterator
+also yields the flat indices of the weighted targets (:func:`~mlx_ssp.sft.batches.target_index`), and
+the loss gathers the hidden states, targets and weights there before the chunked op, so the LM head
+(forward and backward) runs only where a target carries weight: the completion tokens, not the
+prompt or the padding. The same loss and gradients as the full-width op up to float32 summation
+order (tested).
+
 Packed batches (:mod:`mlx_ssp.sft.packing`) run the backbone with a block-diagonal causal mask (a
 third batch array: the segment id of every token), so a record attends only to itself.
 """
@@ -60,12 +67,29 @@ def sft_chunk_size(head, n_tokens: int) -> int:
 
 
 def _ce_chunked(model, inputs, targets, segments, chunk_size=None):
-    h = model.model(inputs) if segments is None else packed_hidden(model, inputs, segments)
+    h = _hidden(model, inputs, segments)
     head = head_of(model)
     # save_grad: with a frozen head (LoRA) each chunk's d logp / d h is formed in the forward, so the
     # backward does not recompute the chunk's logits (two head matmuls per chunk in all, as `logits`)
     return -token_logprobs(h, head, targets, chunk_size=chunk_size or sft_chunk_size(head, targets.size),
                            save_grad=True)
+
+
+def _hidden(model, inputs, segments):
+    return model.model(inputs) if segments is None else packed_hidden(model, inputs, segments)
+
+
+def gathered_ce(model, inputs, targets, weights, index, segments=None, chunk_size=None):
+    """``(CE, w)`` at the flat target positions ``index`` (``-1`` entries are padding, weight 0):
+    the chunked op's per-token CE on the gathered hidden states, and the gathered weights."""
+    valid = index >= 0
+    at = mx.where(valid, index, 0)
+    h = _hidden(model, inputs, segments)
+    h = mx.take(h.reshape(-1, h.shape[-1]), at, axis=0)
+    head = head_of(model)
+    ce = -token_logprobs(h, head, mx.take(targets.reshape(-1), at), save_grad=True,
+                         chunk_size=chunk_size or sft_chunk_size(head, index.size))
+    return ce, mx.logical_and(mx.take(weights.reshape(-1), at), valid)
 
 
 def chunked_is_exact(model) -> bool:
@@ -83,44 +107,62 @@ def chunked_is_exact(model) -> bool:
 CE_KINDS: dict[str, Callable] = {"chunked": _ce_chunked, "logits": _ce_logits}
 
 
-def weighted_ce(model, inputs, targets, weights, segments=None, *, kind: str = "chunked", chunk_size=None):
+def weighted_ce(model, inputs, targets, weights, segments=None, *, kind: str = "chunked", chunk_size=None,
+                index=None):
     """``(sum_t w_t * CE_t / sum_t w_t, sum_t w_t)``: the mean next-token cross-entropy over the
     weighted targets, the per-token CE computed the ``kind`` way (:data:`CE_KINDS`; ``chunk_size``:
-    tokens per chunk of the chunked op, None = its automatic size)."""
-    ce = CE_KINDS[kind](model, inputs, targets, segments, chunk_size) * weights
+    tokens per chunk of the chunked op, None = its automatic size). With ``index`` (the batch's
+    :func:`~mlx_ssp.sft.batches.target_index`, kind ``chunked`` only) the CE is computed at those
+    targets only (:func:`gathered_ce`)."""
+    if index is not None:
+        if kind != "chunked":
+            raise ValueError(f"gathered targets need the chunked loss, not {kind!r}")
+        ce, weights = gathered_ce(model, inputs, targets, weights, index, segments, chunk_size)
+    else:
+        ce = CE_KINDS[kind](model, inputs, targets, segments, chunk_size)
+    ce = ce * weights
     ntoks = weights.sum()
     return ce.astype(mx.float32).sum() / ntoks, ntoks
 
 
-def masked_loss(model, tokens, weights, segments=None, *, kind: str = "chunked", chunk_size=None):
+def masked_loss(model, tokens, weights, segments=None, *, kind: str = "chunked", chunk_size=None, index=None):
     """Mean next-token cross-entropy over the target positions: ``sum_t w_t * CE(logits_t,
     tokens_{t+1}) / sum_t w_t`` with ``logits = model(tokens[:, :-1])`` and ``weights`` the
     ``(B, W - 1)`` target mask of :func:`~mlx_ssp.sft.batches.masked_batch` (``segments``: the
     ``(B, W - 1)`` segment ids of a packed batch, :func:`~mlx_ssp.sft.packing.packed_batch`). On a
-    mask that is one span ``[offset, length)`` this is ``default_loss`` (a completions record's answer)."""
-    return weighted_ce(model, tokens[:, :-1], tokens[:, 1:], weights, segments, kind=kind, chunk_size=chunk_size)
+    mask that is one span ``[offset, length)`` this is ``default_loss`` (a completions record's answer).
+    ``index``: compute the CE at the weighted targets only (:func:`weighted_ce`)."""
+    return weighted_ce(model, tokens[:, :-1], tokens[:, 1:], weights, segments, kind=kind, chunk_size=chunk_size,
+                       index=index)
 
 
-def default_loss(model, batch, lengths, *, kind: str = "chunked", chunk_size=None):
+def default_loss(model, batch, lengths, *, kind: str = "chunked", chunk_size=None, index=None):
     """mlx-lm's ``default_loss`` on its ``(batch, lengths)`` batches (chat, completions and text
     records), with the same target mask (``offset <= t + 1 <= length``, including mlx-lm's one target
-    past a record's end when the batch has padding there) and the per-token CE the ``kind`` way."""
+    past a record's end when the batch has padding there) and the per-token CE the ``kind`` way
+    (``index``: at the weighted targets only, :func:`weighted_ce`)."""
     steps = mx.arange(1, batch.shape[1])
     mask = mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:])
-    return weighted_ce(model, batch[:, :-1], batch[:, 1:], mask, kind=kind, chunk_size=chunk_size)
+    return weighted_ce(model, batch[:, :-1], batch[:, 1:], mask, kind=kind, chunk_size=chunk_size, index=index)
 
 
-def make_loss(kind: str, token_batches: bool) -> Callable:
+def make_loss(kind: str, token_batches: bool, gather: bool = False) -> Callable:
     """The ``loss`` of mlx-lm's ``train`` / ``evaluate`` for ``sft.loss = kind``: on our masked
-    (or packed) batches when ``token_batches``, else on mlx-lm's ``(batch, lengths)`` batches."""
+    (or packed) batches when ``token_batches``, else on mlx-lm's ``(batch, lengths)`` batches.
+    With ``gather`` every batch ends with its target index (the iterators' ``gather=True``), and
+    the CE is computed at those targets only."""
     if kind not in CE_KINDS:
         raise ValueError(f"unknown loss {kind!r}; choose from {', '.join(CE_KINDS)}")
     base = masked_loss if token_batches else default_loss
 
-    def loss(model, *batch):
-        return base(model, *batch, kind=kind)
+    if gather:
+        def loss(model, *batch):
+            return base(model, *batch[:-1], kind=kind, index=batch[-1])
+    else:
+        def loss(model, *batch):
+            return base(model, *batch, kind=kind)
 
     return loss
 
 
-__all__ = ["CE_KINDS", "chunked_is_exact", "default_loss", "make_loss", "masked_loss", "sft_chunk_size", "weighted_ce"]
+__all__ = ["CE_KINDS", "chunked_is_exact", "default_loss", "gathered_ce", "make_loss", "masked_loss", "sft_chunk_size", "weighted_ce"]

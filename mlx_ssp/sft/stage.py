@@ -70,11 +70,14 @@ def batching(cfg: SFTConfig, plan: DomainPlan, seed: int, skip: int = 0) -> dict
     """The ``iterate_batches`` and ``loss`` keywords of mlx-lm's ``train`` / ``evaluate`` for a
     domain's data: token records (whole episodes), and every kind when ``cfg.pack``, get our masked
     (or packed) batches and the masked loss; the other kinds get mlx-lm's own batches (seeded,
-    resumable) and its default loss's target mask. The cross-entropy is computed the ``cfg.loss`` way."""
+    resumable) and its default loss's target mask. The cross-entropy is computed the ``cfg.loss`` way,
+    at the weighted targets only when ``cfg.gather_targets`` (chunked loss: batches carry their index)."""
+    gather = cfg.gather_targets and cfg.loss == "chunked"
     if plan.stats.get("format") == "tokens" or cfg.pack:
-        return {"iterate_batches": make_masked_iterate_batches(seed, skip=skip, pack=cfg.pack),
-                "loss": make_loss(cfg.loss, token_batches=True)}
-    return {"iterate_batches": make_iterate_batches(seed, skip=skip), "loss": make_loss(cfg.loss, token_batches=False)}
+        return {"iterate_batches": make_masked_iterate_batches(seed, skip=skip, pack=cfg.pack, gather=gather),
+                "loss": make_loss(cfg.loss, token_batches=True, gather=gather)}
+    return {"iterate_batches": make_iterate_batches(seed, skip=skip, gather=gather),
+            "loss": make_loss(cfg.loss, token_batches=False, gather=gather)}
 
 
 class _Hook:
