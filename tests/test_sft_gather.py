@@ -4,7 +4,6 @@ per-token log-probs) on padded, packed and mlx-lm batches, through mlx-lm's comp
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +13,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map_with_path
+from sft_helpers import train_losses, write_stage_data
 
 from mlx_ssp.config import plain
 from mlx_ssp.finetune.lora import LoRAConfig, attach_lora
@@ -221,43 +221,22 @@ def test_compiled_training_steps_change_only_lora_weights(tmp_path, tiny_qwen3):
     """Two steps of mlx-lm's compiled ``train`` with the stage's gathered batching (two: LoRA's A has
     no gradient while B is still 0): every LoRA matrix changes, no base weight does (bit for bit);
     the loss reports equal the full-width run's."""
-    from mlx_lm.tuner.trainer import TrainingArgs, train
-
     from mlx_ssp.finetune.fuse import restore_base
     from mlx_ssp.sft.data import plan_domains
-    from mlx_ssp.sft.stage import batching, build_optimizer
 
     model, tok, _ = load_model(str(tiny_qwen3))
     recs = [{"token_ids": ids, "mask": m} for ids, m in _items(model.args.vocab_size, [40, 17, 23, 61], seed=2)]
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    probe = tmp_path / "probe.jsonl"
-    probe.write_text(json.dumps({"id": "p0", "domain": "d", "prompt": "hi", "answer": "x", "verifier": "exact"}) + "\n")
+    data, probe = write_stage_data(tmp_path, recs)
     losses = {}
     for gather in (False, True):
         cfg = SFTConfig(domains={"d": {"data": str(data), "probe_tasks": str(probe)}}, gather_targets=gather,
                         lora={"rank": 4, "num_layers": -1}, learning_rate=1e-2, batch_size=4, max_seq_length=2048,
                         seed=0)
         (plan,) = plan_domains(cfg, model, tok, {}, tmp_path)
-        seen = []
-
-        class Spy:
-            def on_train_loss_report(self, info, seen=seen):
-                seen.append(info["train_loss"])
-
-            def on_val_loss_report(self, info):
-                pass
-
         attach_lora(model, cfg.lora, 0)
         try:
             before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
-            mx.random.seed(0)
-            model.train()
-            train(model=model, optimizer=build_optimizer(cfg), train_dataset=plan.train_set, training_callback=Spy(),
-                  args=TrainingArgs(batch_size=4, iters=2, steps_per_report=1, steps_per_eval=10**9,
-                                    steps_per_save=10**9, max_seq_length=2048,
-                                    adapter_file=str(tmp_path / "a.safetensors")),
-                  **batching(cfg, plan, 0))
+            seen = train_losses(model, cfg, plan, 2, tmp_path / "a.safetensors")
             after = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
             assert before.keys() == after.keys()
             lora = [k for k in before if "lora_" in k]

@@ -4,7 +4,6 @@ memory at a large vocabulary; the config keys are validated and leave old finger
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +12,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map_with_path
+from sft_helpers import train_losses, write_stage_data
 
 from mlx_ssp.config import plain
 from mlx_ssp.finetune.lora import LoRAConfig, attach_lora
@@ -168,43 +168,22 @@ def test_packed_chunked_training_equals_unpacked_logits_through_the_compiled_ste
     """Token records of mixed length through the stage's batching and mlx-lm's compiled ``train``
     (4 steps of Adam): with ``pack`` and the chunked loss the loss reports and the trained adapter are
     those of unpacked batches with mlx-lm's cross-entropy, to float32 rounding."""
-    from mlx_lm.tuner.trainer import TrainingArgs, train
-
     from mlx_ssp.finetune.fuse import restore_base
     from mlx_ssp.sft.data import plan_domains
-    from mlx_ssp.sft.stage import batching, build_optimizer
 
     model, tok, _ = load_model(str(tiny_qwen3))
     items = _records(model.args.vocab_size, [9, 50, 23, 41, 5, 60, 17, 30], 4)
     recs = [{"token_ids": ids, "mask": m} for ids, m in items]
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    probe = tmp_path / "probe.jsonl"
-    probe.write_text(json.dumps({"id": "p0", "domain": "d", "prompt": "hi", "answer": "x", "verifier": "exact"}) + "\n")
+    data, probe = write_stage_data(tmp_path, recs)
     runs = {}
     for kw in ({"loss": "logits", "pack": False}, {"loss": "chunked", "pack": True}):
         cfg = SFTConfig(domains={"d": {"data": str(data), "probe_tasks": str(probe)}},
                         lora={"rank": 4, "num_layers": -1}, learning_rate=1e-3, batch_size=4, max_seq_length=2048,
                         seed=0, **kw)
         (plan,) = plan_domains(cfg, model, tok, {}, tmp_path)
-        losses = []
-
-        class Spy:
-            def on_train_loss_report(self, info, losses=losses):
-                losses.append(info["train_loss"])
-
-            def on_val_loss_report(self, info):
-                pass
-
         attach_lora(model, cfg.lora, 0)
         try:
-            mx.random.seed(0)
-            model.train()
-            train(model=model, optimizer=build_optimizer(cfg), train_dataset=plan.train_set, training_callback=Spy(),
-                  args=TrainingArgs(batch_size=4, iters=4, steps_per_report=1, steps_per_eval=10**9,
-                                    steps_per_save=10**9,
-                                    max_seq_length=2048, adapter_file=str(tmp_path / "a.safetensors")),
-                  **batching(cfg, plan, 0))
+            losses = train_losses(model, cfg, plan, 4, tmp_path / "a.safetensors")
             runs[kw["pack"]] = (losses, {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())})
         finally:
             restore_base(model)
