@@ -1,4 +1,4 @@
-"""Shared by the SFT tests: a few steps of mlx-lm's compiled ``train`` through the SFT stage's own
+"""Shared by the SFT tests: a tiny model with live LoRA adapters, and a few steps of mlx-lm's compiled ``train`` through the SFT stage's own
 batching, returning the train losses it reports."""
 
 from __future__ import annotations
@@ -7,8 +7,11 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_map_with_path
 from mlx_lm.tuner.trainer import TrainingArgs, train
 
+from mlx_ssp.finetune.lora import LoRAConfig, attach_lora
+from mlx_ssp.models import load_model
 from mlx_ssp.sft.stage import batching, build_optimizer
 
 
@@ -40,3 +43,14 @@ def train_losses(model, cfg, plan, iters: int, adapter_file: Path) -> list[float
                             steps_per_save=10**9, max_seq_length=2048, adapter_file=str(adapter_file)),
           **batching(cfg, plan, 0))
     return seen
+
+
+def tiny_lora_model(path):
+    """The tiny model at ``path`` with LoRA on every layer, the B matrices made non-zero (seeded) so
+    every adapter changes the output and gets a gradient."""
+    model, tok, _ = load_model(str(path))
+    attach_lora(model, LoRAConfig(rank=4, num_layers=-1), seed=0)
+    mx.random.seed(1)
+    model.update(tree_map_with_path(lambda k, v: mx.random.normal(v.shape) * 0.05 if k.endswith("lora_b") else v,
+                                    model.trainable_parameters()))
+    return model, tok

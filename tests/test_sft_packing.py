@@ -11,8 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_map_with_path
-from sft_helpers import train_losses, write_stage_data
+from mlx.utils import tree_flatten
+from sft_helpers import tiny_lora_model, train_losses, write_stage_data
 
 from mlx_ssp.config import plain
 from mlx_ssp.finetune.lora import LoRAConfig, attach_lora
@@ -25,14 +25,8 @@ from mlx_ssp.sft.packing import check_packable, pack_rows, packed_batch, packed_
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def lora_model(request, tiny_qwen3, tiny_llama):
-    """A tiny model with LoRA on every layer (qwen3: tied head; llama: its own lm_head), the B
-    matrices made non-zero so the adapters change the output."""
-    model, tok, _ = load_model(str(tiny_qwen3 if request.param == "qwen3" else tiny_llama))
-    attach_lora(model, LoRAConfig(rank=4, num_layers=-1), seed=0)
-    mx.random.seed(1)
-    model.update(tree_map_with_path(lambda k, v: mx.random.normal(v.shape) * 0.05 if k.endswith("lora_b") else v,
-                                    model.trainable_parameters()))
-    return model, tok
+    """A tiny model with LoRA on every layer (qwen3: tied head; llama: its own lm_head)."""
+    return tiny_lora_model(tiny_qwen3 if request.param == "qwen3" else tiny_llama)
 
 
 def _records(vocab: int, lengths, seed: int = 0) -> list[tuple[list[int], list[int]]]:
