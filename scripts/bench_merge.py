@@ -137,6 +137,9 @@ def config_models(cfg: dict) -> list[str]:
 
 def timed(cmd: list[str]) -> tuple[float, float]:
     r = subprocess.run([sys.executable, "-c", RSS, *cmd], capture_output=True, text=True)
+    if len(r.stdout.split()) != 3:  # the command could not start (e.g. `mlx_ssp` not on PATH)
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"bench_merge: could not run {cmd[0]!r}: {last}")
     rc, wall, rss_kb = r.stdout.split()
     if int(rc):
         raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr}")
