@@ -12,6 +12,34 @@ _ARITH = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "all
           "allow_negation": False}
 _SAMPLING = {"temperature": 0.9, "top_p": 1.0, "max_tokens": 20}
 
+
+def _switches() -> dict[str, Any]:
+    """The experiments' optional arms and probes, off in every profile (a fresh dict each call)."""
+    return {
+        "domains": None,  # the tasks' domains to use (null: all); e.g. [addition] for one
+        # experiment 3: also a GRPO arm at this x the learning rate (a number > 0, or "mgpo": the MGPO
+        # arm's mean weight over its steps); null: not run
+        "grpo_lr_scale": None,
+        # experiment 3: more MGPO arms at these lambdas (numbers > 0), beside rl.mgpo_lambda's, e.g.
+        # [0.5, 2, 4] for a lambda grid that shares one GRPO arm
+        "extra_lambdas": [],
+        # experiment 5: also probe every checkpoint with n samples per probe prompt and rank by pass@k at
+        # each k of ks, e.g. {n: 256, ks: [16, 64, 256]}; null: not run
+        "large_k": None,
+        # experiments 1 and 2: where the SFT data are selected from: "rollouts" (the base model's K
+        # samples) or "generator" (the testbed generator's own traces of every correct strategy,
+        # mlx_ssp.testbed.spectrum: a spectrum that exists by construction; testbed tasks only)
+        "spectrum_source": "rollouts",
+        # experiment 1: pass@k at these k (<= spectrum_eval.n) after SFT, from n samples on every held-out
+        # task of each domain (the spectrum itself); null: not run
+        "spectrum_eval": None,
+        # experiment 2: controls for merge vs blend: the blend at half its LoRA scale, a soup of two
+        # blend seeds, the specialists' mean task vector scaled by each alpha (1 = the linear merge),
+        # and the task vectors' cosines; null: not run
+        "merge_controls": None,
+    }
+
+
 #: demo-scale defaults, sized for a few minutes per experiment on a quiet 2-core CPU
 DEFAULTS: dict[str, Any] = {
     "model": "demo",
@@ -47,27 +75,7 @@ DEFAULTS: dict[str, Any] = {
         "checkpoint_every": 2, "progress": False, "lora": {"rank": 8, "num_layers": 8},
     },
     "rl_eval_every": 4,  # held-out evaluation every N RL steps (and at the last)
-    "domains": None,  # the tasks' domains to use (null: all); e.g. [addition] for one
-    # experiment 3: also a GRPO arm at this x the learning rate (a number > 0, or "mgpo": the MGPO
-    # arm's mean weight over its steps); null: not run
-    "grpo_lr_scale": None,
-    # experiment 3: more MGPO arms at these lambdas (numbers > 0), beside rl.mgpo_lambda's, e.g.
-    # [0.5, 2, 4] for a lambda grid that shares one GRPO arm
-    "extra_lambdas": [],
-    # experiment 5: also probe every checkpoint with n samples per probe prompt and rank by pass@k at
-    # each k of ks, e.g. {n: 256, ks: [16, 64, 256]}; null: not run
-    "large_k": None,
-    # experiments 1 and 2: where the SFT data are selected from: "rollouts" (the base model's K
-    # samples) or "generator" (the testbed generator's own traces of every correct strategy,
-    # mlx_ssp.testbed.spectrum: a spectrum that exists by construction; testbed tasks only)
-    "spectrum_source": "rollouts",
-    # experiment 1: pass@k at these k (<= spectrum_eval.n) after SFT, from n samples on every held-out
-    # task of each domain (the spectrum itself); null: not run
-    "spectrum_eval": None,
-    # experiment 2: controls for merge vs blend: the blend at half its LoRA scale, a soup of two
-    # blend seeds, the specialists' mean task vector scaled by each alpha (1 = the linear merge),
-    # and the task vectors' cosines; null: not run
-    "merge_controls": None,
+    **_switches(),
 }
 
 _TB_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 48}
@@ -107,16 +115,7 @@ TESTBED: dict[str, Any] = {
         "progress": False, "lora": {"rank": 8, "scale": 2.0},
     },
     "rl_eval_every": 60,
-    "domains": None,
-    "grpo_lr_scale": None,
-    "extra_lambdas": [],
-    "large_k": None,
-    "spectrum_source": "rollouts",
-    "spectrum_eval": None,
-    # experiment 2: controls for merge vs blend: the blend at half its LoRA scale, a soup of two
-    # blend seeds, the specialists' mean task vector scaled by each alpha (1 = the linear merge),
-    # and the task vectors' cosines; null: not run
-    "merge_controls": None,
+    **_switches(),
 }
 
 _TOOLS_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 48}
