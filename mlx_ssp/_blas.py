@@ -19,6 +19,8 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
+from mlx_ssp import _small_gemm
+
 #: Where Debian/Ubuntu's ``libopenblas0-pthread`` (and friends) put the library.
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
@@ -54,15 +56,31 @@ def preload_openblas() -> str | None:
     for path in ((extra,) if extra else ()) + CANDIDATES:
         if path and os.path.exists(path):
             try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
             except OSError as e:  # a broken install: report, keep the slow path
                 status = f"failed to load {path}: {e}"
                 continue
+            # the few-row kernel goes into the global scope first, so MLX's cblas_sgemm resolves to
+            # it; loading OpenBLAS again with RTLD_GLOBAL then publishes the rest of its symbols
+            _small_gemm.prepare()
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            _small_gemm.connect(lib, kernel_threads())
             loaded_path = path
             status = f"loaded {path}"
             return path
     status = "not found (apt-get install -y libopenblas0-pthread)"
     return None
+
+
+def kernel_threads() -> int:
+    """Threads for the few-row kernel (:mod:`mlx_ssp._small_gemm`): two where there are two cores,
+    fewer where the user fixed OpenBLAS's count lower."""
+    n = min(2, os.cpu_count() or 1)
+    for key in USER_THREAD_ENVS:
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            n = min(n, int(value))
+    return n
 
 
 def _library():
