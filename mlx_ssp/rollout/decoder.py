@@ -7,14 +7,17 @@ With at most :data:`ONE_THREAD_ROWS` sequences decoding, OpenBLAS runs one threa
 (:func:`mlx_ssp._blas.threads`; Linux only). A step of a few rows multiplies each weight matrix by a
 few vectors: it is bound by reading the weights, so a second thread adds no speed and spins
 while it waits (on the demo model at 4 rows, 93-116 against 150-180 ms of CPU per step, for the same
-or less wall time, on a 2-core machine under load 3-6; outputs bit-identical)."""
+or less wall time, on a 2-core machine under load 3-6; outputs bit-identical).
+
+On the CPU the model's rotary embeddings run decoding steps as one compiled function for the pass
+(:func:`mlx_ssp.decode_rope.installed`: the same bits, half the op overhead of MLX's reference graph)."""
 
 from __future__ import annotations
 
 import time
 from contextlib import ExitStack
 
-from mlx_ssp import _blas, progress, sampling
+from mlx_ssp import _blas, decode_rope, progress, sampling
 from mlx_ssp.rollout.request import RolloutRequest
 
 
@@ -62,9 +65,10 @@ class Decoder:
         self.saved_prefill = 0  # prompt tokens samples did not prefill themselves (shared prefixes)
         self.prefix_s, self.prefix_tokens = 0.0, 0  # the shared prefills (outside the generator's timers)
         self.bar = progress.bar(total, unit=unit, desc=desc, enabled=request.progress)
-        self._blas = ExitStack()
+        self._scopes = ExitStack()  # undone in close(), whatever else fails there
         if min(request.batch_size, total) <= ONE_THREAD_ROWS:
-            self._blas.enter_context(_blas.threads(1))  # ended in close(), whatever else fails there
+            self._scopes.enter_context(_blas.threads(1))
+        self._scopes.enter_context(decode_rope.installed(model))
         self.t_start = time.perf_counter()
         self.gen_s_before = 0.0  # time of an earlier pass in the same request (episodes, then single turns)
 
@@ -111,7 +115,7 @@ class Decoder:
         try:
             self.gen.close()
         finally:
-            self._blas.close()
+            self._scopes.close()
             self.bar.close()
             if self.was_training:
                 self.model.train()
