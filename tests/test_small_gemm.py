@@ -186,3 +186,12 @@ def test_a_fresh_cache_builds_and_loads_the_kernel(tmp_path):
     assert out.stdout.split() == ["True", "1", "64.0"]
     assert [p.name.startswith("small_gemm-") for p in (tmp_path / "native").iterdir()] == [True]
     assert not (tmp_path / "native" / "small_gemm-0000000000000000.so").exists()
+
+
+def test_a_user_fixed_single_thread_is_kept():
+    import subprocess
+
+    code = "import mlx_ssp; from mlx_ssp import _small_gemm; print(_small_gemm.status)"
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("on, 1 thread "), out.stdout
