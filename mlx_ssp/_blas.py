@@ -73,9 +73,10 @@ def preload_openblas() -> str | None:
 
 
 def kernel_threads() -> int:
-    """Threads for the few-row kernel (:mod:`mlx_ssp._small_gemm`): two where there are two cores,
-    fewer where the user fixed OpenBLAS's count lower."""
-    n = min(2, os.cpu_count() or 1)
+    """Threads for the few-row kernel (:mod:`mlx_ssp._small_gemm`): two where this process may run on
+    two cores or more, fewer where the user fixed OpenBLAS's count lower."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = min(2, cores)
     for key in USER_THREAD_ENVS:
         value = os.environ.get(key, "")
         if value.isdigit() and int(value) > 0:

@@ -35,7 +35,7 @@ from mlx_ssp.io import cache_dir
 
 SOURCE = Path(__file__).with_name("small_gemm.c")
 DISABLE_ENV = "MLX_SSP_SMALL_GEMM"
-FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11")
+FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off")  # no fusing beyond the stated FMAs
 LIBS = ("-lpthread", "-lm")
 #: rows of A the kernel takes (the C file's MAX_ROWS)
 MAX_ROWS = 8
@@ -72,6 +72,9 @@ def _build(cc: str, out: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    for old in out.parent.glob("small_gemm-*.so"):  # builds of earlier sources (a process using one keeps its mapping)
+        if old != out:
+            old.unlink(missing_ok=True)
 
 
 def prepare() -> Optional[ctypes.CDLL]:

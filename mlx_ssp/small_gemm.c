@@ -15,7 +15,8 @@
  *   increasing k, with a fused multiply-add, starting from 0;
  *   the lanes are summed as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7));
  *   the remaining k >= K8 are added in increasing k with fmaf;
- *   then c = alpha * dot (beta == 0: C is not read), else c = alpha * dot + beta * c.
+ *   then c = alpha * dot (beta == 0: C is not read), else c = (alpha * dot) + (beta * c), each
+ *   operation rounded on its own (built with -ffp-contract=off).
  * Each output depends only on its row of A and its row of B: a row decoded alone or beside others
  * gets the same result.
  */

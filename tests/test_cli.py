@@ -49,5 +49,6 @@ def test_doctor_reports_blas_and_gflops():
 
         if _blas.loaded_path:
             assert "OpenBLAS" in r.output
+            assert "few-row matmul kernel" in r.output
         else:
             assert "libopenblas0-pthread" in r.output  # says what to do

@@ -171,3 +171,27 @@ def test_disabled_by_the_environment(tmp_path):
     active, calls, value, *why = out.stdout.split()
     assert (active, calls, value) == ("False", "0", "64.0")
     assert "MLX_SSP_SMALL_GEMM=0" in " ".join(why)
+
+
+def test_a_fresh_cache_builds_and_loads_the_kernel(tmp_path):
+    import subprocess
+
+    code = ("import mlx_ssp; from mlx_ssp import _small_gemm; import mlx.core as mx; "
+            "x = mx.ones((2, 64)) @ mx.ones((32, 64)).T; mx.eval(x); "
+            "print(_small_gemm.active(), _small_gemm.calls(), float(x[0, 0]))")
+    (tmp_path / "native").mkdir()
+    (tmp_path / "native" / "small_gemm-0000000000000000.so").write_bytes(b"an earlier build")
+    env = dict(os.environ, MLX_SSP_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "1", "64.0"]
+    assert [p.name.startswith("small_gemm-") for p in (tmp_path / "native").iterdir()] == [True]
+    assert not (tmp_path / "native" / "small_gemm-0000000000000000.so").exists()
+
+
+def test_a_user_fixed_single_thread_is_kept():
+    import subprocess
+
+    code = "import mlx_ssp; from mlx_ssp import _small_gemm; print(_small_gemm.status)"
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("on, 1 thread "), out.stdout

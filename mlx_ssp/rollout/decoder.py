@@ -7,7 +7,8 @@ With at most :data:`ONE_THREAD_ROWS` sequences decoding, OpenBLAS runs one threa
 (:func:`mlx_ssp._blas.threads`; Linux only). A step of a few rows multiplies each weight matrix by a
 few vectors: it is bound by reading the weights, so a second thread adds no speed and spins
 while it waits (on the demo model at 4 rows, 93-116 against 150-180 ms of CPU per step, for the same
-or less wall time, on a 2-core machine under load 3-6; outputs bit-identical).
+or less wall time, on a 2-core machine under load 3-6; outputs bit-identical). On Linux x86_64 the
+products of at most 8 rows do not reach OpenBLAS at all: :mod:`mlx_ssp._small_gemm` takes them.
 
 On the CPU the model's rotary embeddings run decoding steps as one compiled function for the pass
 (:func:`mlx_ssp.decode_rope.installed`: the same bits, half the op overhead of MLX's reference graph)."""
