@@ -66,6 +66,29 @@ def test_multislerp_and_karcher_match_reference(dt):
     np.testing.assert_allclose(got, R(ref_karcher(xs), dt), **tol(dt))
 
 
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_karcher_first_mean_is_mergekits_bit_for_bit(dt, n):
+    """The first pass of karcher (cut into kernels at held values for GCC's vectoriser): the unit
+    vectors, ``mean += alpha * u`` held in the compute dtype, and the mean's squares, equal to
+    the same steps in NumPy on every bit."""
+    rng = np.random.default_rng(5)
+    xs = [R(rng.standard_normal(3000).astype(np.float32) * 0.02, dt) for _ in range(n)]
+    norms = [np.float32(np.linalg.norm(x)) for x in xs]
+    al = [np.float32(1.0 / n)] * n
+    cd = getattr(mx, dt)
+    (mean, units), (sq,) = SM._kar_first_mean([mxa(x, dt) for x in xs], [mx.array(v) for v in norms],
+                                             [mx.array(a) for a in al], cd)
+    ref_units = [R(x / v, dt) for x, v in zip(xs, norms)]
+    ref_mean = R(al[0] * ref_units[0], dt)
+    for a, u in zip(al[1:], ref_units[1:]):
+        ref_mean = R(ref_mean + R(a * u, dt), dt)
+    for got, ref in zip([mean, *units], [ref_mean, *ref_units]):
+        assert got.dtype == cd
+        np.testing.assert_array_equal(npy(got), ref)
+    np.testing.assert_array_equal(npy(sq), np.square(ref_mean))
+
+
 def test_karcher_and_multislerp_of_identical_models_return_it():
     x = np.random.default_rng(2).standard_normal(40).astype(np.float32)
     got = npy(SM.karcher([mx.array(x)] * 3))

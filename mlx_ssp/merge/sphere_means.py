@@ -176,16 +176,46 @@ def _kar_units(xs, ns, cd):
     return [rnd(aligned(x, cd) / n, cd) for x, n in zip(xs, ns)]
 
 
+def _kar_mean_acc(m, a, u, cd):
+    """mergekit's ``mean += alpha * u`` with the mean held in ``cd``."""
+    return rnd(m + rnd(a * u, cd), cd)
+
+
 def _kar_mean0(cd):
-    """The unit vectors (held in ``cd``: each is rounded to it), the first mean ``sum alpha_i u_i``
-    accumulated in ``cd`` (mergekit's ``mean += alpha * u``, held in ``cd``) and its squares."""
+    """The unit vectors (held in ``cd``: each is rounded to it) and the first mean ``sum alpha_i
+    u_i`` accumulated in ``cd`` (mergekit's ``mean += alpha * u``) over the first two of them,
+    held in ``cd``; the rest of the sum is :func:`_kar_mean_more`'s and the squares
+    :func:`_squares`'. GCC, which compiles MLX's fused CPU kernels, leaves a chain of five bf16
+    roundings, or one that ends in a float32 output, unvectorised (the NaN tests of the casts stay
+    branches): 2x slower than these kernels cut at held bf16 values."""
     def f(xs, ns, al):
         us = _kar_units(xs, ns, cd)
         m = rnd(al[0] * us[0], cd)
-        for a, u in zip(al[1:], us[1:]):
-            m = rnd(m + rnd(a * u, cd), cd)
-        return (m.astype(cd), [u.astype(cd) for u in us]), [mx.square(m)]
+        if len(us) > 1:
+            m = _kar_mean_acc(m, al[1], us[1], cd)
+        return m.astype(cd), [u.astype(cd) for u in us]
     return f
+
+
+def _kar_mean_more(cd):
+    """One more input's term of the first mean (``m`` held in ``cd``, ``u`` a held unit vector)."""
+    def f(m, u, a):
+        return _kar_mean_acc(f32(m), a, f32(u), cd).astype(cd)
+    return f
+
+
+def _squares(m):
+    return [mx.square(f32(m))]
+
+
+def _kar_first_mean(xs: list, ns: list, al: list, cd):
+    """The first pass's step over one slice: ((the mean, the unit vectors), [the mean's squares])."""
+    head = kernel(("kar_mean0", len(xs), str(cd)), lambda: _kar_mean0(cd), cast_rounding=True)
+    more = kernel(("kar_mean_more", str(cd)), lambda: _kar_mean_more(cd), cast_rounding=True)
+    m, us = head(xs, ns, al)
+    for j in range(2, len(xs)):
+        m = more(m, us[j], al[j])
+    return (m, us), kernel(("squares",), lambda: _squares, shapeless=True, cast_rounding=True)(m)
 
 
 def _kar_dots(cd, pending: bool):
@@ -326,8 +356,7 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
     a_sum = sum(alphas[i] for i in valid)
     al = [scalar(alphas[i] / a_sum) for i in valid]
     vx, ns = [xs[i] for i in valid], [scalar(norms[i]) for i in valid]
-    m0 = kernel(("kar_mean0", len(vx), str(cd)), lambda: _kar_mean0(cd), cast_rounding=True)
-    kept, (s,) = K.sweep(lambda lo, hi: m0([x[lo:hi] for x in vx], ns, al), size, f32n)
+    kept, (s,) = K.sweep(lambda lo, hi: _kar_first_mean([x[lo:hi] for x in vx], ns, al, cd), size, f32n)
     mean, units = [k[0] for k in kept], [k[1] for k in kept]  # per slice: the mean, the unit vectors
     kept.clear()
     mn = np.sqrt(item32(s))
