@@ -218,13 +218,28 @@ def _kar_first_mean(xs: list, ns: list, al: list, cd):
     return (m, us), kernel(("squares",), lambda: _squares, shapeless=True, cast_rounding=True)(m)
 
 
-def _kar_dots(cd, pending: bool):
-    """The mean, divided by its pending norm (``pending``), held in ``cd``; its products with each
-    unit vector (torch.dot's terms)."""
-    def f(m, us, p):
-        m = rnd(f32(m) / p, cd) if pending else f32(m)
-        return m.astype(cd), [m * f32(u) for u in us]
+def _normalised(cd):
+    """A held slice divided by a norm, held in ``cd`` (written in ``cd`` by the kernel itself: a
+    float32 output and a separate cast to ``cd`` cost another pass)."""
+    def f(m, p):
+        return (f32(m) / p).astype(cd)
     return f
+
+
+def _products(m, us):
+    """The held mean's products with each held unit vector (torch.dot's terms), float32."""
+    m = f32(m)
+    return [m * f32(u) for u in us]
+
+
+def _kar_dots(m, us, p, cd, pending: bool, products: bool = True) -> tuple:
+    """The dots' pass over one slice: (the mean divided by its pending norm, if ``pending``, held
+    in ``cd``; its products with each unit vector, or none without ``products``)."""
+    if pending:
+        m = kernel(("normalised", str(cd)), lambda: _normalised(cd), cast_rounding=True)(m, p)
+    if not products:
+        return m, []
+    return m, kernel(("products", len(us)), lambda: _products, shapeless=True, cast_rounding=True)(m, us)
 
 
 def _kar_tangent(m, us, dots, coefs, cd):
@@ -244,11 +259,11 @@ def _kar_tsq(cd):
 
 
 def _kar_step(cd):
-    """The next mean ``cos(tn) m + sin(tn) tangent / tn`` (each step in ``cd``) and its squares."""
+    """The next mean ``cos(tn) m + sin(tn) tangent / tn`` (each step in ``cd``), written in ``cd``
+    (its squares: :func:`_squares`, from the held values)."""
     def f(m, tg, tn, cs, sn):
         m = f32(m)
-        nm = rnd(rnd(cs * m, cd) + rnd(sn * rnd(f32(tg) / tn, cd), cd), cd)
-        return nm.astype(cd), [mx.square(nm)]
+        return (rnd(cs * m, cd) + rnd(sn * rnd(f32(tg) / tn, cd), cd)).astype(cd)
     return f
 
 
@@ -277,16 +292,14 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
     squares). ``at``: slice start -> index of the held slice. Returns (go on, the norm the held
     mean is still to be divided by)."""
     r = lambda x: rnd(x, cd)  # noqa: E731
-    size_key = (len(al), str(cd))
-    dk = kernel(("kar_dots", pending is not None) + size_key, lambda: _kar_dots(cd, pending is not None),
-                cast_rounding=True)
     p = scalar(pending if pending is not None else 1.0)
+    pend = pending is not None
     if cd == F32:  # torch.dot of the whole vectors, in BLAS's order (:func:`.torch_math.dot`)
-        K.sweep(lambda lo, hi: (dk(mean[at[lo]], units[at[lo]], p)[0], ()), size, into=mean)
+        K.sweep(lambda lo, hi: (_kar_dots(mean[at[lo]], units[at[lo]], p, cd, pend, False)[0], ()), size, into=mean)
         m = _whole(mean)
         dsums = [mx.array(TM.dot(m, _whole([u[j] for u in units]))) for j in range(len(al))]
     else:
-        _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], units[at[lo]], p), size, into=mean)
+        _, dsums = K.sweep(lambda lo, hi: _kar_dots(mean[at[lo]], units[at[lo]], p, cd, pend), size, into=mean)
     act, dots, coefs = [], [], []
     for j, d in enumerate(dsums):
         dot = mx.clip(r(d.reshape(())), -1.0, 1.0)
@@ -311,13 +324,15 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
     if tn < tol:
         return False, None
     stk = kernel(("kar_step", str(cd)), lambda: _kar_step(cd), cast_rounding=True)
+    sq = kernel(("squares",), lambda: _squares, shapeless=True, cast_rounding=True)
     cos, sin = (TM.cos, TM.sin) if cd == F32 else (np.cos, np.sin)  # float32: torch's own
     cs, sn, tn_ = r(scalar(cos(tn))), r(scalar(sin(tn))), scalar(tn)
 
     def step(lo, hi):
         k = at[lo]
         tg, tangent[k] = tangent[k], None  # freed as the mean's slice is replaced
-        return stk(mean[k], tg, tn_, cs, sn)
+        nm = stk(mean[k], tg, tn_, cs, sn)
+        return nm, sq(nm)
     _, (usq,) = K.sweep(step, size, f32n, mean)
     un = np.sqrt(item32(usq))
     return True, (un if un > tol else None)
