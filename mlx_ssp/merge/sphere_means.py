@@ -32,16 +32,17 @@ from mlx_ssp.merge.kernels import F32, aligned, each, f32, item32, kernel, rnd, 
 
 
 def _msl_units(xs, dn, cd):
-    return [rnd(aligned(x, cd) / d, cd) for x, d in zip(xs, dn)]
+    """The unit vectors, written in ``cd``."""
+    return [(aligned(x, cd) / d).astype(cd) for x, d in zip(xs, dn)]
 
 
 def _msl_mean(us, W, cd):
     """The weighted sum of the unit vectors (torch's ``sum(0)`` of the rounded products: float32
-    in order, one rounding)."""
+    in order, one rounding), written in ``cd``."""
     acc = rnd(us[0] * W[0], cd)
     for u, w in zip(us[1:], W[1:]):
         acc = acc + rnd(u * w, cd)
-    return rnd(acc, cd)
+    return acc.astype(cd)
 
 
 def _msl_tangent(us, m, dots, W, cd):
@@ -80,8 +81,7 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     blk = K.torch_block(cd)
     norms = mx.concatenate([r(mx.sqrt(v)) for v in K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, blk)])
     dn = [r(norms[i] + eps) for i in range(n)]
-    mk = kernel(("msl_mean",) + key, lambda: _msl_mean_k(cd), cast_rounding=True)
-    kept, (msq,) = K.sweep(lambda lo, hi: mk([x[lo:hi] for x in xs], dn, Wl), size, blk)
+    kept, (msq,) = K.sweep(lambda lo, hi: _msl_first([x[lo:hi] for x in xs], dn, Wl, cd), size, blk)
     mean, units = [k[0] for k in kept], [k[1] for k in kept]  # per slice: the mean, the unit vectors
     kept.clear()
     mean_norm = r(mx.sqrt(msq))
@@ -128,14 +128,15 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     return each(size, final, K.ALIGN)
 
 
-def _msl_mean_k(cd):
-    """The unit vectors and their weighted mean (held in ``cd``: each is rounded to it) and the
-    mean's squares."""
-    def f(xs, dn, W):
-        us = _msl_units(xs, dn, cd)
-        m = _msl_mean(us, W, cd)
-        return (m.astype(cd), [u.astype(cd) for u in us]), [mx.square(m)]
-    return f
+def _msl_first(xs: list, dn: list, W: list, cd) -> tuple:
+    """The mean's pass over one slice: ((the weighted mean, the unit vectors), [the mean's
+    squares]), each held value written in ``cd`` by the kernel that makes it (a float32 copy and a
+    separate cast to ``cd`` cost another pass each: 15% of the pass)."""
+    units = kernel(("msl_units", len(xs), str(cd)), lambda: (lambda xs, dn: _msl_units(xs, dn, cd)),
+                   cast_rounding=True)(xs, dn)
+    m = kernel(("msl_mean", len(xs), str(cd)), lambda: (lambda us, W: _msl_mean([f32(u) for u in us], W, cd)),
+               cast_rounding=True)(units, W)
+    return (m, units), kernel(("squares",), lambda: _squares, shapeless=True, cast_rounding=True)(m)
 
 
 def _msl_dots(cd):
