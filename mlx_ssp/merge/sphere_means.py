@@ -8,8 +8,11 @@ one tensor at a time (the shared conventions, parity figures and deviations: :mo
 
 Their whole-tensor statistics are passes of sliced sums (:func:`.kernels.sweep`); what a later
 pass reads again is held in the compute dtype, as mergekit holds it (every value is rounded to
-it, so the copy is exact): the unit vectors, the mean and the tangent of both. Their kernels
-round to bf16 by casts (:func:`.kernels.kernel`'s ``cast_rounding``: measured faster here). The
+it, so the copy is exact): the unit vectors, the mean and the tangent of both, each written in
+``cd`` by the kernel that makes it where that is faster (MLX otherwise keeps a float32 copy and
+casts it in another pass). Their kernels round to bf16 by casts (:func:`.kernels.kernel`'s
+``cast_rounding``: measured faster here); a chain of roundings that GCC (which compiles MLX's
+fused CPU kernels) leaves unvectorised is cut at a held value. The
 inputs stay in their own dtype; no full-size float32 copy exists, except in float32, where the
 dots need whole vectors to be summed in torch's order (multislerp: the products with the mean;
 karcher: the mean and the unit vectors, copied for BLAS's ``sdot``). ``*_parts`` are the merge
@@ -206,6 +209,7 @@ def _kar_mean_more(cd):
 
 
 def _squares(m):
+    """The squares of a held slice (a norm's terms), from the held values."""
     return [mx.square(f32(m))]
 
 
