@@ -66,6 +66,69 @@ def test_multislerp_and_karcher_match_reference(dt):
     np.testing.assert_allclose(got, R(ref_karcher(xs), dt), **tol(dt))
 
 
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_karcher_first_mean_is_mergekits_bit_for_bit(dt, n):
+    """The first pass of karcher (cut into kernels at held values for GCC's vectoriser): the unit
+    vectors, ``mean += alpha * u`` held in the compute dtype, and the mean's squares, equal to
+    the same steps in NumPy on every bit."""
+    rng = np.random.default_rng(5)
+    xs = [R(rng.standard_normal(3000).astype(np.float32) * 0.02, dt) for _ in range(n)]
+    norms = [np.float32(np.linalg.norm(x)) for x in xs]
+    al = [np.float32(1.0 / n)] * n
+    cd = getattr(mx, dt)
+    (mean, units), (sq,) = SM._kar_first_mean([mxa(x, dt) for x in xs], [mx.array(v) for v in norms],
+                                             [mx.array(a) for a in al], cd)
+    ref_units = [R(x / v, dt) for x, v in zip(xs, norms)]
+    ref_mean = R(al[0] * ref_units[0], dt)
+    for a, u in zip(al[1:], ref_units[1:]):
+        ref_mean = R(ref_mean + R(a * u, dt), dt)
+    for got, ref in zip([mean, *units], [ref_mean, *ref_units]):
+        assert got.dtype == cd
+        np.testing.assert_array_equal(npy(got), ref)
+    np.testing.assert_array_equal(npy(sq), np.square(ref_mean))
+
+
+@pytest.mark.parametrize("dt", DTS)
+@pytest.mark.parametrize("pending", [False, True])
+def test_karcher_dots_step_is_mergekits_bit_for_bit(dt, pending):
+    """The dots' pass of one slice: the held mean divided by its pending norm, in the compute
+    dtype, and its float32 products with the unit vectors (torch.dot's terms)."""
+    rng = np.random.default_rng(6)
+    cd = getattr(mx, dt)
+    m, *us = (R(rng.standard_normal(2000).astype(np.float32) * 0.02, dt) for _ in range(4))
+    p = np.float32(1.0037)
+    got_m, terms = SM._kar_dots(mxa(m, dt), [mxa(u, dt) for u in us], mx.array(p), cd, pending)
+    ref_m = R(m / p, dt) if pending else m
+    assert got_m.dtype == cd
+    np.testing.assert_array_equal(npy(got_m), ref_m)
+    for got, u in zip(terms, us):
+        np.testing.assert_array_equal(npy(got), ref_m * u)
+    assert SM._kar_dots(mxa(m, dt), [mxa(u, dt) for u in us], mx.array(p), cd, pending, products=False)[1] == []
+
+
+@pytest.mark.parametrize("dt", DTS)
+def test_multislerp_first_pass_is_mergekits_bit_for_bit(dt):
+    """multislerp's mean pass over one slice: the unit vectors and the weighted mean (float32
+    sum of the rounded products, one rounding) in the compute dtype, and the mean's squares."""
+    rng = np.random.default_rng(8)
+    cd = getattr(mx, dt)
+    xs = [R(rng.standard_normal(3000).astype(np.float32) * 0.02, dt) for _ in range(3)]
+    dn = [R(np.float32(np.linalg.norm(x)) + np.float32(1e-8), dt) for x in xs]
+    w = [R(np.float32(v), dt) for v in (0.5, 0.3, 0.2)]
+    (mean, units), (sq,) = SM._msl_first([mxa(x, dt) for x in xs], [mx.array(np.float32(d)) for d in dn],
+                                         [mx.array(np.float32(v)) for v in w], cd)
+    ref_units = [R(x / d, dt) for x, d in zip(xs, dn)]
+    acc = R(ref_units[0] * w[0], dt)
+    for u, v in zip(ref_units[1:], w[1:]):
+        acc = acc + R(u * v, dt)
+    ref_mean = R(acc, dt)
+    for got, ref in zip([mean, *units], [ref_mean, *ref_units]):
+        assert got.dtype == cd
+        np.testing.assert_array_equal(npy(got), ref)
+    np.testing.assert_array_equal(npy(sq), np.square(ref_mean))
+
+
 def test_karcher_and_multislerp_of_identical_models_return_it():
     x = np.random.default_rng(2).standard_normal(40).astype(np.float32)
     got = npy(SM.karcher([mx.array(x)] * 3))

@@ -8,8 +8,11 @@ one tensor at a time (the shared conventions, parity figures and deviations: :mo
 
 Their whole-tensor statistics are passes of sliced sums (:func:`.kernels.sweep`); what a later
 pass reads again is held in the compute dtype, as mergekit holds it (every value is rounded to
-it, so the copy is exact): the unit vectors, the mean and the tangent of both. Their kernels
-round to bf16 by casts (:func:`.kernels.kernel`'s ``cast_rounding``: measured faster here). The
+it, so the copy is exact): the unit vectors, the mean and the tangent of both, each written in
+``cd`` by the kernel that makes it where that is faster (MLX otherwise keeps a float32 copy and
+casts it in another pass). Their kernels round to bf16 by casts (:func:`.kernels.kernel`'s
+``cast_rounding``: measured faster here); a chain of roundings that GCC (which compiles MLX's
+fused CPU kernels) leaves unvectorised is cut at a held value. The
 inputs stay in their own dtype; no full-size float32 copy exists, except in float32, where the
 dots need whole vectors to be summed in torch's order (multislerp: the products with the mean;
 karcher: the mean and the unit vectors, copied for BLAS's ``sdot``). ``*_parts`` are the merge
@@ -32,16 +35,17 @@ from mlx_ssp.merge.kernels import F32, aligned, each, f32, item32, kernel, rnd, 
 
 
 def _msl_units(xs, dn, cd):
-    return [rnd(aligned(x, cd) / d, cd) for x, d in zip(xs, dn)]
+    """The unit vectors, written in ``cd``."""
+    return [(aligned(x, cd) / d).astype(cd) for x, d in zip(xs, dn)]
 
 
 def _msl_mean(us, W, cd):
     """The weighted sum of the unit vectors (torch's ``sum(0)`` of the rounded products: float32
-    in order, one rounding)."""
+    in order, one rounding), written in ``cd``."""
     acc = rnd(us[0] * W[0], cd)
     for u, w in zip(us[1:], W[1:]):
         acc = acc + rnd(u * w, cd)
-    return rnd(acc, cd)
+    return acc.astype(cd)
 
 
 def _msl_tangent(us, m, dots, W, cd):
@@ -80,8 +84,7 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     blk = K.torch_block(cd)
     norms = mx.concatenate([r(mx.sqrt(v)) for v in K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, blk)])
     dn = [r(norms[i] + eps) for i in range(n)]
-    mk = kernel(("msl_mean",) + key, lambda: _msl_mean_k(cd), cast_rounding=True)
-    kept, (msq,) = K.sweep(lambda lo, hi: mk([x[lo:hi] for x in xs], dn, Wl), size, blk)
+    kept, (msq,) = K.sweep(lambda lo, hi: _msl_first([x[lo:hi] for x in xs], dn, Wl, cd), size, blk)
     mean, units = [k[0] for k in kept], [k[1] for k in kept]  # per slice: the mean, the unit vectors
     kept.clear()
     mean_norm = r(mx.sqrt(msq))
@@ -128,14 +131,15 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     return each(size, final, K.ALIGN)
 
 
-def _msl_mean_k(cd):
-    """The unit vectors and their weighted mean (held in ``cd``: each is rounded to it) and the
-    mean's squares."""
-    def f(xs, dn, W):
-        us = _msl_units(xs, dn, cd)
-        m = _msl_mean(us, W, cd)
-        return (m.astype(cd), [u.astype(cd) for u in us]), [mx.square(m)]
-    return f
+def _msl_first(xs: list, dn: list, W: list, cd) -> tuple:
+    """The mean's pass over one slice: ((the weighted mean, the unit vectors), [the mean's
+    squares]), each held value written in ``cd`` by the kernel that makes it (a float32 copy and a
+    separate cast to ``cd`` cost another pass each: 15% of the pass)."""
+    units = kernel(("msl_units", len(xs), str(cd)), lambda: (lambda xs, dn: _msl_units(xs, dn, cd)),
+                   cast_rounding=True)(xs, dn)
+    m = kernel(("msl_mean", len(xs), str(cd)), lambda: (lambda us, W: _msl_mean([f32(u) for u in us], W, cd)),
+               cast_rounding=True)(units, W)
+    return (m, units), kernel(("squares",), lambda: _squares, shapeless=True, cast_rounding=True)(m)
 
 
 def _msl_dots(cd):
@@ -176,25 +180,71 @@ def _kar_units(xs, ns, cd):
     return [rnd(aligned(x, cd) / n, cd) for x, n in zip(xs, ns)]
 
 
+def _kar_mean_acc(m, a, u, cd):
+    """mergekit's ``mean += alpha * u`` with the mean held in ``cd``."""
+    return rnd(m + rnd(a * u, cd), cd)
+
+
 def _kar_mean0(cd):
-    """The unit vectors (held in ``cd``: each is rounded to it), the first mean ``sum alpha_i u_i``
-    accumulated in ``cd`` (mergekit's ``mean += alpha * u``, held in ``cd``) and its squares."""
+    """The unit vectors (held in ``cd``: each is rounded to it) and the first mean ``sum alpha_i
+    u_i`` accumulated in ``cd`` (mergekit's ``mean += alpha * u``) over the first two of them,
+    held in ``cd``; the rest of the sum is :func:`_kar_mean_more`'s and the squares
+    :func:`_squares`'. GCC, which compiles MLX's fused CPU kernels, leaves a chain of five bf16
+    roundings, or one that ends in a float32 output, unvectorised (the NaN tests of the casts stay
+    branches): 2x slower than these kernels cut at held bf16 values."""
     def f(xs, ns, al):
         us = _kar_units(xs, ns, cd)
         m = rnd(al[0] * us[0], cd)
-        for a, u in zip(al[1:], us[1:]):
-            m = rnd(m + rnd(a * u, cd), cd)
-        return (m.astype(cd), [u.astype(cd) for u in us]), [mx.square(m)]
+        if len(us) > 1:
+            m = _kar_mean_acc(m, al[1], us[1], cd)
+        return m.astype(cd), [u.astype(cd) for u in us]
     return f
 
 
-def _kar_dots(cd, pending: bool):
-    """The mean, divided by its pending norm (``pending``), held in ``cd``; its products with each
-    unit vector (torch.dot's terms)."""
-    def f(m, us, p):
-        m = rnd(f32(m) / p, cd) if pending else f32(m)
-        return m.astype(cd), [m * f32(u) for u in us]
+def _kar_mean_more(cd):
+    """One more input's term of the first mean (``m`` held in ``cd``, ``u`` a held unit vector)."""
+    def f(m, u, a):
+        return _kar_mean_acc(f32(m), a, f32(u), cd).astype(cd)
     return f
+
+
+def _squares(m):
+    """The squares of a held slice (a norm's terms), from the held values."""
+    return [mx.square(f32(m))]
+
+
+def _kar_first_mean(xs: list, ns: list, al: list, cd):
+    """The first pass's step over one slice: ((the mean, the unit vectors), [the mean's squares])."""
+    head = kernel(("kar_mean0", len(xs), str(cd)), lambda: _kar_mean0(cd), cast_rounding=True)
+    more = kernel(("kar_mean_more", str(cd)), lambda: _kar_mean_more(cd), cast_rounding=True)
+    m, us = head(xs, ns, al)
+    for j in range(2, len(xs)):
+        m = more(m, us[j], al[j])
+    return (m, us), kernel(("squares",), lambda: _squares, shapeless=True, cast_rounding=True)(m)
+
+
+def _normalised(cd):
+    """A held slice divided by a norm, held in ``cd`` (written in ``cd`` by the kernel itself: a
+    float32 output and a separate cast to ``cd`` cost another pass)."""
+    def f(m, p):
+        return (f32(m) / p).astype(cd)
+    return f
+
+
+def _products(m, us):
+    """The held mean's products with each held unit vector (torch.dot's terms), float32."""
+    m = f32(m)
+    return [m * f32(u) for u in us]
+
+
+def _kar_dots(m, us, p, cd, pending: bool, products: bool = True) -> tuple:
+    """The dots' pass over one slice: (the mean divided by its pending norm, if ``pending``, held
+    in ``cd``; its products with each unit vector, or none without ``products``)."""
+    if pending:
+        m = kernel(("normalised", str(cd)), lambda: _normalised(cd), cast_rounding=True)(m, p)
+    if not products:
+        return m, []
+    return m, kernel(("products", len(us)), lambda: _products, shapeless=True, cast_rounding=True)(m, us)
 
 
 def _kar_tangent(m, us, dots, coefs, cd):
@@ -214,11 +264,11 @@ def _kar_tsq(cd):
 
 
 def _kar_step(cd):
-    """The next mean ``cos(tn) m + sin(tn) tangent / tn`` (each step in ``cd``) and its squares."""
+    """The next mean ``cos(tn) m + sin(tn) tangent / tn`` (each step in ``cd``), written in ``cd``
+    (its squares: :func:`_squares`, from the held values)."""
     def f(m, tg, tn, cs, sn):
         m = f32(m)
-        nm = rnd(rnd(cs * m, cd) + rnd(sn * rnd(f32(tg) / tn, cd), cd), cd)
-        return nm.astype(cd), [mx.square(nm)]
+        return (rnd(cs * m, cd) + rnd(sn * rnd(f32(tg) / tn, cd), cd)).astype(cd)
     return f
 
 
@@ -247,16 +297,14 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
     squares). ``at``: slice start -> index of the held slice. Returns (go on, the norm the held
     mean is still to be divided by)."""
     r = lambda x: rnd(x, cd)  # noqa: E731
-    size_key = (len(al), str(cd))
-    dk = kernel(("kar_dots", pending is not None) + size_key, lambda: _kar_dots(cd, pending is not None),
-                cast_rounding=True)
     p = scalar(pending if pending is not None else 1.0)
+    pend = pending is not None
     if cd == F32:  # torch.dot of the whole vectors, in BLAS's order (:func:`.torch_math.dot`)
-        K.sweep(lambda lo, hi: (dk(mean[at[lo]], units[at[lo]], p)[0], ()), size, into=mean)
+        K.sweep(lambda lo, hi: (_kar_dots(mean[at[lo]], units[at[lo]], p, cd, pend, False)[0], ()), size, into=mean)
         m = _whole(mean)
         dsums = [mx.array(TM.dot(m, _whole([u[j] for u in units]))) for j in range(len(al))]
     else:
-        _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], units[at[lo]], p), size, into=mean)
+        _, dsums = K.sweep(lambda lo, hi: _kar_dots(mean[at[lo]], units[at[lo]], p, cd, pend), size, into=mean)
     act, dots, coefs = [], [], []
     for j, d in enumerate(dsums):
         dot = mx.clip(r(d.reshape(())), -1.0, 1.0)
@@ -281,13 +329,15 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
     if tn < tol:
         return False, None
     stk = kernel(("kar_step", str(cd)), lambda: _kar_step(cd), cast_rounding=True)
+    sq = kernel(("squares",), lambda: _squares, shapeless=True, cast_rounding=True)
     cos, sin = (TM.cos, TM.sin) if cd == F32 else (np.cos, np.sin)  # float32: torch's own
     cs, sn, tn_ = r(scalar(cos(tn))), r(scalar(sin(tn))), scalar(tn)
 
     def step(lo, hi):
         k = at[lo]
         tg, tangent[k] = tangent[k], None  # freed as the mean's slice is replaced
-        return stk(mean[k], tg, tn_, cs, sn)
+        nm = stk(mean[k], tg, tn_, cs, sn)
+        return nm, sq(nm)
     _, (usq,) = K.sweep(step, size, f32n, mean)
     un = np.sqrt(item32(usq))
     return True, (un if un > tol else None)
@@ -326,8 +376,7 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
     a_sum = sum(alphas[i] for i in valid)
     al = [scalar(alphas[i] / a_sum) for i in valid]
     vx, ns = [xs[i] for i in valid], [scalar(norms[i]) for i in valid]
-    m0 = kernel(("kar_mean0", len(vx), str(cd)), lambda: _kar_mean0(cd), cast_rounding=True)
-    kept, (s,) = K.sweep(lambda lo, hi: m0([x[lo:hi] for x in vx], ns, al), size, f32n)
+    kept, (s,) = K.sweep(lambda lo, hi: _kar_first_mean([x[lo:hi] for x in vx], ns, al, cd), size, f32n)
     mean, units = [k[0] for k in kept], [k[1] for k in kept]  # per slice: the mean, the unit vectors
     kept.clear()
     mn = np.sqrt(item32(s))
