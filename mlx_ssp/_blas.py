@@ -62,9 +62,9 @@ def preload_openblas() -> str | None:
                 continue
             # the few-row kernel goes into the global scope first, so MLX's cblas_sgemm resolves to
             # it; loading OpenBLAS again with RTLD_GLOBAL then publishes the rest of its symbols
-            _small_gemm.prepare()
+            _small_gemm.setup(lib, kernel_threads())
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            _small_gemm.connect(lib, kernel_threads())
+            _small_gemm.check_first()
             loaded_path = path
             status = f"loaded {path}"
             return path

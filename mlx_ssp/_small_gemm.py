@@ -1,19 +1,20 @@
 """A float32 kernel for products of a few rows by a weight matrix (decoding on Linux x86_64).
 
 MLX's Linux CPU backend does every float32 matmul with ``cblas_sgemm``. For the 1-8 rows of a
-decoding step, OpenBLAS copies (packs) the whole weight matrix for each product and reads weights at
-about 7 GB/s on the 2-core machine we measure on; a kernel that reads each weight row once, straight
-from memory, reaches 14-24 GB/s. ``small_gemm.c`` (beside this file) is that kernel: it defines
+decoding step, OpenBLAS copies (packs) the whole weight matrix for each product and reads the demo
+model's weights at 7-13 GB/s on the 2-core machine we measure on; a kernel that reads each weight row
+once, straight from memory, reaches 14-16 GB/s on one thread and 20-29 GB/s on two. ``small_gemm.c`` (beside this file) is that kernel: it defines
 ``cblas_sgemm``, takes the products with at most 8 rows (A not transposed, B transposed: a Linear
 layer), splits the rows of B between the calling thread and one helper thread, and hands every other
 call to OpenBLAS unchanged. Its order of arithmetic is fixed (the C file states it), so each output
-is the same bit for bit whatever the thread count and whatever rows share the product; it differs
-from OpenBLAS's own rounding by float32 rounding only.
+is the same bit for bit whatever the thread count and whatever rows (up to 8) share the product; it
+differs from OpenBLAS's own rounding by float32 rounding only. It applies process-wide, to every
+such product: decoding, and also the rank-8-or-less products of ``merge-lora`` and ``extract-lora``.
 
-:func:`prepare` builds the file with the system C compiler (``$CC``, else ``cc``, ``gcc`` or
-``clang``) into ``<cache>/native/`` once per source and compiler, and loads it with RTLD_GLOBAL;
-:mod:`mlx_ssp._blas` calls it between checking and publishing OpenBLAS, so that MLX finds our
-``cblas_sgemm`` first. No compiler, another OS or CPU, or ``MLX_SSP_SMALL_GEMM=0`` leaves
+:func:`setup` builds the file with the system C compiler (``$CC``, else ``cc``, ``gcc`` or
+``clang``) into ``<cache>/native/`` once per source and compiler, initialises it and then loads it
+with RTLD_GLOBAL; :mod:`mlx_ssp._blas` calls it between loading OpenBLAS locally and publishing it,
+so that MLX finds our ``cblas_sgemm`` first (:func:`check_first` verifies that). No compiler, another OS or CPU, or ``MLX_SSP_SMALL_GEMM=0`` leaves
 everything to OpenBLAS; :data:`status` says which.
 """
 
@@ -27,7 +28,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
+import time
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -36,9 +38,11 @@ from mlx_ssp.io import cache_dir
 SOURCE = Path(__file__).with_name("small_gemm.c")
 DISABLE_ENV = "MLX_SSP_SMALL_GEMM"
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off")  # no fusing beyond the stated FMAs
-LIBS = ("-lpthread", "-lm")
+LIBS = ("-lpthread", "-lm", "-ldl")
 #: rows of A the kernel takes (the C file's MAX_ROWS)
 MAX_ROWS = 8
+#: builds of other sources (another checkout, an older version) are removed after this long unused
+STALE_S = 7 * 24 * 3600
 
 lib: Optional[ctypes.CDLL] = None
 status: str = "not attempted"
@@ -62,62 +66,93 @@ def _library_path(cc: str) -> Path:
 
 def _build(cc: str, out: Path) -> None:
     """Compile into a temporary file beside ``out``, then rename: a concurrent build or a killed one
-    never leaves a half-written library under the final name."""
+    never leaves a half-written library under the final name. A failed build leaves ``out`` with
+    ``.failed`` appended (the compiler's message), so later imports do not try again."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".small_gemm-", suffix=".so", dir=out.parent)
+    fd, tmp = tempfile.mkstemp(prefix="tmp-small_gemm-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], check=True, capture_output=True, timeout=120)
+        run = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, timeout=120)
+        if run.returncode != 0:
+            msg = run.stderr.decode(errors="replace")[-2000:]
+            Path(f"{out}.failed").write_text(f"{cc} exited {run.returncode}\n{msg}")
+            raise OSError(f"{cc} exited {run.returncode}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    for old in out.parent.glob("small_gemm-*.so"):  # builds of earlier sources (a process using one keeps its mapping)
-        if old != out:
-            old.unlink(missing_ok=True)
+    now = time.time()
+    for old in out.parent.iterdir():  # other checkouts' builds stay while in use; a killed build's file goes
+        if old != out and old.name.startswith(("small_gemm-", "tmp-small_gemm-")):
+            with suppress(OSError):
+                if now - old.stat().st_mtime > (STALE_S if old.name.startswith("small_gemm-") else 3600):
+                    old.unlink()
 
 
-def prepare() -> Optional[ctypes.CDLL]:
-    """Build (once) and load the kernel with RTLD_GLOBAL; None, with :data:`status` saying why, where
-    it does not apply. Must run before ``mlx.core`` is imported and before OpenBLAS is made global."""
+def _load(cc: str) -> ctypes.CDLL:
+    path = _library_path(cc)
+    failed = Path(f"{path}.failed")
+    if failed.exists():
+        raise OSError(f"an earlier build failed (see {failed}; delete it to try again)")
+    if not path.exists():
+        _build(cc, path)
+    try:
+        loaded = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+    except OSError:  # a file another process half-removed, or built for another machine: once more
+        path.unlink(missing_ok=True)
+        _build(cc, path)
+        loaded = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+    os.utime(path)  # in use: keeps it from being pruned as stale
+    return loaded
+
+
+def setup(openblas: ctypes.CDLL, threads: int) -> bool:
+    """Build (once) and load the kernel, point it at OpenBLAS's ``cblas_sgemm`` (for every product it
+    does not take), then publish it with RTLD_GLOBAL. Call between loading OpenBLAS locally and
+    making it global, before ``mlx.core`` is imported. Never raises: :data:`status` says what happened."""
     global lib, status
     if lib is not None:
-        return lib
+        return active()
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
         status = "not Linux x86_64"
-        return None
+        return False
     if os.environ.get(DISABLE_ENV, "") == "0":
         status = f"disabled by {DISABLE_ENV}=0"
-        return None
+        return False
     cc = _compiler()
     if cc is None:
         status = "no C compiler (cc, gcc or clang): products go to OpenBLAS"
-        return None
+        return False
     try:
-        path = _library_path(cc)
-        if not path.exists():
-            _build(cc, path)
-        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-    except (OSError, subprocess.SubprocessError) as e:
-        err = getattr(e, "stderr", b"") or b""
-        status = f"not built: {e} {err.decode(errors='replace')[-300:]}".strip()
-        return None
-    status = f"built, waiting for OpenBLAS ({path})"
-    return lib
+        local = _load(cc)
+        real = ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p)
+        local.mlx_ssp_small_gemm_init.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        ok = bool(local.mlx_ssp_small_gemm_init(real, int(threads)))
+        if not ok:
+            status = "off: this CPU lacks AVX2 or FMA (products go to OpenBLAS)"
+            return False
+        # initialised before it is global: nothing can reach its cblas_sgemm without a BLAS behind it
+        lib = ctypes.CDLL(local._name, mode=ctypes.RTLD_GLOBAL)
+    except Exception as e:  # noqa: BLE001 - importing mlx_ssp must not fail for an optional kernel
+        status = f"not built: {e}"
+        return False
+    status = f"on, {threads} thread{'s' if threads > 1 else ''} ({lib._name})"
+    return True
 
 
-def connect(openblas: ctypes.CDLL, threads: int) -> bool:
-    """Point the kernel at OpenBLAS's ``cblas_sgemm`` (for every product it does not take); returns
-    whether the kernel runs on this CPU (AVX2 and FMA)."""
+def check_first() -> bool:
+    """After OpenBLAS is global: whether the process's ``cblas_sgemm`` is the kernel's (an
+    LD_PRELOAD-ed BLAS, say, would come first). If not, the kernel is switched off and
+    :data:`status` names what shadows it."""
     global status
     if lib is None:
         return False
-    real = ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p)
-    lib.mlx_ssp_small_gemm_init.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    ok = bool(lib.mlx_ssp_small_gemm_init(real, int(threads)))
-    status = (f"on, {threads} thread{'s' if threads > 1 else ''} ({lib._name})" if ok
-              else "off: this CPU lacks AVX2 or FMA (products go to OpenBLAS)")
-    return ok
+    who = ctypes.create_string_buffer(4096)
+    if lib.mlx_ssp_small_gemm_first(who, len(who)):
+        return True
+    lib.mlx_ssp_small_gemm_enable(0)
+    status = f"off: MLX's cblas_sgemm comes from {who.value.decode(errors='replace')} (loaded before mlx_ssp)"
+    return False
 
 
 def active() -> bool:

@@ -84,9 +84,12 @@ def report() -> tuple[list[tuple[str, str]], list[str]]:
     rows.append(("BLAS", blas))
     if sys.platform.startswith("linux"):
         rows.append(("few-row matmul kernel", _small_gemm.status))
-        if _blas.loaded_path and not _small_gemm.active() and "disabled" not in _small_gemm.status:
-            advice.append("decoding a few rows on CPU is ~2x faster with the few-row kernel: install a C compiler "
+        if _small_gemm.status.startswith("no C compiler"):
+            advice.append("decoding a few rows on CPU is faster with the few-row kernel: install a C compiler "
                           "(apt-get install -y gcc)")
+        elif _small_gemm.status.startswith("not built"):
+            advice.append("the few-row kernel did not build: apt-get install -y build-essential (C headers), "
+                          "then delete the .failed file named above")
     if sys.platform.startswith("linux") and not _blas.loaded_path:
         advice.append(
             "float32 matmul on CPU is ~40x slower without OpenBLAS: "

@@ -5,6 +5,7 @@ what it leaves to OpenBLAS."""
 import os
 import platform
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -71,11 +72,14 @@ def test_a_row_alone_equals_the_row_in_a_batch_and_threads_do_not_matter():
     rng = np.random.default_rng(5)
     a = mx.array(rng.standard_normal((8, 576)).astype(np.float32))
     w = mx.array(rng.standard_normal((3000, 576)).astype(np.float32))  # large enough to split
-    batch = a @ w.T
+    with _small_gemm.threads(2):  # split between the caller and the helper thread
+        batch = a @ w.T
+        mx.eval(batch)
     with _small_gemm.threads(1):
         one_thread = a @ w.T
+        mx.eval(one_thread)
     alone = [a[i:i + 1] @ w.T for i in range(8)]
-    mx.eval(batch, one_thread, *alone)
+    mx.eval(*alone)
     np.testing.assert_array_equal(np.array(batch), np.array(one_thread))
     for i in range(8):
         np.testing.assert_array_equal(np.array(batch)[i:i + 1], np.array(alone[i]))
@@ -92,11 +96,11 @@ def test_other_products_go_to_openblas_unchanged():
         bm = mx.array(np.ascontiguousarray(b.T)).T if trans else mx.array(b)
         before = _small_gemm.calls()
         out = a @ bm
-        with _small_gemm.enabled(False):
-            plain = a @ bm
-        mx.eval(out, plain)
+        mx.eval(out)
         assert _small_gemm.calls() == before
-        np.testing.assert_array_equal(np.array(out), np.array(plain))
+        # forwarded unchanged: the same bits as OpenBLAS's own cblas_sgemm called directly
+        ob = openblas_sgemm(np.array(a), b, trans)
+        np.testing.assert_array_equal(np.array(out), ob)
 
 
 def test_kernel_off_is_openblas_and_close_to_it():
@@ -104,28 +108,47 @@ def test_kernel_off_is_openblas_and_close_to_it():
     a = mx.array(rng.standard_normal((4, 576)).astype(np.float32))
     w = mx.array(rng.standard_normal((700, 576)).astype(np.float32))
     on = a @ w.T
+    mx.eval(on)
     with _small_gemm.enabled(False) as was:
         assert was and not _small_gemm.active()
         before = _small_gemm.calls()
         off = a @ w.T
         mx.eval(off)
         assert _small_gemm.calls() == before
-    mx.eval(on)
     assert _small_gemm.active()
     np.testing.assert_allclose(np.array(on), np.array(off), rtol=1e-5, atol=1e-4)
 
 
-def sgemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def openblas_sgemm(a: np.ndarray, b: np.ndarray, trans: bool) -> np.ndarray:
+    """a @ b (b given as (K, N)) through OpenBLAS's own cblas_sgemm, B transposed in memory if ``trans``."""
+    import ctypes
+
+    lib = ctypes.CDLL(_blas.loaded_path)
+    m, k = a.shape
+    n = b.shape[1]
+    bb = np.ascontiguousarray(b.T if trans else b, np.float32)
+    a = np.ascontiguousarray(a, np.float32)
+    c = np.zeros((m, n), np.float32)
+    p = lambda x: x.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    lib.cblas_sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                                     ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    lib.cblas_sgemm(101, 111, 112 if trans else 111, m, n, k, 1.0, p(a), k, p(bb), k if trans else n, 0.0, p(c), n)
+    return c
+
+
+def sgemm(a: np.ndarray, b: np.ndarray, c=None, lda=None, ldb=None, ldc=None, beta=0.0, k=None) -> np.ndarray:
     """a @ b.T through the kernel's cblas_sgemm directly (no MLX: its stream threads do not survive fork)."""
     import ctypes
 
-    c = np.zeros((a.shape[0], b.shape[0]), np.float32)
+    m, n = a.shape[0], b.shape[0]
+    k = a.shape[1] if k is None else k
+    c = np.zeros((m, n), np.float32) if c is None else c
     ptr = lambda x: x.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
     f = _small_gemm.lib.cblas_sgemm
     f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    f(101, 111, 112, a.shape[0], b.shape[0], a.shape[1], 1.0, ptr(a), a.shape[1], ptr(b), b.shape[1], 0.0,
-      ptr(c), c.shape[1])
+    f(101, 111, 112, m, n, k, 1.0, ptr(a), lda or a.shape[1], ptr(b), ldb or b.shape[1], beta,
+      ptr(c), ldc or c.shape[1])
     return c
 
 
@@ -179,13 +202,17 @@ def test_a_fresh_cache_builds_and_loads_the_kernel(tmp_path):
     code = ("import mlx_ssp; from mlx_ssp import _small_gemm; import mlx.core as mx; "
             "x = mx.ones((2, 64)) @ mx.ones((32, 64)).T; mx.eval(x); "
             "print(_small_gemm.active(), _small_gemm.calls(), float(x[0, 0]))")
-    (tmp_path / "native").mkdir()
-    (tmp_path / "native" / "small_gemm-0000000000000000.so").write_bytes(b"an earlier build")
+    native = tmp_path / "native"
+    native.mkdir()
+    stale, recent = native / "small_gemm-0000000000000000.so", native / "small_gemm-1111111111111111.so"
+    stale.write_bytes(b"a build unused for 8 days")
+    recent.write_bytes(b"another checkout's build, in use")
+    os.utime(stale, (time.time() - 8 * 86400,) * 2)
     env = dict(os.environ, MLX_SSP_CACHE=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "1", "64.0"]
-    assert [p.name.startswith("small_gemm-") for p in (tmp_path / "native").iterdir()] == [True]
-    assert not (tmp_path / "native" / "small_gemm-0000000000000000.so").exists()
+    assert not stale.exists() and recent.exists()
+    assert len(list(native.glob("small_gemm-*.so"))) == 2
 
 
 def test_a_user_fixed_single_thread_is_kept():
@@ -195,3 +222,48 @@ def test_a_user_fixed_single_thread_is_kept():
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.startswith("on, 1 thread "), out.stdout
+
+
+def test_leading_dimensions_and_an_unread_c():
+    """Rows wider than K (lda, ldb > K), a wider C (ldc > N), and C full of NaN with beta 0: not read."""
+    rng = np.random.default_rng(17)
+    k, n = 40, 70
+    a = rng.standard_normal((3, k + 5)).astype(np.float32)
+    b = rng.standard_normal((n, k + 9)).astype(np.float32)
+    c = np.full((3, n + 4), np.nan, np.float32)
+    out = sgemm(a, b, c=c, lda=k + 5, ldb=k + 9, ldc=n + 4, k=k)
+    np.testing.assert_array_equal(out[:, :n], reference(a[:, :k], b[:, :k]))
+    assert np.isnan(out[:, n:]).all()
+
+
+def test_two_threads_calling_at_once_get_the_reference():
+    import threading
+
+    rng = np.random.default_rng(19)
+    a = rng.standard_normal((4, 576)).astype(np.float32)
+    w = rng.standard_normal((4000, 576)).astype(np.float32)
+    want = reference(a, w)
+    bad = []
+
+    def run():
+        for _ in range(20):
+            if not np.array_equal(sgemm(a, w), want):
+                bad.append(1)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not bad
+
+
+def test_a_blas_loaded_before_mlx_ssp_shadows_the_kernel_and_is_reported():
+    import subprocess
+
+    code = ("import mlx_ssp; from mlx_ssp import _small_gemm; import mlx.core as mx; "
+            "x = mx.ones((2, 64)) @ mx.ones((32, 64)).T; mx.eval(x); "
+            "print(_small_gemm.active(), _small_gemm.calls()); print(_small_gemm.status)")
+    env = dict(os.environ, LD_PRELOAD=_blas.loaded_path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    first, status = out.stdout.splitlines()
+    assert first == "False 0"
+    assert status.startswith("off: MLX's cblas_sgemm comes from") and _blas.loaded_path in status

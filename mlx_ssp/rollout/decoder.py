@@ -66,10 +66,11 @@ class Decoder:
         self.saved_prefill = 0  # prompt tokens samples did not prefill themselves (shared prefixes)
         self.prefix_s, self.prefix_tokens = 0.0, 0  # the shared prefills (outside the generator's timers)
         self.bar = progress.bar(total, unit=unit, desc=desc, enabled=request.progress)
-        self._scopes = ExitStack()  # undone in close(), whatever else fails there
-        if min(request.batch_size, total) <= ONE_THREAD_ROWS:
-            self._scopes.enter_context(_blas.threads(1))
-        self._scopes.enter_context(decode_rope.installed(model))
+        with ExitStack() as scopes:  # a failure here undoes what was entered; close() undoes the rest
+            if min(request.batch_size, total) <= ONE_THREAD_ROWS:
+                scopes.enter_context(_blas.threads(1))
+            scopes.enter_context(decode_rope.installed(model))
+            self._scopes = scopes.pop_all()
         self.t_start = time.perf_counter()
         self.gen_s_before = 0.0  # time of an earlier pass in the same request (episodes, then single turns)
 

@@ -174,8 +174,10 @@ class _Generation:
             self.bar.set_postfix_str(f"{self.stats['gen_tokens'] / (self.last_bar - self.t_start):.1f} tok/s", refresh=False)
 
     def close(self) -> None:
-        self.scorer.close()
-        self.dec.close(self.stats)
+        try:
+            self.scorer.close()
+        finally:  # the decoder's scopes (thread count, rotary swap) are undone even if the scorer fails
+            self.dec.close(self.stats)
 
 
 def run_request(model, tokenizer, request: RolloutRequest, *, samples: Optional[dict[str, list[int]]] = None,
