@@ -3,8 +3,8 @@
 MLX's Linux CPU backend does every float32 matmul with ``cblas_sgemm``. For the 1-8 rows of a
 decoding step, OpenBLAS copies (packs) the whole weight matrix for each product and reads the demo
 model's weights at 7-13 GB/s on the 2-core machine we measure on; a kernel that reads each weight row
-once, straight from memory, reaches 14-16 GB/s on one thread and 20-29 GB/s on two. ``small_gemm.c`` (beside this file) is that kernel: it defines
-``cblas_sgemm``, takes the products with at most 8 rows (A not transposed, B transposed: a Linear
+once, straight from memory, reaches 14-16 GB/s on one thread and 20-29 GB/s on two. ``small_gemm.c``
+(beside this file) is that kernel: it defines ``cblas_sgemm``, takes the products with at most 8 rows (A not transposed, B transposed: a Linear
 layer), splits the rows of B between the calling thread and one helper thread, and hands every other
 call to OpenBLAS unchanged. Its order of arithmetic is fixed (the C file states it), so each output
 is the same bit for bit whatever the thread count and whatever rows (up to 8) share the product; it
@@ -14,8 +14,8 @@ such product: decoding, and also the rank-8-or-less products of ``merge-lora`` a
 :func:`setup` builds the file with the system C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang``) into ``<cache>/native/`` once per source and compiler, initialises it and then loads it
 with RTLD_GLOBAL; :mod:`mlx_ssp._blas` calls it between loading OpenBLAS locally and publishing it,
-so that MLX finds our ``cblas_sgemm`` first (:func:`check_first` verifies that). No compiler, another OS or CPU, or ``MLX_SSP_SMALL_GEMM=0`` leaves
-everything to OpenBLAS; :data:`status` says which.
+so that MLX finds our ``cblas_sgemm`` first (:func:`check_first` verifies that). No compiler,
+another OS or CPU, or ``MLX_SSP_SMALL_GEMM=0`` leaves everything to OpenBLAS; :data:`status` says which.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ SOURCE = Path(__file__).with_name("small_gemm.c")
 DISABLE_ENV = "MLX_SSP_SMALL_GEMM"
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off")  # no fusing beyond the stated FMAs
 LIBS = ("-lpthread", "-lm", "-ldl")
-#: rows of A the kernel takes (the C file's MAX_ROWS)
-MAX_ROWS = 8
 #: builds of other sources (another checkout, an older version) are removed after this long unused
 STALE_S = 7 * 24 * 3600
 
@@ -76,7 +74,7 @@ def _build(cc: str, out: Path) -> None:
         if run.returncode != 0:
             msg = run.stderr.decode(errors="replace")[-2000:]
             Path(f"{out}.failed").write_text(f"{cc} exited {run.returncode}\n{msg}")
-            raise OSError(f"{cc} exited {run.returncode}")
+            raise OSError(f"{cc} exited {run.returncode} (see {out}.failed)")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -133,6 +131,7 @@ def setup(openblas: ctypes.CDLL, threads: int) -> bool:
             return False
         # initialised before it is global: nothing can reach its cblas_sgemm without a BLAS behind it
         lib = ctypes.CDLL(local._name, mode=ctypes.RTLD_GLOBAL)
+        lib.mlx_ssp_small_gemm_calls.restype = ctypes.c_long
     except Exception as e:  # noqa: BLE001 - importing mlx_ssp must not fail for an optional kernel
         status = f"not built: {e}"
         return False
@@ -157,11 +156,7 @@ def check_first() -> bool:
 
 def active() -> bool:
     """Whether products of a few rows go to the kernel now."""
-    if lib is None:
-        return False
-    before = lib.mlx_ssp_small_gemm_enable(1)
-    lib.mlx_ssp_small_gemm_enable(before)
-    return bool(before)
+    return lib is not None and bool(lib.mlx_ssp_small_gemm_enabled())
 
 
 @contextmanager
@@ -192,7 +187,4 @@ def threads(n: int) -> Iterator[int]:
 
 def calls() -> int:
     """Products the kernel has done in this process."""
-    if lib is None:
-        return 0
-    lib.mlx_ssp_small_gemm_calls.restype = ctypes.c_long
-    return int(lib.mlx_ssp_small_gemm_calls())
+    return 0 if lib is None else int(lib.mlx_ssp_small_gemm_calls())

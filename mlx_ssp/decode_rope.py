@@ -43,8 +43,10 @@ def compiled_rope(config: tuple):
     f = _COMPILED.get(config)
     if f is None:
         dims, traditional, base, scale = config
-        f = _COMPILED[config] = mx.compile(
-            lambda x, offset: mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset))
+        def rope(x, offset):
+            return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+
+        f = _COMPILED[config] = mx.compile(rope)
     return f
 
 

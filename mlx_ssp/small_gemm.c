@@ -268,12 +268,14 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, co
     real_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
+static int clamp_threads(int threads) { return threads < 1 ? 1 : (threads > 2 ? 2 : threads); }
+
 /* Called once from Python before MLX is imported: the real sgemm to forward to. Returns whether
  * the kernel can run on this CPU. */
 int mlx_ssp_small_gemm_init(sgemm_fn real, int threads) {
     real_sgemm = real;
     simd_ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    atomic_store(&n_threads, threads < 1 ? 1 : (threads > 2 ? 2 : threads));
+    atomic_store(&n_threads, clamp_threads(threads));
     pthread_atfork(NULL, NULL, after_fork_child);
     atomic_store(&enabled, simd_ok);
     return simd_ok;
@@ -282,8 +284,10 @@ int mlx_ssp_small_gemm_init(sgemm_fn real, int threads) {
 /* Turns the kernel on (1) or off (0: every product goes to OpenBLAS); returns the previous state. */
 int mlx_ssp_small_gemm_enable(int on) { return atomic_exchange(&enabled, on && simd_ok); }
 
+int mlx_ssp_small_gemm_enabled(void) { return atomic_load(&enabled); }
+
 int mlx_ssp_small_gemm_threads(int threads) {
-    return atomic_exchange(&n_threads, threads < 1 ? 1 : (threads > 2 ? 2 : threads));
+    return atomic_exchange(&n_threads, clamp_threads(threads));
 }
 
 long mlx_ssp_small_gemm_calls(void) { return atomic_load(&kernel_calls); }

@@ -139,7 +139,7 @@ def _msl_first(xs: list, dn: list, W: list, cd) -> tuple:
                    cast_rounding=True)(xs, dn)
     m = kernel(("msl_mean", len(xs), str(cd)), lambda: (lambda us, W: _msl_mean([f32(u) for u in us], W, cd)),
                cast_rounding=True)(units, W)
-    return (m, units), kernel(("squares",), lambda: _squares, shapeless=True, cast_rounding=True)(m)
+    return (m, units), _held_squares(m)
 
 
 def _msl_dots(cd):
@@ -213,6 +213,11 @@ def _squares(m):
     return [mx.square(f32(m))]
 
 
+def _held_squares(m) -> list:
+    """:func:`_squares` as one compiled kernel (any shape)."""
+    return kernel(("squares",), lambda: _squares, shapeless=True, cast_rounding=True)(m)
+
+
 def _kar_first_mean(xs: list, ns: list, al: list, cd):
     """The first pass's step over one slice: ((the mean, the unit vectors), [the mean's squares])."""
     head = kernel(("kar_mean0", len(xs), str(cd)), lambda: _kar_mean0(cd), cast_rounding=True)
@@ -220,7 +225,7 @@ def _kar_first_mean(xs: list, ns: list, al: list, cd):
     m, us = head(xs, ns, al)
     for j in range(2, len(xs)):
         m = more(m, us[j], al[j])
-    return (m, us), kernel(("squares",), lambda: _squares, shapeless=True, cast_rounding=True)(m)
+    return (m, us), _held_squares(m)
 
 
 def _normalised(cd):
@@ -329,7 +334,6 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
     if tn < tol:
         return False, None
     stk = kernel(("kar_step", str(cd)), lambda: _kar_step(cd), cast_rounding=True)
-    sq = kernel(("squares",), lambda: _squares, shapeless=True, cast_rounding=True)
     cos, sin = (TM.cos, TM.sin) if cd == F32 else (np.cos, np.sin)  # float32: torch's own
     cs, sn, tn_ = r(scalar(cos(tn))), r(scalar(sin(tn))), scalar(tn)
 
@@ -337,7 +341,7 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
         k = at[lo]
         tg, tangent[k] = tangent[k], None  # freed as the mean's slice is replaced
         nm = stk(mean[k], tg, tn_, cs, sn)
-        return nm, sq(nm)
+        return nm, _held_squares(nm)
     _, (usq,) = K.sweep(step, size, f32n, mean)
     un = np.sqrt(item32(usq))
     return True, (un if un > tol else None)
