@@ -11,8 +11,8 @@ is the same bit for bit whatever the thread count and whatever rows (up to 8) sh
 differs from OpenBLAS's own rounding by float32 rounding only. It applies process-wide, to every
 such product: decoding, and also the rank-8-or-less products of ``merge-lora`` and ``extract-lora``.
 
-:func:`setup` builds the file with the system C compiler (``$CC``, else ``cc``, ``gcc`` or
-``clang``) into ``<cache>/native/`` once per source and compiler, initialises it and then loads it
+:func:`setup` builds the file with the system C compiler (:mod:`mlx_ssp.native`: ``$CC``, else ``cc``,
+``gcc`` or ``clang``, cached in ``<cache>/native/``), initialises it and then loads it
 with RTLD_GLOBAL; :mod:`mlx_ssp._blas` calls it between loading OpenBLAS locally and publishing it,
 so that MLX finds our ``cblas_sgemm`` first (:func:`check_first` verifies that). No compiler,
 another OS or CPU, or ``MLX_SSP_SMALL_GEMM=0`` leaves everything to OpenBLAS; :data:`status` says which.
@@ -21,87 +21,20 @@ another OS or CPU, or ``MLX_SSP_SMALL_GEMM=0`` leaves everything to OpenBLAS; :d
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-from mlx_ssp.io import cache_dir
+from mlx_ssp import native
 
 SOURCE = Path(__file__).with_name("small_gemm.c")
 DISABLE_ENV = "MLX_SSP_SMALL_GEMM"
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off")  # no fusing beyond the stated FMAs
 LIBS = ("-lpthread", "-lm", "-ldl")
-#: builds of other sources (another checkout, an older version) are removed after this long unused
-STALE_S = 7 * 24 * 3600
 
 lib: Optional[ctypes.CDLL] = None
 status: str = "not attempted"
-
-
-def _compiler() -> Optional[str]:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        path = shutil.which(name) if name else None
-        if path:
-            return path
-    return None
-
-
-def _library_path(cc: str) -> Path:
-    """One file per source text and compiler binary (its path, size and mtime: cheaper than running it)."""
-    st = os.stat(cc)
-    key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(f"{cc}|{st.st_size}|{st.st_mtime_ns}|{' '.join(FLAGS + LIBS)}".encode())
-    return cache_dir() / "native" / f"small_gemm-{key.hexdigest()[:16]}.so"
-
-
-def _build(cc: str, out: Path) -> None:
-    """Compile into a temporary file beside ``out``, then rename: a concurrent build or a killed one
-    never leaves a half-written library under the final name. A failed build leaves ``out`` with
-    ``.failed`` appended (the compiler's message), so later imports do not try again."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="tmp-small_gemm-", suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        run = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, timeout=120)
-        if run.returncode != 0:
-            msg = run.stderr.decode(errors="replace")[-2000:]
-            Path(f"{out}.failed").write_text(f"{cc} exited {run.returncode}\n{msg}")
-            raise OSError(f"{cc} exited {run.returncode} (see {out}.failed)")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    now = time.time()
-    for old in out.parent.iterdir():  # other checkouts' builds stay while in use; a killed build's file goes
-        if old != out and old.name.startswith(("small_gemm-", "tmp-small_gemm-")):
-            with suppress(OSError):
-                if now - old.stat().st_mtime > (STALE_S if old.name.startswith("small_gemm-") else 3600):
-                    old.unlink()
-
-
-def _load(cc: str) -> ctypes.CDLL:
-    path = _library_path(cc)
-    failed = Path(f"{path}.failed")
-    if failed.exists():
-        raise OSError(f"an earlier build failed (see {failed}; delete it to try again)")
-    if not path.exists():
-        _build(cc, path)
-    try:
-        loaded = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
-    except OSError:  # a file another process half-removed, or built for another machine: once more
-        path.unlink(missing_ok=True)
-        _build(cc, path)
-        loaded = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
-    os.utime(path)  # in use: keeps it from being pruned as stale
-    return loaded
 
 
 def setup(openblas: ctypes.CDLL, threads: int) -> bool:
@@ -111,18 +44,18 @@ def setup(openblas: ctypes.CDLL, threads: int) -> bool:
     global lib, status
     if lib is not None:
         return active()
-    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+    if not native.linux_x86_64():
         status = "not Linux x86_64"
         return False
     if os.environ.get(DISABLE_ENV, "") == "0":
         status = f"disabled by {DISABLE_ENV}=0"
         return False
-    cc = _compiler()
+    cc = native.compiler()
     if cc is None:
         status = "no C compiler (cc, gcc or clang): products go to OpenBLAS"
         return False
     try:
-        local = _load(cc)
+        local = native.load("small_gemm", [SOURCE], cc, FLAGS, LIBS)
         real = ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p)
         local.mlx_ssp_small_gemm_init.argtypes = [ctypes.c_void_p, ctypes.c_int]
         ok = bool(local.mlx_ssp_small_gemm_init(real, int(threads)))
