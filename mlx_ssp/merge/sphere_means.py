@@ -22,6 +22,7 @@ float32 array.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Optional, Sequence
 
 import numpy as np
@@ -30,6 +31,7 @@ import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
 from mlx_ssp.merge import kernels as K
+from mlx_ssp.merge import native as NV
 from mlx_ssp.merge import torch_math as TM
 from mlx_ssp.merge.kernels import F32, aligned, each, f32, item32, kernel, rnd, scalar
 
@@ -295,21 +297,10 @@ def _whole(parts: list) -> np.ndarray:
     return out
 
 
-def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], tol: float, cd, at: dict,
-                   size: int) -> tuple[bool, Optional[float]]:
-    """One fixed-point step of the mean, updated in place, slice by slice (three passes: the dots,
-    normalising the mean on the way; the tangent and its norm; the step, with the new mean's
-    squares). ``at``: slice start -> index of the held slice. Returns (go on, the norm the held
-    mean is still to be divided by)."""
+def _kar_angles(dsums: list, al: list, tol: float, cd) -> tuple[list[int], list, list]:
+    """From the dots' sums (float32 arrays): the inputs not yet at the mean, their dots (clipped,
+    in ``cd``) and their tangent coefficients ``alpha theta / sin(theta)`` (each step in ``cd``)."""
     r = lambda x: rnd(x, cd)  # noqa: E731
-    p = scalar(pending if pending is not None else 1.0)
-    pend = pending is not None
-    if cd == F32:  # torch.dot of the whole vectors, in BLAS's order (:func:`.torch_math.dot`)
-        K.sweep(lambda lo, hi: (_kar_dots(mean[at[lo]], units[at[lo]], p, cd, pend, False)[0], ()), size, into=mean)
-        m = _whole(mean)
-        dsums = [mx.array(TM.dot(m, _whole([u[j] for u in units]))) for j in range(len(al))]
-    else:
-        _, dsums = K.sweep(lambda lo, hi: _kar_dots(mean[at[lo]], units[at[lo]], p, cd, pend), size, into=mean)
     act, dots, coefs = [], [], []
     for j, d in enumerate(dsums):
         dot = mx.clip(r(d.reshape(())), -1.0, 1.0)
@@ -324,6 +315,30 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
         act.append(j)
         dots.append(dot)
         coefs.append(r(al[j] * r(theta / sin)))
+    return act, dots, coefs
+
+
+def _kar_turn(tn: np.float32, cd) -> tuple[mx.array, mx.array]:
+    """``cos(tn)`` and ``sin(tn)`` of the tangent's norm, in ``cd`` (float32: torch's own)."""
+    cos, sin = (TM.cos, TM.sin) if cd == F32 else (np.cos, np.sin)
+    return rnd(scalar(cos(tn)), cd), rnd(scalar(sin(tn)), cd)
+
+
+def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], tol: float, cd, at: dict,
+                   size: int) -> tuple[bool, Optional[float]]:
+    """One fixed-point step of the mean, updated in place, slice by slice (three passes: the dots,
+    normalising the mean on the way; the tangent and its norm; the step, with the new mean's
+    squares). ``at``: slice start -> index of the held slice. Returns (go on, the norm the held
+    mean is still to be divided by)."""
+    p = scalar(pending if pending is not None else 1.0)
+    pend = pending is not None
+    if cd == F32:  # torch.dot of the whole vectors, in BLAS's order (:func:`.torch_math.dot`)
+        K.sweep(lambda lo, hi: (_kar_dots(mean[at[lo]], units[at[lo]], p, cd, pend, False)[0], ()), size, into=mean)
+        m = _whole(mean)
+        dsums = [mx.array(TM.dot(m, _whole([u[j] for u in units]))) for j in range(len(al))]
+    else:
+        _, dsums = K.sweep(lambda lo, hi: _kar_dots(mean[at[lo]], units[at[lo]], p, cd, pend), size, into=mean)
+    act, dots, coefs = _kar_angles(dsums, al, tol, cd)
     if not act:
         return False, None
     tk = kernel(("kar_tsq", len(act), str(cd)), lambda: _kar_tsq(cd), cast_rounding=True)
@@ -334,8 +349,8 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
     if tn < tol:
         return False, None
     stk = kernel(("kar_step", str(cd)), lambda: _kar_step(cd), cast_rounding=True)
-    cos, sin = (TM.cos, TM.sin) if cd == F32 else (np.cos, np.sin)  # float32: torch's own
-    cs, sn, tn_ = r(scalar(cos(tn))), r(scalar(sin(tn))), scalar(tn)
+    cs, sn = _kar_turn(tn, cd)
+    tn_ = scalar(tn)
 
     def step(lo, hi):
         k = at[lo]
@@ -345,6 +360,54 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
     _, (usq,) = K.sweep(step, size, f32n, mean)
     un = np.sqrt(item32(usq))
     return True, (un if un > tol else None)
+
+
+def _karcher_native(xb: list[np.ndarray], norms: list, al: list, max_iter: int, tol: float, scale: mx.array,
+                    out) -> list[mx.array]:
+    """:func:`karcher_parts`' passes in bf16 by the native library (:mod:`.native`, ``csrc/karcher.c``:
+    the same values operation for operation) on the valid inputs' bf16 bits ``xb``: the whole
+    tensor per pass, the scalars between passes computed as the MLX path computes them
+    (:func:`_kar_angles`, :func:`_kar_turn`). The output is the held mean's buffer in bf16."""
+    lib, cd, block = NV.lib(), mx.bfloat16, K.torch_block(F32)
+    size, k = xb[0].size, len(xb)
+    units = [np.empty(size, np.uint16) for _ in xb]
+    mean_arr, mean = NV.empty(size)
+    s = lib.mlx_ssp_kar_first(NV.ptrs(xb), k, size, NV.floats(norms), NV.floats([a.item() for a in al]),
+                              NV.ptrs(units), NV.ptr(mean), block)
+    del xb
+    mn = np.sqrt(np.float32(s))
+    pending = None  # the norm the held mean is still to be divided by
+    if mn < tol:
+        mean[:] = units[0]
+    else:
+        pending = mn
+    tangent = np.empty(size, np.uint16)
+    for _ in range(max_iter):
+        sums = (ctypes.c_double * k)()
+        lib.mlx_ssp_kar_dots(NV.ptr(mean), NV.ptrs(units), k, size, pending is not None,
+                             float(pending if pending is not None else 1.0), sums)
+        pending = None  # the mean is normalised by the dots' pass
+        act, dots, coefs = _kar_angles([mx.array(np.float32(v)).reshape(-1) for v in sums], al, tol, cd)
+        if not act:
+            break
+        tsq = lib.mlx_ssp_kar_tangent(NV.ptr(mean), NV.ptrs([units[j] for j in act]), len(act), size,
+                                      NV.floats([d.item() for d in dots]), NV.floats([c.item() for c in coefs]),
+                                      NV.ptr(tangent), block)
+        tn = np.sqrt(np.float32(tsq))
+        if tn < tol:
+            break
+        cs, sn = _kar_turn(tn, cd)
+        usq = lib.mlx_ssp_kar_step(NV.ptr(mean), NV.ptr(tangent), size, float(tn), cs.item(), sn.item(), block)
+        un = np.sqrt(np.float32(usq))
+        pending = un if un > tol else None
+    del units, tangent
+    p = float(pending if pending is not None else 1.0)
+    if out == F32:
+        res, view = NV.empty(size, F32)
+        lib.mlx_ssp_kar_out(NV.ptr(mean), size, pending is not None, p, scale.item(), NV.ptr(view), 1)
+        return [res]
+    lib.mlx_ssp_kar_out(NV.ptr(mean), size, pending is not None, p, scale.item(), NV.ptr(mean), 0)
+    return [mean_arr if out == cd else mean_arr.astype(out)]
 
 
 def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = None, max_iter: int = 10,
@@ -368,9 +431,14 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
         return [xs[0].astype(cd).astype(out)]
     r = lambda x: rnd(x, cd)  # noqa: E731
     alphas = [1.0 / len(xs)] * len(xs) if alphas is None else list(alphas)
-    sq = kernel(("msl_sq", len(xs), str(cd)), lambda: (lambda xs: [mx.square(aligned(x, cd)) for x in xs]))
     f32n = K.torch_block(F32)  # mergekit's norms: vector_norm of the float32 copy
-    norms = [np.sqrt(item32(v)) for v in K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, f32n)]
+    go_native = cd == mx.bfloat16 and NV.usable(*xs)
+    if go_native:
+        xb = [NV.bits(x) for x in xs]
+        norms = [np.sqrt(np.float32(NV.lib().mlx_ssp_sumsq_bf16(NV.ptr(b), size, f32n))) for b in xb]
+    else:
+        sq = kernel(("msl_sq", len(xs), str(cd)), lambda: (lambda xs: [mx.square(aligned(x, cd)) for x in xs]))
+        norms = [np.sqrt(item32(v)) for v in K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, f32n)]
     # torch casts a 0-d float32 tensor on the left of a bf16 tensor to bf16 (on the right it stays
     # float32): mergekit's ``scale * mean``, ``cos(tn) * mean`` and ``sin(tn) * ...`` round it to cd
     scale = r(scalar(sum(np.float32(a) * n for a, n in zip(alphas, norms))))
@@ -379,6 +447,8 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
         return each(size, lambda lo, hi: mx.zeros(hi - lo, dtype=out))
     a_sum = sum(alphas[i] for i in valid)
     al = [scalar(alphas[i] / a_sum) for i in valid]
+    if go_native:
+        return _karcher_native([xb[i] for i in valid], [norms[i] for i in valid], al, max_iter, tol, scale, out)
     vx, ns = [xs[i] for i in valid], [scalar(norms[i]) for i in valid]
     kept, (s,) = K.sweep(lambda lo, hi: _kar_first_mean([x[lo:hi] for x in vx], ns, al, cd), size, f32n)
     mean, units = [k[0] for k in kept], [k[1] for k in kept]  # per slice: the mean, the unit vectors

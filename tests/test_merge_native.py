@@ -1,0 +1,113 @@
+"""The merge's native passes (mlx_ssp/merge/csrc, :mod:`mlx_ssp.merge.native`) give the MLX
+path's bits: every method that has them, on sizes around the lane and block edges, with the
+special values a bf16 tensor can hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlx_ssp  # noqa: F401
+import mlx.core as mx
+
+from mlx_ssp.merge import kernels as K
+from mlx_ssp.merge import native as NV
+from mlx_ssp.merge import sphere_means as SM
+
+BF16 = mx.bfloat16
+
+pytestmark = pytest.mark.skipif(not NV.usable(mx.zeros(1, dtype=BF16)), reason=f"merge native library: {NV.status}")
+
+
+def bf16_inputs(n: int, k: int, seed: int, specials: bool = False) -> list[mx.array]:
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(n).astype(np.float32)
+    xs = []
+    for _ in range(k):
+        x = base + np.float32(0.4) * rng.standard_normal(n).astype(np.float32)
+        if specials and n >= 8:
+            x[rng.integers(0, n, 3)] = 0.0
+            x[rng.integers(0, n, 2)] = np.float32(3e-39)  # a float32 (and bf16) denormal
+            x[rng.integers(0, n, 2)] = -np.float32(1e-38)
+        xs.append(mx.array(x).astype(BF16))
+    mx.eval(xs)
+    return xs
+
+
+def bits_of(parts: list[mx.array]) -> np.ndarray:
+    a = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    if a.dtype == BF16:
+        a = a.view(mx.uint16)
+    else:
+        a = a.view(mx.uint32)
+    return np.asarray(a)
+
+
+def both(f):
+    got = f()
+    with NV.enabled(False):
+        want = f()
+    return bits_of(got), bits_of(want)
+
+
+def test_rounding_equals_round_bf16_on_special_and_strided_bit_patterns():
+    pats = np.arange(0, 1 << 32, 4099, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0x18000, 0x007FFFFF, 0x00800000, 0x7F7FFFFF, 0x7F7F8000,
+                      0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0x80000000, 0xFF800000, 0xFFFFFFFF,
+                      0xFFC0FFFF, 0x3F808000, 0x3F818000], dtype=np.uint32)
+    x = np.concatenate([pats, edges]).view(np.float32)
+    got = np.empty_like(x)
+    NV.lib().mlx_ssp_round_bf16(NV.ptr(x), NV.ptr(got), x.size)
+    want = np.asarray(K.round_bf16(mx.array(x)))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("n", [1, 7, 13, 16, 100, 1031, 4099, 300007])
+def test_karcher_native_equals_the_mlx_path(n):
+    xs = bf16_inputs(n, 3, seed=n, specials=True)
+    for out in (BF16, mx.float32):
+        got, want = both(lambda: SM.karcher_parts(xs, cd=BF16, out=out))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_karcher_native_with_zero_inputs_antipodes_and_few_iterations(monkeypatch):
+    monkeypatch.setattr(K, "CHUNK", 64)  # the MLX path in many slices
+    n = 999
+    x = bf16_inputs(n, 4, seed=3)
+    zero = mx.zeros(n, dtype=BF16)
+    cases = [
+        dict(xs=[x[0], zero, x[1]]),  # a zero-norm input is left out of the mean
+        dict(xs=[x[0], -x[0]]),  # antipodal: the first mean vanishes
+        dict(xs=x, max_iter=1),
+        dict(xs=x, max_iter=3, tol=1e-3),
+        dict(xs=x[:2], alphas=[0.7, 0.3]),
+        dict(xs=[zero, zero]),
+    ]
+    for c in cases:
+        got, want = both(lambda: SM.karcher_parts(cd=BF16, **c))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_native_is_used_only_for_bf16_inputs_on_the_cpu():
+    assert NV.usable(mx.zeros(3, dtype=BF16))
+    assert not NV.usable(mx.zeros(3, dtype=BF16), mx.zeros(3, dtype=mx.float32))
+    with NV.enabled(False):
+        assert not NV.usable(mx.zeros(3, dtype=BF16))
+
+
+def test_an_output_buffer_is_the_mlx_arrays_memory():
+    arr, view = NV.empty(5)
+    view[:] = np.array([1.0, 2.0, -3.0, 0.5, 0.0], np.float32).view(np.uint32) >> 16
+    np.testing.assert_array_equal(np.asarray(arr.astype(mx.float32)), [1.0, 2.0, -3.0, 0.5, 0.0])
+
+
+def test_lane_sums_are_torch_norm_order():
+    """The squares' sum in torch's lane order, against :class:`.kernels._Lanes` via ``sums``."""
+    rng = np.random.default_rng(5)
+    for n in (5, 8, 17, 1000, 70001):
+        x = mx.array(rng.standard_normal(n).astype(np.float32) * 100).astype(BF16)
+        mx.eval(x)
+        for block in (8, 16):
+            (want,) = K.sums(lambda lo, hi: [mx.square(x[lo:hi].astype(mx.float32))], n, None, block)
+            got = NV.lib().mlx_ssp_sumsq_bf16(NV.ptr(NV.bits(x)), n, block)
+            assert np.float32(got) == np.float32(want.item()), (n, block)
