@@ -43,7 +43,7 @@ _SIGNATURES = {
     "mlx_ssp_round_bf16": ([_P, _P, _N], None),
     "mlx_ssp_sumsq_bf16": ([_P, _N, _I], _F),
     "mlx_ssp_kar_first": ([_PP, _I, _N, _FP, _FP, _PP, _P, _I], _F),
-    "mlx_ssp_kar_dots": ([_P, _PP, _I, _N, _I, _F, _DP], None),
+    "mlx_ssp_kar_dots": ([_P, _PP, _I, _N, _I, _F, _DP], _I),
     "mlx_ssp_kar_tangent": ([_P, _PP, _I, _N, _FP, _FP, _P, _I], _F),
     "mlx_ssp_kar_step": ([_P, _P, _N, _F, _F, _F, _I], _F),
     "mlx_ssp_kar_out": ([_P, _N, _I, _F, _F, _P, _I], None),

@@ -384,8 +384,9 @@ def _karcher_native(xb: list[np.ndarray], norms: list, al: list, max_iter: int, 
     tangent = np.empty(size, np.uint16)
     for _ in range(max_iter):
         sums = (ctypes.c_double * k)()
-        lib.mlx_ssp_kar_dots(NV.ptr(mean), NV.ptrs(units), k, size, pending is not None,
-                             float(pending if pending is not None else 1.0), sums)
+        if lib.mlx_ssp_kar_dots(NV.ptr(mean), NV.ptrs(units), k, size, pending is not None,
+                                float(pending if pending is not None else 1.0), sums):
+            raise MemoryError("karcher: no memory for the dots' sums")
         pending = None  # the mean is normalised by the dots' pass
         act, dots, coefs = _kar_angles([mx.array(np.float32(v)).reshape(-1) for v in sums], al, tol, cd)
         if not act:

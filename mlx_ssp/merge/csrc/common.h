@@ -77,19 +77,22 @@ static inline float lanes_result(const lanes_t *L) {
 }
 
 /* Whole-tensor sums in float64 of float32 terms (kernels._Exact: within rounding of the exact sum
- * whatever the order; here 8 lanes, then added in order) */
-static inline void dsum_add(double acc[8], const float *t, int64_t len) {
+ * whatever the order; here 32 lanes, so that the additions do not wait on each other, then added
+ * in order) */
+#define DLANES 32
+
+static inline void dsum_add(double acc[DLANES], const float *t, int64_t len) {
     int64_t i = 0;
-    for (; i + 8 <= len; i += 8)
-        for (int j = 0; j < 8; j++)
+    for (; i + DLANES <= len; i += DLANES)
+        for (int j = 0; j < DLANES; j++)
             acc[j] += (double)t[i + j];
     for (; i < len; i++)
         acc[0] += (double)t[i];
 }
 
-static inline double dsum_result(const double acc[8]) {
+static inline double dsum_result(const double acc[DLANES]) {
     double s = acc[0];
-    for (int j = 1; j < 8; j++)
+    for (int j = 1; j < DLANES; j++)
         s += acc[j];
     return s;
 }

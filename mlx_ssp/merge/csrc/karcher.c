@@ -3,6 +3,8 @@
  * there (_kar_mean0 / _kar_mean_more, _normalised / _products, _kar_tsq, _kar_step, _kar_out), each
  * bf16 rounding at the same place (rb), the norms' squares in torch's lane order (common.h) and the
  * dots in float64. Held values (unit vectors, mean, tangent) are bf16 bits. */
+#include <stdlib.h>
+
 #include "common.h"
 
 /* the sum of squares of a bf16 tensor in torch's norm order (a norm's square) */
@@ -20,6 +22,7 @@ float mlx_ssp_sumsq_bf16(const uint16_t *x, int64_t n, int block) {
     }
     return lanes_result(&L);
 }
+
 
 /* The first pass: the unit vectors u_i = rb(x_i / ns_i) and the first mean
  * m = rb(al_0 u_0), then m = rb(m + rb(al_i u_i)) for each further input, both written; returns the
@@ -58,20 +61,28 @@ float mlx_ssp_kar_first(const uint16_t *const *xs, int k, int64_t n, const float
     return lanes_result(&L);
 }
 
+/* the held mean's ``len`` elements divided by p: m = rb(m / p), into ``m`` (float32) and back into
+ * the mean */
+static void normalised(uint16_t *mean, int64_t len, float p, float *m) {
+    for (int64_t c = 0; c < len; c++) {
+        m[c] = rb(bf(mean[c]) / p);
+        mean[c] = bf_bits(m[c]);
+    }
+}
+
 /* The dots' pass: the held mean divided by its pending norm first (``pending``: m = rb(m / p),
- * written back), then sums[i] = sum of the float32 products m * u_i, in float64. */
-void mlx_ssp_kar_dots(uint16_t *mean, const uint16_t *const *us, int k, int64_t n, int pending, float p,
+ * written back), then sums[i] = sum of the float32 products m * u_i, in float64. Returns 0, or -1
+ * (nothing done) where memory for the sums' lanes could not be had. */
+int mlx_ssp_kar_dots(uint16_t *mean, const uint16_t *const *us, int k, int64_t n, int pending, float p,
                       double *sums) {
-    double acc[16][8];
+    double (*acc)[DLANES] = calloc((size_t)k, sizeof *acc);
     float m[BLK], t[BLK];
-    memset(acc, 0, sizeof acc);
+    if (!acc)
+        return -1;
     for (int64_t lo = 0; lo < n; lo += BLK) {
         int64_t len = n - lo < BLK ? n - lo : BLK;
         if (pending) {
-            for (int64_t c = 0; c < len; c++) {
-                m[c] = rb(bf(mean[lo + c]) / p);
-                mean[lo + c] = bf_bits(m[c]);
-            }
+            normalised(mean + lo, len, p, m);
         } else {
             for (int64_t c = 0; c < len; c++)
                 m[c] = bf(mean[lo + c]);
@@ -85,7 +96,10 @@ void mlx_ssp_kar_dots(uint16_t *mean, const uint16_t *const *us, int k, int64_t 
     }
     for (int i = 0; i < k; i++)
         sums[i] = dsum_result(acc[i]);
+    free(acc);
+    return 0;
 }
+
 
 /* The tangent at the held (normalised) mean: step_i = rb(c_i rb(u_i - rb(d_i m))), tg = step_0,
  * then tg = rb(tg + step_i); written; returns the sum of its squares (torch's order, ``block``). */
