@@ -52,3 +52,4 @@ def test_doctor_reports_blas_and_gflops():
             assert "few-row matmul kernel" in r.output
         else:
             assert "libopenblas0-pthread" in r.output  # says what to do
+        assert "merge's native passes" in r.output

@@ -94,6 +94,14 @@ def usable(*xs: mx.array) -> bool:
     return _load() is not None
 
 
+def describe() -> str:
+    """What a bf16 merge on the CPU would use (building the library if it is not yet)."""
+    if not _on:
+        return f"off ({DISABLE_ENV}=0 or switched off)"
+    _load()
+    return status
+
+
 def lib() -> ctypes.CDLL:
     got = _load()
     if got is None:
