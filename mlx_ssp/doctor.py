@@ -9,7 +9,6 @@ import time
 from mlx_ssp import _blas, _small_gemm
 from mlx_ssp.config import load_file, load_section
 from mlx_ssp.errors import UserError
-from mlx_ssp.merge import native as merge_native
 from mlx_ssp.models import _REPO_ID, DEMO_NAMES, resolve_model
 from mlx_ssp.rl import memory
 from mlx_ssp.rl.kernels.selfcheck import format_checks, selfcheck
@@ -92,6 +91,8 @@ def report() -> tuple[list[tuple[str, str]], list[str]]:
             advice.append("the few-row kernel did not build: apt-get install -y build-essential (C headers), "
                           "then delete the .failed file named above")
     if sys.platform.startswith("linux"):
+        from mlx_ssp.merge import native as merge_native  # imports mlx.core: the doctor runs without mlx too
+
         native_status = merge_native.describe()  # builds it once, as the first bf16 merge would
         rows.append(("merge's native passes (bf16)", native_status))
         if native_status.startswith(("no C compiler", "not built")):
