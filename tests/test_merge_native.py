@@ -111,3 +111,42 @@ def test_lane_sums_are_torch_norm_order():
             (want,) = K.sums(lambda lo, hi: [mx.square(x[lo:hi].astype(mx.float32))], n, None, block)
             got = NV.lib().mlx_ssp_sumsq_bf16(NV.ptr(NV.bits(x)), n, block)
             assert np.float32(got) == np.float32(want.item()), (n, block)
+
+
+def test_the_library_is_keyed_by_the_cpu_it_was_built_for(monkeypatch, tmp_path):
+    """``-march=native`` code must not be loaded on another CPU that shares the cache."""
+    from mlx_ssp import native
+
+    monkeypatch.setenv("MLX_SSP_CACHE", str(tmp_path))
+    cc = native.compiler()
+    srcs = NV.sources()
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"sse2", "avx2"}))
+    a = native.library_path("merge_kernels", srcs, cc, NV.FLAGS, (), per_cpu=True)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"sse2", "avx2", "avx512f"}))
+    b = native.library_path("merge_kernels", srcs, cc, NV.FLAGS, (), per_cpu=True)
+    c = native.library_path("merge_kernels", srcs, cc, NV.FLAGS, (), per_cpu=False)
+    assert a != b and c not in (a, b)
+    assert a.parent == tmp_path / "native"
+
+
+def test_without_a_working_compiler_a_merge_takes_the_mlx_path(tmp_path):
+    """A compiler that fails: one line of status, a .failed file (no retry), the same merge output."""
+    import os
+    import subprocess
+    import sys
+
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\necho 'cc: no headers here' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    code = ("import numpy as np, mlx_ssp, mlx.core as mx; from mlx_ssp.merge import native as NV, sphere_means as SM; "
+            "xs = [mx.array(np.linspace(-1, 1, 1000) * (i + 1) + i).astype(mx.bfloat16) for i in range(3)]; "
+            "print(NV.usable(*xs), NV.status.split(':')[0]); "
+            "print(np.asarray(SM.karcher_parts(xs, cd=mx.bfloat16)[0].view(mx.uint16)).tobytes().hex()[:64])")
+    env = dict(os.environ, MLX_SSP_CACHE=str(tmp_path / "cache"), CC=str(cc))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    lines = out.stdout.split("\n")
+    assert lines[0] == "False not built", out.stdout
+    assert len(list((tmp_path / "cache" / "native").glob("merge_kernels-*.so.failed"))) == 1
+    xs = [mx.array(np.linspace(-1, 1, 1000) * (i + 1) + i).astype(BF16) for i in range(3)]
+    want = np.asarray(SM.karcher_parts(xs, cd=BF16)[0].view(mx.uint16)).tobytes().hex()[:64]
+    assert lines[1] == want
