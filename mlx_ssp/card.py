@@ -21,13 +21,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
-from huggingface_hub import ModelCard, ModelCardData
-from huggingface_hub.utils import HFValidationError, validate_repo_id
+from huggingface_hub import ModelCardData
 
 from mlx_ssp.io import write_text_atomic
+
+if TYPE_CHECKING:
+    from huggingface_hub import ModelCard
 
 CARD_FILE = "README.md"
 #: the tag every card of ours carries (how :func:`is_our_card` tells ours from a user's README)
@@ -75,6 +77,9 @@ class Card:
 
 
 def _is_repo_id(ref: str) -> bool:
+    # lazy: huggingface_hub's errors load its HTTP client (25 ms); only a ref that is no local path gets here
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     try:
         validate_repo_id(ref)
     except HFValidationError:
@@ -152,8 +157,15 @@ def read_card(model_dir: Path) -> Optional[ModelCard]:
     """The card of a model directory, or None (no README.md, or unreadable front matter)."""
     path = Path(model_dir) / CARD_FILE
     try:
-        return ModelCard(path.read_text(encoding="utf-8"), ignore_metadata_errors=True)
-    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    # lazy: ModelCard's module loads the Hub client (0.1 s); only a directory with a README.md gets here
+    from huggingface_hub import ModelCard
+
+    try:
+        return ModelCard(text, ignore_metadata_errors=True)
+    except (ValueError, yaml.YAMLError):
         return None
 
 

@@ -327,6 +327,13 @@ def plain(cfg: Any) -> Any:
     return cfg.model_dump(mode="json") if hasattr(cfg, "model_dump") else cfg
 
 
+def section_seed(cfg: Any, top: int) -> int:
+    """The seed rule: the section's own ``seed`` when it has one and it is set, else ``top``
+    (:mod:`mlx_ssp.stage_config` applies it; here so the merge engine uses it without the stage loader)."""
+    own = getattr(cfg, "seed", None)
+    return own if own is not None else top
+
+
 def digest(payload: Any) -> str:
     """A short stable hash of JSON-ready data (keys sorted; anything else by ``str``): the
     fingerprint of a pipeline stage or of a multimerge's merge."""

@@ -17,13 +17,10 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from huggingface_hub import HfApi, get_token
-from huggingface_hub.utils import HfHubHTTPError, HFValidationError, validate_repo_id
 from pydantic import field_validator
 
 from mlx_ssp.config import StrictModel
 from mlx_ssp.errors import UserError
-
 
 #: what upload_folder leaves out: hidden files and directories at any depth (huggingface_hub matches
 #: with fnmatch, whose ``*`` crosses ``/``: ``.*`` is a hidden top-level entry and everything under it,
@@ -34,6 +31,9 @@ IGNORE_PATTERNS = (".*", "**/.*")
 
 def check_repo_id(repo: str, what: str = "--upload-repo") -> str:
     """``repo`` if it is a Hub model repo id of the form ORG/NAME; else a one-line UserError."""
+    # lazy: huggingface_hub loads its HTTP client (0.1 s); only a command that uploads gets here
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     try:
         validate_repo_id(repo)
     except HFValidationError as e:
@@ -63,6 +63,9 @@ class UploadConfig(StrictModel):
 def require_token() -> str:
     """huggingface_hub's token (``HF_TOKEN``, else the login file); a one-line UserError when there is
     none. Commands call it before their work, so a missing token stops them before a long run."""
+    # lazy: huggingface_hub loads its HTTP client (0.1 s); only a command that uploads gets here
+    from huggingface_hub import get_token
+
     token = get_token()
     if not token:
         raise UserError("no Hugging Face token for the upload: set HF_TOKEN (a write token) or run `hf auth login`")
@@ -102,6 +105,9 @@ def upload_model(folder: str | Path, repo: str, *, public: bool = False) -> str:
     if not (folder / "config.json").is_file():
         raise UserError(f"{folder} is not a model directory (no config.json); nothing to upload")
     token = require_token()
+    # lazy: huggingface_hub loads its HTTP client (0.1 s); only a command that uploads gets here
+    from huggingface_hub import HfApi
+
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=token)
     url = _hub_call(repo, token, lambda: api.create_repo(repo_id=repo, repo_type="model", private=not public,
                                                          exist_ok=True))
@@ -117,6 +123,9 @@ def upload_model(folder: str | Path, repo: str, *, public: bool = False) -> str:
 
 def _hub_call(repo: str, token: str, call):
     """``call()``, with any failure as a one-line UserError naming ``repo`` (never the token)."""
+    # lazy: huggingface_hub loads its HTTP client (0.1 s); only a command that uploads gets here
+    from huggingface_hub.utils import HfHubHTTPError
+
     try:
         return call()
     except HfHubHTTPError as e:

@@ -16,7 +16,6 @@ from mlx_ssp.config import StrictModel
 from mlx_ssp.demo import ensure_demo_model
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import read_json
-from mlx_ssp.testbed.build import ensure_testbed
 
 DEMO_NAMES = ("demo",)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -74,6 +73,8 @@ def resolve_model(spec: str, revision: str | None = None) -> Path:
     if kind == "demo":
         return ensure_demo_model()
     if kind == "testbed":  # the testbed: pretrained here, cached
+        # lazy: the builder loads the agents, tasks and verifiers (0.1 s); no other kind of spec needs it
+        from mlx_ssp.testbed.build import ensure_testbed
 
         return ensure_testbed(spec)
     if kind == "path":

@@ -16,7 +16,7 @@ them; this module holds no CLI code).
 
 The rules, one each:
 - seed: the section's own ``seed`` when it has one and it is set, else the file's top-level
-  ``seed`` (an integer), else 0 (:func:`section_seed`);
+  ``seed`` (an integer), else 0 (:func:`mlx_ssp.config.section_seed`);
 - trackers: the top-level ``report_to`` (:func:`mlx_ssp.trackers.parse_report_to`; a command's
   ``--report-to`` beats it);
 - run directory: the top-level ``run_dir``; else ``runs/<config file stem>``; with no file
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mlx_ssp import distributed as dist
-from mlx_ssp.config import load_file, load_section
+from mlx_ssp.config import load_file, load_section, section_seed
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import check_output_path
 from mlx_ssp.sandbox_policy import install_from_config
@@ -66,12 +66,6 @@ def top_seed(data: dict[str, Any], source: str) -> int:
     if not isinstance(seed, int):
         raise UserError(f"{source}: seed: must be an integer (got {seed!r})")
     return seed
-
-
-def section_seed(cfg: Any, top: int) -> int:
-    """The seed rule: the section's own ``seed`` when it has one and it is set, else ``top``."""
-    own = getattr(cfg, "seed", None)
-    return own if own is not None else top
 
 
 def with_seed(cfg: Any, seed: int) -> Any:
@@ -149,4 +143,19 @@ def load_stage(
     )
 
 
-__all__ = ["StageConfig", "apply_flags", "default_run_dir", "load_stage", "note_old_default", "section_seed", "top_seed", "with_seed"]
+def load_task_stage(config_path, overrides, section: str, flags: dict, model, output_what: str):
+    """(ModelConfig, section with the seed rule applied, the whole :class:`StageConfig`)
+    for a command that reads a task file and writes ``output_what`` (rollout, eval), through
+    :func:`load_stage`; both paths must be set, by flag or file."""
+    st = load_stage(config_path, overrides, section, flags=flags, model=model)
+    cfg = st.seeded()
+    if not cfg.tasks:
+        raise UserError(f"no task file: pass --tasks FILE (or set {section}.tasks)")
+    if not cfg.output:
+        raise UserError(f"no output: pass -o {output_what} (or set {section}.output)")
+    check_output_path(cfg.output, f"{section}.output")  # a file, before the model is loaded
+    return st.model, cfg, st
+
+
+__all__ = ["StageConfig", "apply_flags", "default_run_dir", "load_stage", "load_task_stage", "note_old_default",
+           "section_seed", "top_seed", "with_seed"]

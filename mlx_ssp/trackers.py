@@ -42,7 +42,6 @@ from typing import Any, Protocol
 
 import yaml
 
-from mlx_ssp import distributed as dist
 from mlx_ssp.config import plain
 from mlx_ssp.errors import UserError
 
@@ -331,12 +330,13 @@ def session(report_to: Iterable[str], *, dir: str | Path, project: str, command:
     import), log ``params``, close them at the end. ``name``: the tracker run's name (default
     ``<command>-<date>-<time>``); ``scope_name``: the block's namespace (a stage command's stage)."""
     global _active
-    # lazy: it imports mlx.core, and every stage command imports this module for --report-to's choices
-
     adapters = [TRACKERS[n] for n in report_to]
     if not adapters:
         yield
         return
+    # lazy: every command imports this module (--report-to); only trackers need distributed (mlx.nn, collectives)
+    from mlx_ssp import distributed as dist
+
     if _active is not None:
         raise RuntimeError("a tracker session is already open in this process")
     for a in adapters:  # on every rank: a missing package stops them all, before any work

@@ -4,6 +4,8 @@ under ``if TYPE_CHECKING:`` not): no module takes part in an import cycle."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx_ssp
@@ -138,3 +140,19 @@ def test_every_module_imports_on_its_own():
     graph = import_time_graph()
     assert "mlx_ssp.tasks.file_sources" in graph["mlx_ssp.agents.bfcl.source"]  # the graph is real
     assert cycles(graph) == []
+
+
+#: what ``mlx_ssp merge`` must not load before it merges: other stages, and the heavy libraries a merge
+#: only needs for an option (distributed: trackers; the Hub client: an upload, an input's README.md)
+NOT_FOR_A_MERGE = ("mlx_ssp.distributed", "mlx_ssp.stage_config", "mlx_ssp.testbed", "mlx_ssp.agents",
+                   "mlx_ssp.verify", "mlx_ssp.tasks", "mlx_ssp.rollout", "mlx_ssp.sft", "mlx_ssp.rl", "mlx_lm",
+                   "huggingface_hub.hf_api", "huggingface_hub.repocard", "huggingface_hub.file_download")
+
+
+def test_the_merge_command_loads_only_what_a_merge_uses():
+    code = ("import sys, mlx_ssp.cli, mlx_ssp.commands.merge; "
+            "print(' '.join(m for m in sys.modules if m.startswith(('mlx_ssp', 'mlx_lm', 'huggingface_hub'))))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                cwd=ROOT.parent).stdout.split())
+    assert "mlx_ssp.merge.engine" in loaded and "mlx_ssp.card" in loaded  # the probe is real
+    assert sorted(m for m in loaded if any(m == p or m.startswith(p + ".") for p in NOT_FOR_A_MERGE)) == []

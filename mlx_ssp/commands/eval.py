@@ -8,7 +8,6 @@ from mlx_ssp import distributed as dist
 from mlx_ssp import trackers
 from mlx_ssp.commands.options import (
     config_option,
-    load_task_stage,
     no_progress_option,
     report_to_option,
     sampling_flags,
@@ -17,6 +16,7 @@ from mlx_ssp.commands.options import (
 )
 from mlx_ssp.eval import run_eval
 from mlx_ssp.rollout.summary import format_table
+from mlx_ssp.stage_config import load_task_stage
 
 
 @click.command("eval")

@@ -9,8 +9,10 @@ else the run's seed (:func:`mlx_ssp.merge.engine.merge_models`)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
+import yaml
 
 from mlx_ssp import trackers
 from mlx_ssp.commands.options import export_gguf_option, report_to_option, set_option, upload_options
@@ -79,11 +81,6 @@ def cli(config, out_dir, overwrite, overwrite_any, out_shard_size, copy_tokenize
     (the format of mergekit's mergekit-multi): the named merges are written to --intermediate-dir and
     read by name, the final one to OUT_DIR; a rerun keeps each merge whose config and inputs are
     unchanged."""
-    from pathlib import Path
-
-    import yaml
-
-
     cli_trackers = trackers.from_cli(report_to) or ()
     check_upload(upload_repo, public)  # a bad repo id or no token stops here, before the merge
     docs = read_merge_documents(config)

@@ -1,16 +1,13 @@
 """Flags shared by the stage commands: ``--set``, ``--config``, ``--no-progress``, ``--report-to``,
 ``--upload-repo``/``--public``, ``--export-gguf`` and the sampling flags of rollout and eval
 (:func:`sampling_flags` names their keys in the stage's section, for
-:func:`mlx_ssp.stage_config.apply_flags`); :func:`load_task_stage`, the load both of those share."""
+:func:`mlx_ssp.stage_config.apply_flags`; :func:`mlx_ssp.stage_config.load_task_stage` loads both)."""
 
 from __future__ import annotations
 
 import click
 
-from mlx_ssp.errors import UserError
-from mlx_ssp.io import check_output_path
 from mlx_ssp.progress import turned_off
-from mlx_ssp.stage_config import load_stage
 from mlx_ssp.trackers import choices
 
 
@@ -110,17 +107,3 @@ def sampling_flags(kw: dict) -> dict:
         "seed": kw.get("seed"),
         "max_context": kw.get("max_context"),
     }
-
-
-def load_task_stage(config_path, overrides, section: str, flags: dict, model, output_what: str):
-    """(ModelConfig, section with the seed rule applied, the whole :class:`~mlx_ssp.stage_config.StageConfig`)
-    for a command that reads a task file and writes ``output_what`` (rollout, eval), through
-    :func:`mlx_ssp.stage_config.load_stage`; both paths must be set, by flag or file."""
-    st = load_stage(config_path, overrides, section, flags=flags, model=model)
-    cfg = st.seeded()
-    if not cfg.tasks:
-        raise UserError(f"no task file: pass --tasks FILE (or set {section}.tasks)")
-    if not cfg.output:
-        raise UserError(f"no output: pass -o {output_what} (or set {section}.output)")
-    check_output_path(cfg.output, f"{section}.output")  # a file, before the model is loaded
-    return st.model, cfg, st

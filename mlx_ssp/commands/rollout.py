@@ -11,7 +11,6 @@ from mlx_ssp import distributed as dist
 from mlx_ssp import trackers
 from mlx_ssp.commands.options import (
     config_option,
-    load_task_stage,
     no_progress_option,
     report_to_option,
     sampling_flags,
@@ -23,6 +22,7 @@ from mlx_ssp.errors import UserError
 from mlx_ssp.rollout.endpoint import EndpointTeacherConfig
 from mlx_ssp.rollout.stage import run_rollouts
 from mlx_ssp.rollout.summary import format_table
+from mlx_ssp.stage_config import load_task_stage
 
 
 @click.command("rollout")

@@ -21,13 +21,3 @@ that reads mergekit YAML configs. See ``docs/merge.md``.
 
 The command ``mlx_ssp merge CONFIG.yml OUT_DIR`` is :mod:`mlx_ssp.commands.merge`.
 """
-
-from __future__ import annotations
-
-from mlx_ssp.merge import engine
-
-
-def __getattr__(name):  # lazy: importing the package must not import mlx
-    if name in ("run_merge", "merge_models", "plan_merge"):
-        return getattr(engine, name)
-    raise AttributeError(name)

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx_ssp  # noqa: F401
 from mlx_ssp import trackers
 from mlx_ssp.card import Card, write_card
-from mlx_ssp.config import validate
+from mlx_ssp.config import section_seed, validate
 from mlx_ssp.errors import UserError
 from mlx_ssp.io import atomic_dir
 from mlx_ssp.merge import quant as Q
@@ -45,7 +45,6 @@ from mlx_ssp.merge.slices import plan_slices
 from mlx_ssp.merge.sparsify import dare_seed
 from mlx_ssp.merge.tokenizer import TOKENIZER_FILES, aligned_fetch, copy_tokenizer_files, write_tokenizer
 from mlx_ssp.progress import bar as progress_bar
-from mlx_ssp.stage_config import section_seed
 
 #: Bump when the same config, inputs and options give other output bytes (a method's arithmetic,
 #: rounding, tensor order, side files): a multimerge keeps an intermediate only while its
