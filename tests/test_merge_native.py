@@ -179,8 +179,9 @@ def test_nuslerp_native_equals_the_mlx_path(n, monkeypatch):
     runs = 0
     for v1 in (b, twice, -a):
         for t in (0.0, 0.35, 0.6, 1.0):
-            for out in (BF16, mx.float32):
-                got, want = both(lambda: SL.nuslerp_parts(t, a, v1, cd=BF16, out=out))
+            for out in (BF16, mx.float32, mx.float16):  # float16: compared as float32 (exact)
+                got, want = both(lambda: [p.astype(mx.float32) if out == mx.float16 else p
+                                          for p in SL.nuslerp_parts(t, a, v1, cd=BF16, out=out)])
                 np.testing.assert_array_equal(got, want)
                 runs += 1
     assert len(calls) == runs

@@ -11,7 +11,8 @@ at a time (the shared conventions, parity figures and deviations: :mod:`.interpo
 
 ``*_parts`` are the merge engine's entry points: statistics as passes of sliced sums, the output
 as consecutive evaluated slices; :func:`slerp` and :func:`nuslerp` return the same values as one
-float32 array.
+float32 array. bf16 nuslerp of bf16 inputs on a Linux x86_64 CPU (whole tensor or per row) runs
+its passes in C instead (:mod:`.native`, ``csrc/slerp.c``), with the same bits.
 """
 
 from __future__ import annotations
@@ -207,8 +208,8 @@ def nuslerp_parts(t: float, v0: mx.array, v1: mx.array, cd=F32, out=None, shape:
 
     The whole tensor's norms and dot are summed slice by slice (:func:`.kernels.sums`, float64
     across partial sums), a row's as MLX's float32 row sum; inputs stay in their dtype (aligned to
-    ``cd`` slice by slice). Columns (``row_wise``) are not whole in a slice of rows: that mode
-    computes the tensor at once."""
+    ``cd`` slice by slice; bf16 on a Linux x86_64 CPU: :func:`_nuslerp_native`). Columns
+    (``row_wise``) are not whole in a slice of rows: that mode computes the tensor at once."""
     out = out or cd
     mx.eval(v0, v1)
     rows = not flatten and shape is not None and len(shape) >= 2
@@ -289,7 +290,10 @@ def _nuslerp_native(t: float, v0: mx.array, v1: mx.array, out, width: Optional[i
     res, view = NV.empty(size, F32 if out == F32 else cd)
     lib.mlx_ssp_nus_mix(NV.ptr(a), NV.ptr(b), rows, width, NV.ptr(ca), NV.ptr(cb), NV.ptr(s), NV.ptr(lin),
                         float(u), float(tt), NV.ptr(view), out == F32)
-    return [res if out in (F32, cd) else res.astype(out)]
+    if out not in (F32, cd):
+        res = res.astype(out)
+        mx.eval(res)
+    return [res]
 
 
 def nuslerp(t: float, v0: mx.array, v1: mx.array, shape: Optional[tuple] = None, row_wise: bool = False,

@@ -18,6 +18,10 @@ dots need whole vectors to be summed in torch's order (multislerp: the products 
 karcher: the mean and the unit vectors, copied for BLAS's ``sdot``). ``*_parts`` are the merge
 engine's entry points; :func:`multislerp` and :func:`karcher` return the same values as one
 float32 array.
+
+bf16 merges of bf16 inputs on a Linux x86_64 CPU run these passes in C instead (:mod:`.native`:
+``csrc/multislerp.c``, ``csrc/karcher.c``), the whole tensor per pass, with the same bits; the
+scalars between the passes are computed by the same helpers on both paths.
 """
 
 from __future__ import annotations
@@ -67,9 +71,10 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     the mean's norm, the dots with the mean, the tangent's norm) are each one pass of sliced sums
     (:func:`.kernels.sums`, :func:`.kernels.sweep`); the unit vectors, the mean (normalised in the
     dots' pass) and the tangent are held in ``cd`` for the passes after theirs, the tangent
-    replacing the unit vectors and the output the mean and the tangent, slice by slice. Two
-    antipodal inputs whose weighted mean vanishes fall back to the linear combination; more than
-    two raise ``ValueError``."""
+    replacing the unit vectors and the output the mean and the tangent, slice by slice (bf16 inputs
+    and ``cd`` on a Linux x86_64 CPU: :func:`_multislerp_native`). Two antipodal inputs whose
+    weighted mean vanishes fall back to the linear combination; more than two raise
+    ``ValueError``."""
     out = out or cd
     xs = list(xs)
     mx.eval(*xs)
@@ -134,6 +139,12 @@ def _sum_of(v: float) -> mx.array:
     return mx.array(np.float32(v)).reshape(-1)
 
 
+def _values(xs) -> list[float]:
+    """One-element arrays' values, evaluated together (one wait for MLX, not one per value)."""
+    mx.eval(*xs)
+    return [x.item() for x in xs]
+
+
 def _msl_linear(xs: list, Wl: list, cd, out) -> list[mx.array]:
     """The fallback where the weighted mean of the unit vectors vanishes: the linear combination of
     two (antipodal) inputs; more than two raise ``ValueError``."""
@@ -171,7 +182,7 @@ def _multislerp_native(xs: list, xb: list[np.ndarray], norms: mx.array, dn: list
     lib, cd = NV.lib(), mx.bfloat16
     blk, n, size = K.torch_block(cd), len(xb), xb[0].size
     mean_arr, mean = NV.empty(size)
-    xp, dp, w = NV.ptrs(xb), NV.floats([d.item() for d in dn]), NV.floats([v.item() for v in Wl])
+    xp, dp, w = NV.ptrs(xb), NV.floats(_values(dn)), NV.floats(_values(Wl))
     msq = lib.mlx_ssp_msl_first(xp, n, size, dp, w, NV.ptr(mean), blk)
     mean_norm = rnd(mx.sqrt(_sum_of(msq)), cd)
     if mean_norm.item() < eps:
@@ -180,16 +191,17 @@ def _multislerp_native(xs: list, xb: list[np.ndarray], norms: mx.array, dn: list
     lib.mlx_ssp_msl_dots(NV.ptr(mean), xp, n, size, dp, mean_norm.item(), sums)
     dots = _msl_dot_values([_sum_of(v) for v in sums], cd)
     tangent = np.empty(size, np.uint16)
-    tsq = lib.mlx_ssp_msl_tangent(NV.ptr(mean), xp, n, size, dp, NV.floats([d.item() for d in dots]), w,
+    tsq = lib.mlx_ssp_msl_tangent(NV.ptr(mean), xp, n, size, dp, NV.floats(_values(dots)), w,
                                   NV.ptr(tangent), blk)
-    del xb, xp
-    cs, sn, avg = (v.item() for v in _msl_turn(_sum_of(tsq), norms, W, eps, cd))
+    cs, sn, avg = _values(_msl_turn(_sum_of(tsq), norms, W, eps, cd))
     if out == F32:
         res, view = NV.empty(size, F32)
         lib.mlx_ssp_msl_out(NV.ptr(mean), NV.ptr(tangent), size, cs, sn, avg, NV.ptr(view), 1)
         return [res]
     lib.mlx_ssp_msl_out(NV.ptr(mean), NV.ptr(tangent), size, cs, sn, avg, NV.ptr(mean), 0)
-    return [mean_arr if out == cd else mean_arr.astype(out)]
+    res = mean_arr if out == cd else mean_arr.astype(out)
+    mx.eval(res)
+    return [res]
 
 
 def _msl_first(xs: list, dn: list, W: list, cd) -> tuple:
