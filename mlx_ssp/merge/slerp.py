@@ -279,8 +279,8 @@ def _nuslerp_native(t: float, v0: mx.array, v1: mx.array, out, width: Optional[i
     rows = size // width
     a, b = NV.bits(v0), NV.bits(v1)
     sq = [np.empty(rows, np.float32) for _ in range(2)]
-    for x, s in zip((a, b), sq):
-        lib.mlx_ssp_sumsq_rows_bf16(NV.ptr(x), rows, width, K.torch_block(cd), NV.ptr(s))
+    for x, q in zip((a, b), sq):
+        lib.mlx_ssp_sumsq_rows_bf16(NV.ptr(x), rows, width, K.torch_block(cd), NV.ptr(q))
     na, nb = (np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for v in _nus_norms(*map(mx.array, sq), cd))
     sums = np.empty(rows, np.float64)
     lib.mlx_ssp_nus_cos(NV.ptr(a), NV.ptr(b), rows, width, NV.ptr(na), NV.ptr(nb), NV.ptr(sums))
