@@ -4,14 +4,20 @@ special values a bf16 tensor can hold."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 import mlx_ssp  # noqa: F401
 import mlx.core as mx
 
+from mlx_ssp import native
 from mlx_ssp.merge import kernels as K
 from mlx_ssp.merge import native as NV
+from mlx_ssp.merge import slerp as SL
 from mlx_ssp.merge import sphere_means as SM
 
 BF16 = mx.bfloat16
@@ -115,8 +121,6 @@ def test_lane_sums_are_torch_norm_order():
 
 def test_the_library_is_keyed_by_the_cpu_it_was_built_for(monkeypatch, tmp_path):
     """``-march=native`` code must not be loaded on another CPU that shares the cache."""
-    from mlx_ssp import native
-
     monkeypatch.setenv("MLX_SSP_CACHE", str(tmp_path))
     cc = native.compiler()
     srcs = NV.sources()
@@ -131,10 +135,6 @@ def test_the_library_is_keyed_by_the_cpu_it_was_built_for(monkeypatch, tmp_path)
 
 def test_without_a_working_compiler_a_merge_takes_the_mlx_path(tmp_path):
     """A compiler that fails: one line of status, a .failed file (no retry), the same merge output."""
-    import os
-    import subprocess
-    import sys
-
     cc = tmp_path / "cc"
     cc.write_text("#!/bin/sh\necho 'cc: no headers here' >&2\nexit 1\n")
     cc.chmod(0o755)
@@ -150,3 +150,98 @@ def test_without_a_working_compiler_a_merge_takes_the_mlx_path(tmp_path):
     xs = [mx.array(np.linspace(-1, 1, 1000) * (i + 1) + i).astype(BF16) for i in range(3)]
     want = np.asarray(SM.karcher_parts(xs, cd=BF16)[0].view(mx.uint16)).tobytes().hex()[:64]
     assert lines[1] == want
+
+
+def spied(monkeypatch, module, name: str) -> list:
+    """Calls of ``module.name`` (the real function still runs): a native path that is not taken
+    would make a comparison with the MLX path pass without testing anything."""
+    calls, real = [], getattr(module, name)
+
+    def f(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(module, name, f)
+    return calls
+
+
+MSL_SIZES = [1, 7, 13, 16, 17, 100, 4099, 300007]
+
+
+@pytest.mark.parametrize("n", MSL_SIZES)
+def test_multislerp_native_equals_the_mlx_path(n, monkeypatch):
+    calls = spied(monkeypatch, SM, "_multislerp_native")
+    for k in (2, 4):
+        xs = bf16_inputs(n, k, seed=n + k, specials=True)
+        w = [0.5, 0.3, 0.15, 0.05][:k]
+        for normalize in (True, False):
+            for out in (BF16, mx.float32, mx.float16):  # float16: compared as float32 (exact)
+                got, want = both(lambda: [p.astype(mx.float32) if out == mx.float16 else p
+                                          for p in SM.multislerp_parts(xs, w, normalize, cd=BF16, out=out)])
+                np.testing.assert_array_equal(got, want)
+    assert len(calls) == 2 * 2 * 3
+
+
+def test_multislerp_native_with_zero_inputs_antipodes_and_many_slices(monkeypatch):
+    monkeypatch.setattr(K, "CHUNK", 64)  # the MLX path in many slices
+    calls = spied(monkeypatch, SM, "_multislerp_native")
+    n = 999
+    x = bf16_inputs(n, 3, seed=7, specials=True)
+    zero = mx.zeros(n, dtype=BF16)
+    cases = [
+        dict(xs=[x[0], zero, x[1]], weights=[0.2, 0.5, 0.3]),  # a zero vector: its unit vector is 0
+        dict(xs=[x[0], -x[0]], weights=[1.0, 1.0]),  # antipodal, balanced: the linear fallback
+        dict(xs=[x[0], -x[0]], weights=[0.7, 0.3]),
+        dict(xs=[x[0], x[0]], weights=[0.5, 0.5]),  # equal inputs: the tangent vanishes
+        dict(xs=x, weights=[3.0, -1.0, 0.5], normalize_weights=False),
+        dict(xs=[zero, zero], weights=[0.5, 0.5]),
+    ]
+    for c in cases:
+        for out in (BF16, mx.float32):
+            got, want = both(lambda: SM.multislerp_parts(cd=BF16, out=out, **c))
+            np.testing.assert_array_equal(got, want)
+    assert len(calls) == 2 * len(cases)
+
+
+def test_multislerp_native_raises_as_the_mlx_path_on_more_than_two_antipodes():
+    x = bf16_inputs(100, 1, seed=2)[0]
+    for on in (True, False):
+        with NV.enabled(on), pytest.raises(ValueError, match="weighted sum of the input tensors is zero"):
+            SM.multislerp_parts([x, -x, x, -x], [1.0] * 4, cd=BF16)
+
+
+@pytest.mark.parametrize("n", MSL_SIZES)
+def test_nuslerp_native_equals_the_mlx_path(n, monkeypatch):
+    calls = spied(monkeypatch, SL, "_nuslerp_native")
+    a, b = bf16_inputs(n, 2, seed=n, specials=True)
+    twice = (a.astype(mx.float32) * 2).astype(BF16)  # colinear: the linear case
+    runs = 0
+    for v1 in (b, twice, -a):
+        for t in (0.0, 0.35, 0.6, 1.0):
+            for out in (BF16, mx.float32, mx.float16):  # float16: compared as float32 (exact)
+                got, want = both(lambda: [p.astype(mx.float32) if out == mx.float16 else p
+                                          for p in SL.nuslerp_parts(t, a, v1, cd=BF16, out=out)])
+                np.testing.assert_array_equal(got, want)
+                runs += 1
+    assert len(calls) == runs
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (5, 16), (4, 17), (13, 1), (1, 100), (6, 33), (300, 100), (64, 4099),
+                                   (2, 3, 40)])
+def test_nuslerp_native_per_row_equals_the_mlx_path(shape, monkeypatch):
+    """``flatten: false``: each row of the last axis its own vector (norms in torch's lane order
+    per row, cosines in float64 per row); rows that are colinear, antipodal or zero among them."""
+    monkeypatch.setattr(K, "CHUNK", 256)  # the MLX path in many slices of whole rows
+    calls = spied(monkeypatch, SL, "_nuslerp_native")
+    size = int(np.prod(shape))
+    a, b = (np.asarray(v.astype(mx.float32)).reshape(-1, shape[-1]) for v in bf16_inputs(size, 2, seed=size,
+                                                                                         specials=True))
+    rows = a.shape[0]
+    b[rows // 3] = 2 * a[rows // 3]  # colinear row
+    b[rows // 2] = -a[rows // 2]  # antipodal row
+    a[rows - 1] = 0  # a zero row (its norm is clamped)
+    a, b = (mx.array(v.reshape(-1)).astype(BF16) for v in (a, b))
+    for t in (0.3, 0.5):
+        for out in (BF16, mx.float32):
+            got, want = both(lambda: SL.nuslerp_parts(t, a, b, cd=BF16, out=out, shape=shape, flatten=False))
+            np.testing.assert_array_equal(got, want)
+    assert len(calls) == 4

@@ -47,6 +47,13 @@ _SIGNATURES = {
     "mlx_ssp_kar_tangent": ([_P, _PP, _I, _N, _FP, _FP, _P, _I], _F),
     "mlx_ssp_kar_step": ([_P, _P, _N, _F, _F, _F, _I], _F),
     "mlx_ssp_kar_out": ([_P, _N, _I, _F, _F, _P, _I], None),
+    "mlx_ssp_msl_first": ([_PP, _I, _N, _FP, _FP, _P, _I], _F),
+    "mlx_ssp_msl_dots": ([_P, _PP, _I, _N, _FP, _F, _DP], None),
+    "mlx_ssp_msl_tangent": ([_P, _PP, _I, _N, _FP, _FP, _FP, _P, _I], _F),
+    "mlx_ssp_msl_out": ([_P, _P, _N, _F, _F, _F, _P, _I], None),
+    "mlx_ssp_sumsq_rows_bf16": ([_P, _N, _N, _I, _P], None),
+    "mlx_ssp_nus_cos": ([_P, _P, _N, _N, _P, _P, _P], None),
+    "mlx_ssp_nus_mix": ([_P, _P, _N, _N, _P, _P, _P, _P, _F, _F, _P, _I], None),
 }
 
 _lib: Optional[ctypes.CDLL] = None

@@ -11,7 +11,8 @@ at a time (the shared conventions, parity figures and deviations: :mod:`.interpo
 
 ``*_parts`` are the merge engine's entry points: statistics as passes of sliced sums, the output
 as consecutive evaluated slices; :func:`slerp` and :func:`nuslerp` return the same values as one
-float32 array.
+float32 array. bf16 nuslerp of bf16 inputs on a Linux x86_64 CPU (whole tensor or per row) runs
+its passes in C instead (:mod:`.native`, ``csrc/slerp.c``), with the same bits.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
 from mlx_ssp.merge import kernels as K
+from mlx_ssp.merge import native as NV
 from mlx_ssp.merge import torch_math as TM
 from mlx_ssp.merge.kernels import F32, aligned, f32, item32, kernel, rnd, scalar
 
@@ -206,8 +208,8 @@ def nuslerp_parts(t: float, v0: mx.array, v1: mx.array, cd=F32, out=None, shape:
 
     The whole tensor's norms and dot are summed slice by slice (:func:`.kernels.sums`, float64
     across partial sums), a row's as MLX's float32 row sum; inputs stay in their dtype (aligned to
-    ``cd`` slice by slice). Columns (``row_wise``) are not whole in a slice of rows: that mode
-    computes the tensor at once."""
+    ``cd`` slice by slice; bf16 on a Linux x86_64 CPU: :func:`_nuslerp_native`). Columns
+    (``row_wise``) are not whole in a slice of rows: that mode computes the tensor at once."""
     out = out or cd
     mx.eval(v0, v1)
     rows = not flatten and shape is not None and len(shape) >= 2
@@ -219,11 +221,12 @@ def nuslerp_parts(t: float, v0: mx.array, v1: mx.array, cd=F32, out=None, shape:
         res = _nuslerp_whole(t, v0, v1, shape, row_wise, flatten, eps, cd).astype(cd).astype(out)
         mx.eval(res)
         return [res]
-    r = lambda x: rnd(x, cd)  # noqa: E731
     width = shape[-1] if rows else None
+    if cd == mx.bfloat16 and NV.usable(v0, v1):
+        return _nuslerp_native(t, v0, v1, out, width, eps)
     sq = kernel(("slerp_sq", str(cd)), lambda: _slerp_sq(cd))
     sa, sb = K.sums(lambda lo, hi: sq(v0[lo:hi], v1[lo:hi]), v0.size, width, K.torch_block(cd))
-    na, nb = (r(mx.maximum(r(mx.sqrt(x)), 1e-7)) for x in (sa, sb))
+    na, nb = _nus_norms(sa, sb, cd)
     # per row: a column of statistics against the rows of a slice; whole tensor: flat slices, 0-d
     shaped = (lambda x, lo, hi: x.reshape(-1, width)) if width else (lambda x, lo, hi: x)
     stat = ((lambda v, lo, hi: v[lo // width: hi // width].reshape(-1, 1)) if width
@@ -235,10 +238,9 @@ def nuslerp_parts(t: float, v0: mx.array, v1: mx.array, cd=F32, out=None, shape:
     else:  # bf16 / fp16 round the last bits away: sliced float64 sums, no full-size copy
         (c,) = K.sums(lambda lo, hi: [ck(shaped(v0[lo:hi], lo, hi), shaped(v1[lo:hi], lo, hi), stat(na, lo, hi),
                                          stat(nb, lo, hi)).reshape(-1)], v0.size, width)
-    ca, cb, s, lin = _sines(mx.clip(r(c), -1.0, 1.0), t, eps, cd)
-    mx.eval(ca, cb, s, lin)
+    ca, cb, s, lin = _nus_angles(c, t, eps, cd)
     mix = kernel(("nus_mix", str(cd), str(out)), lambda: _nus_mix(cd, out))
-    u, tt = scalar(np.float32(1 - t)), scalar(np.float32(t))
+    u, tt = (scalar(v) for v in _nus_weights(t))
     parts = []
     for lo, hi in K.slices(v0.size, width or 1):
         part = mix(shaped(v0[lo:hi], lo, hi), shaped(v1[lo:hi], lo, hi), stat(ca, lo, hi), stat(cb, lo, hi),
@@ -246,6 +248,52 @@ def nuslerp_parts(t: float, v0: mx.array, v1: mx.array, cd=F32, out=None, shape:
         mx.eval(part)
         parts.append(part)
     return parts
+
+
+def _nus_norms(sa: mx.array, sb: mx.array, cd) -> tuple[mx.array, mx.array]:
+    """The vectors' norms (at least 1e-7, in ``cd``) from the sums of their squares."""
+    return tuple(rnd(mx.maximum(rnd(mx.sqrt(x), cd), 1e-7), cd) for x in (sa, sb))
+
+
+def _nus_angles(c: mx.array, t: float, eps: float, cd) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """:func:`_sines` of the cosines' sums ``c`` (rounded to ``cd``, clipped), evaluated."""
+    got = _sines(mx.clip(rnd(c, cd), -1.0, 1.0), t, eps, cd)
+    mx.eval(*got)
+    return got
+
+
+def _nus_weights(t: float) -> tuple[np.float32, np.float32]:
+    """The linear fallback's weights ``1 - t`` and ``t``."""
+    return np.float32(1 - t), np.float32(t)
+
+
+def _nuslerp_native(t: float, v0: mx.array, v1: mx.array, out, width: Optional[int], eps: float) -> list[mx.array]:
+    """:func:`nuslerp_parts` in bf16 by the native library (:mod:`.native`, ``csrc/slerp.c``: the
+    same values operation for operation) on the inputs' bf16 bits, the whole tensor (``width``
+    None) or each row of ``width`` elements in one pass each; the scalars between the passes
+    computed as the MLX path computes them (:func:`_nus_norms`, :func:`_nus_angles`). One output
+    buffer, MLX's."""
+    lib, cd = NV.lib(), mx.bfloat16
+    size = v0.size
+    width = width or size
+    rows = size // width
+    a, b = NV.bits(v0), NV.bits(v1)
+    sq = [np.empty(rows, np.float32) for _ in range(2)]
+    for x, q in zip((a, b), sq):
+        lib.mlx_ssp_sumsq_rows_bf16(NV.ptr(x), rows, width, K.torch_block(cd), NV.ptr(q))
+    na, nb = (np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for v in _nus_norms(*map(mx.array, sq), cd))
+    sums = np.empty(rows, np.float64)
+    lib.mlx_ssp_nus_cos(NV.ptr(a), NV.ptr(b), rows, width, NV.ptr(na), NV.ptr(nb), NV.ptr(sums))
+    ca, cb, s, lin = (np.ascontiguousarray(np.asarray(v, dtype=dt)).reshape(-1) for v, dt in zip(
+        _nus_angles(mx.array(sums.astype(np.float32)), t, eps, cd), (np.float32,) * 3 + (np.uint8,)))
+    u, tt = _nus_weights(t)
+    res, view = NV.empty(size, F32 if out == F32 else cd)
+    lib.mlx_ssp_nus_mix(NV.ptr(a), NV.ptr(b), rows, width, NV.ptr(ca), NV.ptr(cb), NV.ptr(s), NV.ptr(lin),
+                        float(u), float(tt), NV.ptr(view), out == F32)
+    if out not in (F32, cd):
+        res = res.astype(out)
+        mx.eval(res)
+    return [res]
 
 
 def nuslerp(t: float, v0: mx.array, v1: mx.array, shape: Optional[tuple] = None, row_wise: bool = False,

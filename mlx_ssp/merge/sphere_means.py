@@ -18,6 +18,10 @@ dots need whole vectors to be summed in torch's order (multislerp: the products 
 karcher: the mean and the unit vectors, copied for BLAS's ``sdot``). ``*_parts`` are the merge
 engine's entry points; :func:`multislerp` and :func:`karcher` return the same values as one
 float32 array.
+
+bf16 merges of bf16 inputs on a Linux x86_64 CPU run these passes in C instead (:mod:`.native`:
+``csrc/multislerp.c``, ``csrc/karcher.c``), the whole tensor per pass, with the same bits; the
+scalars between the passes are computed by the same helpers on both paths.
 """
 
 from __future__ import annotations
@@ -67,9 +71,10 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     the mean's norm, the dots with the mean, the tangent's norm) are each one pass of sliced sums
     (:func:`.kernels.sums`, :func:`.kernels.sweep`); the unit vectors, the mean (normalised in the
     dots' pass) and the tangent are held in ``cd`` for the passes after theirs, the tangent
-    replacing the unit vectors and the output the mean and the tangent, slice by slice. Two
-    antipodal inputs whose weighted mean vanishes fall back to the linear combination; more than
-    two raise ``ValueError``."""
+    replacing the unit vectors and the output the mean and the tangent, slice by slice (bf16 inputs
+    and ``cd`` on a Linux x86_64 CPU: :func:`_multislerp_native`). Two antipodal inputs whose
+    weighted mean vanishes fall back to the linear combination; more than two raise
+    ``ValueError``."""
     out = out or cd
     xs = list(xs)
     mx.eval(*xs)
@@ -82,21 +87,24 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
         W = r(W / r(mx.sum(W)))
     Wl = [W[i] for i in range(n)]
     key = (n, str(cd))
-    sq = kernel(("msl_sq",) + key, lambda: (lambda xs: [mx.square(aligned(x, cd)) for x in xs]))
     blk = K.torch_block(cd)
-    norms = mx.concatenate([r(mx.sqrt(v)) for v in K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, blk)])
+    go_native = cd == mx.bfloat16 and NV.usable(*xs)
+    if go_native:
+        xb = [NV.bits(x) for x in xs]
+        nsq = [_sum_of(NV.lib().mlx_ssp_sumsq_bf16(NV.ptr(b), size, blk)) for b in xb]
+    else:
+        sq = kernel(("msl_sq",) + key, lambda: (lambda xs: [mx.square(aligned(x, cd)) for x in xs]))
+        nsq = K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, blk)
+    norms = mx.concatenate([r(mx.sqrt(v)) for v in nsq])
     dn = [r(norms[i] + eps) for i in range(n)]
+    if go_native:
+        return _multislerp_native(xs, xb, norms, dn, W, Wl, eps, out)
     kept, (msq,) = K.sweep(lambda lo, hi: _msl_first([x[lo:hi] for x in xs], dn, Wl, cd), size, blk)
     mean, units = [k[0] for k in kept], [k[1] for k in kept]  # per slice: the mean, the unit vectors
     kept.clear()
     mean_norm = r(mx.sqrt(msq))
     if mean_norm.item() < eps:
-        if n != 2:
-            raise ValueError("multislerp: the weighted sum of the input tensors is zero (antipodal inputs with "
-                             "balancing weights); use different weights")
-        lk = kernel(("msl_lin", str(cd), str(out)), lambda: (lambda a, b, wa, wb: rnd(
-            rnd(aligned(a, cd) * wa, cd) + rnd(aligned(b, cd) * wb, cd), cd).astype(cd).astype(out)))
-        return each(size, lambda lo, hi: lk(xs[0][lo:hi], xs[1][lo:hi], Wl[0], Wl[1]))
+        return _msl_linear(xs, Wl, cd, out)
     at = {lo: k for k, (lo, _) in enumerate(K.slices(size, K.ALIGN))}  # slice start -> index of the held slice
     mn = mean_norm.reshape(())
     dk = kernel(("msl_dots",) + key, lambda: _msl_dots(cd), cast_rounding=True)
@@ -107,7 +115,7 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
         del kept
     else:
         _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], units[at[lo]], mn), size, into=mean)
-        dots = [r(d).reshape(()) for d in dsums]
+        dots = _msl_dot_values(dsums, cd)
     tk = kernel(("msl_tan",) + key, lambda: _msl_tan(cd), cast_rounding=True)
 
     def tangent_step(lo, hi):
@@ -115,14 +123,7 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
         us, units[k] = units[k], None  # freed as the tangent's slice is made
         return tk(mean[k], us, dots, Wl)
     tangent, (tsq,) = K.sweep(tangent_step, size, blk)
-    tn = r(r(mx.sqrt(tsq)) + eps).reshape(())
-    if cd == F32:  # torch's own float32 cos / sin, and its order for the weighted norms' sum
-        tn32 = item32(tn)
-        cs, sn = scalar(TM.cos(tn32)), scalar(TM.sin(tn32) / tn32)
-        avg = scalar(K.torch_sum(np.asarray(norms * W)))
-    else:
-        cs, sn = r(mx.cos(tn)), r(r(mx.sin(tn)) / tn)
-        avg = r(mx.sum(r(norms * W)))
+    cs, sn, avg = _msl_turn(tsq, norms, W, eps, cd)
     fk = kernel(("msl_out", str(cd), str(out)), lambda: _msl_out(cd, out), cast_rounding=True)
 
     def final(lo, hi):
@@ -131,6 +132,76 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
         mean[k] = tangent[k] = None  # freed as the output's slice is made
         return fk(m, tg, cs, sn, avg)
     return each(size, final, K.ALIGN)
+
+
+def _sum_of(v: float) -> mx.array:
+    """A native pass's float32 sum as the MLX path's sums hand it (shape (1,))."""
+    return mx.array(np.float32(v)).reshape(-1)
+
+
+def _values(xs) -> list[float]:
+    """One-element arrays' values, evaluated together (one wait for MLX, not one per value)."""
+    mx.eval(*xs)
+    return [x.item() for x in xs]
+
+
+def _msl_linear(xs: list, Wl: list, cd, out) -> list[mx.array]:
+    """The fallback where the weighted mean of the unit vectors vanishes: the linear combination of
+    two (antipodal) inputs; more than two raise ``ValueError``."""
+    if len(xs) != 2:
+        raise ValueError("multislerp: the weighted sum of the input tensors is zero (antipodal inputs with "
+                         "balancing weights); use different weights")
+    lk = kernel(("msl_lin", str(cd), str(out)), lambda: (lambda a, b, wa, wb: rnd(
+        rnd(aligned(a, cd) * wa, cd) + rnd(aligned(b, cd) * wb, cd), cd).astype(cd).astype(out)))
+    return each(xs[0].size, lambda lo, hi: lk(xs[0][lo:hi], xs[1][lo:hi], Wl[0], Wl[1]))
+
+
+def _msl_dot_values(dsums: list, cd) -> list[mx.array]:
+    """The dots (0-d, in ``cd``) from their float32 sums."""
+    return [rnd(d, cd).reshape(()) for d in dsums]
+
+
+def _msl_turn(tsq: mx.array, norms: mx.array, W: mx.array, eps: float, cd) -> tuple:
+    """From the tangent's squares' sum: ``cos(tn)``, ``sin(tn) / tn`` and the weighted mean norm,
+    each in ``cd`` (float32: torch's own cos / sin and its order for the norms' sum)."""
+    r = lambda x: rnd(x, cd)  # noqa: E731
+    tn = r(r(mx.sqrt(tsq)) + eps).reshape(())
+    if cd == F32:
+        tn32 = item32(tn)
+        return scalar(TM.cos(tn32)), scalar(TM.sin(tn32) / tn32), scalar(K.torch_sum(np.asarray(norms * W)))
+    return r(mx.cos(tn)), r(r(mx.sin(tn)) / tn), r(mx.sum(r(norms * W)))
+
+
+def _multislerp_native(xs: list, xb: list[np.ndarray], norms: mx.array, dn: list, W: mx.array, Wl: list,
+                       eps: float, out) -> list[mx.array]:
+    """:func:`multislerp_parts`' passes in bf16 by the native library (:mod:`.native`,
+    ``csrc/multislerp.c``: the same values operation for operation) on the inputs' bf16 bits ``xb``:
+    the whole tensor per pass, the scalars between passes computed as the MLX path computes them
+    (:func:`_msl_linear`, :func:`_msl_dot_values`, :func:`_msl_turn`). The unit vectors are made
+    again from the inputs in each pass (not held); the output is the mean's buffer in bf16."""
+    lib, cd = NV.lib(), mx.bfloat16
+    blk, n, size = K.torch_block(cd), len(xb), xb[0].size
+    mean_arr, mean = NV.empty(size)
+    xp, dp, w = NV.ptrs(xb), NV.floats(_values(dn)), NV.floats(_values(Wl))
+    msq = lib.mlx_ssp_msl_first(xp, n, size, dp, w, NV.ptr(mean), blk)
+    mean_norm = rnd(mx.sqrt(_sum_of(msq)), cd)
+    if mean_norm.item() < eps:
+        return _msl_linear(xs, Wl, cd, out)
+    sums = (ctypes.c_double * n)()
+    lib.mlx_ssp_msl_dots(NV.ptr(mean), xp, n, size, dp, mean_norm.item(), sums)
+    dots = _msl_dot_values([_sum_of(v) for v in sums], cd)
+    tangent = np.empty(size, np.uint16)
+    tsq = lib.mlx_ssp_msl_tangent(NV.ptr(mean), xp, n, size, dp, NV.floats(_values(dots)), w,
+                                  NV.ptr(tangent), blk)
+    cs, sn, avg = _values(_msl_turn(_sum_of(tsq), norms, W, eps, cd))
+    if out == F32:
+        res, view = NV.empty(size, F32)
+        lib.mlx_ssp_msl_out(NV.ptr(mean), NV.ptr(tangent), size, cs, sn, avg, NV.ptr(view), 1)
+        return [res]
+    lib.mlx_ssp_msl_out(NV.ptr(mean), NV.ptr(tangent), size, cs, sn, avg, NV.ptr(mean), 0)
+    res = mean_arr if out == cd else mean_arr.astype(out)
+    mx.eval(res)
+    return [res]
 
 
 def _msl_first(xs: list, dn: list, W: list, cd) -> tuple:
