@@ -441,7 +441,7 @@ def _karcher_native(xb: list[np.ndarray], norms: list, al: list, max_iter: int, 
     (:func:`_kar_angles`, :func:`_kar_turn`). The output is the held mean's buffer in bf16."""
     lib, cd, block = NV.lib(), mx.bfloat16, K.torch_block(F32)
     size, k = xb[0].size, len(xb)
-    units = [NV.empty(size)[1] for _ in xb]
+    units = [np.empty(size, np.uint16) for _ in xb]
     mean_arr, mean = NV.empty(size)
     s = lib.mlx_ssp_kar_first(NV.ptrs(xb), k, size, NV.floats(norms), NV.floats([a.item() for a in al]),
                               NV.ptrs(units), NV.ptr(mean), block)
@@ -452,7 +452,7 @@ def _karcher_native(xb: list[np.ndarray], norms: list, al: list, max_iter: int, 
         mean[:] = units[0]
     else:
         pending = mn
-    tangent = NV.empty(size)[1]
+    tangent = np.empty(size, np.uint16)
     for _ in range(max_iter):
         sums = (ctypes.c_double * k)()
         if lib.mlx_ssp_kar_dots(NV.ptr(mean), NV.ptrs(units), k, size, pending is not None,
