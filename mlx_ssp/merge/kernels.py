@@ -60,11 +60,25 @@ def round_bf16(x: mx.array) -> mx.array:
     NaN: it is forced to a quiet NaN), and in a fused kernel ~2x faster than those two casts, which
     dominate the cost of the bf16 interpolations (one per op). Needs non-shapeless compilation
     (``mx.view`` has no shapeless shape inference)."""
-    b = mx.view(x, mx.uint32)
+    return mx.view(_bf16_rounded_bits(mx.view(x, mx.uint32)), F32)
+
+
+def _bf16_rounded_bits(b):
+    """:func:`round_bf16` on the float32 bits ``b`` (uint32, an MLX or a NumPy array)."""
     # 1 where |x| is a NaN (its magnitude's bits exceed inf's), without a compare and a select
     nan = (0x7F800000 - (b & 0x7FFFFFFF)) >> 31
-    b = ((b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000) | (nan * 0x7FC00000)
-    return mx.view(b, F32)
+    return ((b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000) | (nan * 0x7FC00000)
+
+
+def rnd_host(x, cd) -> np.ndarray:
+    """:func:`rnd` of float32 values on the host (NumPy): the same bits, for the few scalars
+    between a merge's passes (an MLX evaluation of each waits on the stream's thread)."""
+    x = np.asarray(x, dtype=np.float32)
+    if cd == F32:
+        return x
+    if cd == mx.bfloat16:
+        return _bf16_rounded_bits(x.view(np.uint32)).view(np.float32)
+    return x.astype(np.float16).astype(np.float32)
 
 
 def f32(x: mx.array) -> mx.array:

@@ -368,31 +368,32 @@ def _whole(parts: list) -> np.ndarray:
     return out
 
 
-def _kar_angles(dsums: list, al: list, tol: float, cd) -> tuple[list[int], list, list]:
-    """From the dots' sums (float32 arrays): the inputs not yet at the mean, their dots (clipped,
-    in ``cd``) and their tangent coefficients ``alpha theta / sin(theta)`` (each step in ``cd``)."""
-    r = lambda x: rnd(x, cd)  # noqa: E731
-    act, dots, coefs = [], [], []
-    for j, d in enumerate(dsums):
-        dot = mx.clip(r(d.reshape(())), -1.0, 1.0)
-        if cd == F32:  # torch's own float32 acos / sin
-            theta = scalar(TM.acos(item32(dot)))
-            sin = scalar(TM.sin(item32(theta)))
-        else:
-            theta = r(mx.arccos(dot))
-            sin = r(mx.sin(theta))
-        if theta.item() < tol:  # already at the mean
-            continue
-        act.append(j)
-        dots.append(dot)
-        coefs.append(r(al[j] * r(theta / sin)))
-    return act, dots, coefs
+def _kar_angles(dsums, al, tol: float, cd) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """From the dots' sums and the weights (float32 values): the inputs not yet at the mean, their
+    dots (clipped, in ``cd``) and their tangent coefficients ``alpha theta / sin(theta)`` (each step
+    in ``cd``), as float32 values. The arithmetic is NumPy's float32 (the same IEEE operations as
+    MLX's), the angles and sines MLX's own (bf16 / fp16: one evaluation for all inputs) or torch's
+    (float32)."""
+    dots = np.clip(K.rnd_host(np.asarray(dsums, dtype=np.float32), cd), np.float32(-1), np.float32(1))
+    if cd == F32:  # torch's own float32 acos / sin
+        thetas = np.array([TM.acos(d) for d in dots], dtype=np.float32)
+        sins = np.array([TM.sin(t) for t in thetas], dtype=np.float32)
+    else:
+        th = [rnd(mx.arccos(mx.array(d)), cd) for d in dots]
+        sn = [rnd(mx.sin(t), cd) for t in th]
+        mx.eval(th, sn)
+        thetas = np.array([t.item() for t in th], dtype=np.float32)
+        sins = np.array([t.item() for t in sn], dtype=np.float32)
+    act = [j for j, theta in enumerate(thetas) if not theta < tol]  # the rest are at the mean already
+    with np.errstate(divide="ignore", invalid="ignore"):  # sin 0 only where theta is 0: not active
+        coefs = K.rnd_host(np.asarray(al, dtype=np.float32) * K.rnd_host(thetas / sins, cd), cd)
+    return act, dots[act], coefs[act]
 
 
-def _kar_turn(tn: np.float32, cd) -> tuple[mx.array, mx.array]:
+def _kar_turn(tn: np.float32, cd) -> tuple[np.float32, np.float32]:
     """``cos(tn)`` and ``sin(tn)`` of the tangent's norm, in ``cd`` (float32: torch's own)."""
     cos, sin = (TM.cos, TM.sin) if cd == F32 else (np.cos, np.sin)
-    return rnd(scalar(cos(tn)), cd), rnd(scalar(sin(tn)), cd)
+    return K.rnd_host(cos(tn), cd)[()], K.rnd_host(sin(tn), cd)[()]
 
 
 def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], tol: float, cd, at: dict,
@@ -409,9 +410,10 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
         dsums = [mx.array(TM.dot(m, _whole([u[j] for u in units]))) for j in range(len(al))]
     else:
         _, dsums = K.sweep(lambda lo, hi: _kar_dots(mean[at[lo]], units[at[lo]], p, cd, pend), size, into=mean)
-    act, dots, coefs = _kar_angles(dsums, al, tol, cd)
+    act, dvals, cvals = _kar_angles([d.item() for d in dsums], [a.item() for a in al], tol, cd)
     if not act:
         return False, None
+    dots, coefs = [scalar(v) for v in dvals], [scalar(v) for v in cvals]
     tk = kernel(("kar_tsq", len(act), str(cd)), lambda: _kar_tsq(cd), cast_rounding=True)
     f32n = K.torch_block(F32)
     tangent, (tsq,) = K.sweep(lambda lo, hi: tk(mean[at[lo]], [units[at[lo]][j] for j in act], dots, coefs),
@@ -420,7 +422,7 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
     if tn < tol:
         return False, None
     stk = kernel(("kar_step", str(cd)), lambda: _kar_step(cd), cast_rounding=True)
-    cs, sn = _kar_turn(tn, cd)
+    cs, sn = (scalar(v) for v in _kar_turn(tn, cd))
     tn_ = scalar(tn)
 
     def step(lo, hi):
@@ -443,8 +445,9 @@ def _karcher_native(xb: list[np.ndarray], norms: list, al: list, max_iter: int, 
     size, k = xb[0].size, len(xb)
     units = [np.empty(size, np.uint16) for _ in xb]
     mean_arr, mean = NV.empty(size)
-    s = lib.mlx_ssp_kar_first(NV.ptrs(xb), k, size, NV.floats(norms), NV.floats([a.item() for a in al]),
-                              NV.ptrs(units), NV.ptr(mean), block)
+    alv = np.array([a.item() for a in al], dtype=np.float32)
+    s = lib.mlx_ssp_kar_first(NV.ptrs(xb), k, size, NV.floats(norms), NV.floats(alv), NV.ptrs(units),
+                              NV.ptr(mean), block)
     del xb
     mn = np.sqrt(np.float32(s))
     pending = None  # the norm the held mean is still to be divided by
@@ -459,17 +462,16 @@ def _karcher_native(xb: list[np.ndarray], norms: list, al: list, max_iter: int, 
                                 float(pending if pending is not None else 1.0), sums):
             raise MemoryError("karcher: no memory for the dots' sums")
         pending = None  # the mean is normalised by the dots' pass
-        act, dots, coefs = _kar_angles([mx.array(np.float32(v)).reshape(-1) for v in sums], al, tol, cd)
+        act, dots, coefs = _kar_angles(np.array(sums, dtype=np.float32), alv, tol, cd)
         if not act:
             break
         tsq = lib.mlx_ssp_kar_tangent(NV.ptr(mean), NV.ptrs([units[j] for j in act]), len(act), size,
-                                      NV.floats([d.item() for d in dots]), NV.floats([c.item() for c in coefs]),
-                                      NV.ptr(tangent), block)
+                                      NV.floats(dots), NV.floats(coefs), NV.ptr(tangent), block)
         tn = np.sqrt(np.float32(tsq))
         if tn < tol:
             break
         cs, sn = _kar_turn(tn, cd)
-        usq = lib.mlx_ssp_kar_step(NV.ptr(mean), NV.ptr(tangent), size, float(tn), cs.item(), sn.item(), block)
+        usq = lib.mlx_ssp_kar_step(NV.ptr(mean), NV.ptr(tangent), size, float(tn), float(cs), float(sn), block)
         un = np.sqrt(np.float32(usq))
         pending = un if un > tol else None
     del units, tangent
