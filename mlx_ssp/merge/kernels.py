@@ -44,11 +44,13 @@ _ROUNDING = threading.local()
 
 def rnd(x: mx.array, cd) -> mx.array:
     """Round a float32 array to the compute dtype ``cd`` and back (identity for float32); bf16 by
-    :func:`round_bf16`, or by the two casts inside a kernel built with ``cast_rounding`` (the same
-    values)."""
+    :func:`round_bf16`, or by the two casts inside a kernel built with ``cast_rounding`` and for a
+    single value (the same values)."""
     if cd == F32:
         return x
-    if cd == mx.bfloat16 and not getattr(_ROUNDING, "cast", False):
+    # bits outside a kernel, except for a scalar: there each of the bit ops is one more operation
+    # MLX evaluates on its own (a round trip to the stream's thread), the casts are two
+    if cd == mx.bfloat16 and not getattr(_ROUNDING, "cast", False) and x.size > 1:
         return round_bf16(x)
     return x.astype(cd).astype(F32)
 
