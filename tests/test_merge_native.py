@@ -15,6 +15,7 @@ import mlx_ssp  # noqa: F401
 import mlx.core as mx
 
 from mlx_ssp import native
+from mlx_ssp.merge import interpolate as I
 from mlx_ssp.merge import kernels as K
 from mlx_ssp.merge import native as NV
 from mlx_ssp.merge import slerp as SL
@@ -42,7 +43,7 @@ def bf16_inputs(n: int, k: int, seed: int, specials: bool = False) -> list[mx.ar
 
 def bits_of(parts: list[mx.array]) -> np.ndarray:
     a = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-    if a.dtype == BF16:
+    if a.dtype in (BF16, mx.float16):
         a = a.view(mx.uint16)
     else:
         a = a.view(mx.uint32)
@@ -245,3 +246,29 @@ def test_nuslerp_native_per_row_equals_the_mlx_path(shape, monkeypatch):
             got, want = both(lambda: SL.nuslerp_parts(t, a, b, cd=BF16, out=out, shape=shape, flatten=False))
             np.testing.assert_array_equal(got, want)
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 4099, 300007])
+def test_model_stock_native_equals_the_mlx_path(n, monkeypatch):
+    calls = spied(monkeypatch, NV.lib(), "mlx_ssp_ms_combine")
+    base, *xs = bf16_inputs(n, 4, seed=40 + n, specials=True)
+    for k in (2, 3):
+        for out in (BF16, mx.float32, mx.float16):
+            got, want = both(lambda: I.model_stock_parts(base, xs[:k], BF16, out))
+            np.testing.assert_array_equal(got, want)
+    assert len(calls) == 6
+
+
+def test_model_stock_native_per_row_and_singular_and_unchanged_models(monkeypatch):
+    calls = spied(monkeypatch, NV.lib(), "mlx_ssp_ms_sums")
+    base, a, b = bf16_inputs(24 * 40, 3, seed=9)
+    cases = [
+        (base, [a, b], (24, 40), True),  # filter_wise: a ratio per row
+        (base, [a, b], (24, 40), False),
+        (base, [a, base + (base - a)], None, False),  # opposite offsets: 1 + (N - 1) cos = 0, t = 0
+        (base, [base, base], (24, 40), True),  # zero offsets: zero norms
+    ]
+    for bs, xs, shape, fw in cases:
+        got, want = both(lambda: I.model_stock_parts(bs, xs, BF16, BF16, shape, fw))
+        np.testing.assert_array_equal(got, want)
+    assert len(calls) == len(cases)

@@ -82,6 +82,7 @@ import mlx_ssp  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
 from mlx_ssp.merge import kernels as K
+from mlx_ssp.merge import native as NV
 from mlx_ssp.merge.kernels import F32, f32, kernel, rnd
 
 
@@ -129,8 +130,12 @@ def model_stock_ratio(base: mx.array, xs: Sequence[mx.array], cd, width: Optiona
     """Model Stock's interpolation ratio ``t = N cos / (1 + (N - 1) cos)`` (0 where the denominator
     is below 1e-6 in magnitude) from the mean pairwise cosine of the offsets ``x_i - base`` over the
     whole flat tensor (shape (1, 1)) or per row of ``width`` elements (shape (rows, 1)); the norms
-    and dots are summed slice by slice (:func:`.kernels.sums`), every step rounded to ``cd``."""
+    and dots are summed slice by slice (:func:`.kernels.sums`; bf16 on a Linux x86_64 CPU: one
+    native pass, :func:`_ms_sums_native`), every step rounded to ``cd``."""
     n = len(xs)
+    if _ms_native(cd, base, xs):
+        sq, got = _ms_sums_native(base, xs, width)
+        return _ms_ratio(sq, got, n, cd, width)
     terms = kernel(("ms_terms", n, str(cd)), lambda: _ms_terms(n, cd), cast_rounding=True, shapeless=True)
     # the norms in torch's norm order (``torch.norm``)
     sq = K.sums(lambda lo, hi: terms(base[lo:hi], [x[lo:hi] for x in xs])[:n], base.size, width, K.torch_block(cd))
@@ -138,6 +143,12 @@ def model_stock_ratio(base: mx.array, xs: Sequence[mx.array], cd, width: Optiona
         got = [mx.array(K.torch_sum(p, width)).reshape(-1) for p in terms(base, xs)[n:]]
     else:  # bf16 / fp16 round the last bits away: sliced float64 sums, no full-size copy
         got = K.sums(lambda lo, hi: terms(base[lo:hi], [x[lo:hi] for x in xs])[n:], base.size, width) if n > 1 else []
+    return _ms_ratio(sq, got, n, cd, width)
+
+
+def _ms_ratio(sq: list, got: list, n: int, cd, width: Optional[int]) -> mx.array:
+    """The ratio from the sums: each offset's squares ``sq`` and each pair's dot ``got`` (float32,
+    shape (1,) or (rows,), pairs in order)."""
     norms = [rnd(mx.sqrt(s), cd) for s in sq]
     dots = iter(got)
     cos = []
@@ -150,6 +161,49 @@ def model_stock_ratio(base: mx.array, xs: Sequence[mx.array], cd, width: Optiona
     den = rnd(1 + rnd((n - 1) * c, cd), cd)
     singular = mx.abs(den) < 1e-6
     return mx.where(singular, 0.0, rnd(rnd(n * c, cd) / mx.where(singular, 1.0, den), cd))
+
+
+#: the native passes take model_stock of 2 to this many models besides the base (csrc/model_stock.c)
+MS_NATIVE_MODELS = 8
+
+
+def _ms_native(cd, base: mx.array, xs: Sequence[mx.array]) -> bool:
+    return cd == mx.bfloat16 and 2 <= len(xs) <= MS_NATIVE_MODELS and NV.usable(base, *xs)
+
+
+def _ms_rows(size: int, width: Optional[int]) -> tuple[int, int]:
+    return (size // width, width) if width else (1, size)
+
+
+def _ms_sums_native(base: mx.array, xs: Sequence[mx.array], width: Optional[int]) -> tuple[list, list]:
+    """:func:`model_stock_ratio`'s sums in one native pass (``csrc/model_stock.c``): the same values
+    (the dots summed in float64 in another order: equal once rounded to float32, but for a sum
+    within float64 rounding of a float32 tie)."""
+    k = len(xs)
+    rows, w = _ms_rows(base.size, width)
+    npairs = k * (k - 1) // 2
+    sq, dots = np.empty((rows, k), np.float32), np.empty((rows, npairs), np.float64)
+    if NV.lib().mlx_ssp_ms_sums(NV.ptr(NV.bits(base)), NV.ptrs([NV.bits(x) for x in xs]), k, rows, w,
+                                K.torch_block(mx.bfloat16), NV.ptr(sq), NV.ptr(dots)):
+        raise RuntimeError(f"model_stock's native sums take 2-{MS_NATIVE_MODELS} models, not {k}")
+    return ([mx.array(sq[:, i]) for i in range(k)],
+            [mx.array(dots[:, p].astype(np.float32)) for p in range(npairs)])
+
+
+def _ms_combine_native(base: mx.array, xs: Sequence[mx.array], t: mx.array, width: Optional[int], out) -> mx.array:
+    """:func:`_ms_combine` over the whole tensor by the native library, into an MLX-owned buffer."""
+    rows, w = _ms_rows(base.size, width)
+    tv = np.ascontiguousarray(np.asarray(t, dtype=np.float32).reshape(-1))
+    if tv.size == 1 and rows > 1:
+        tv = np.full(rows, tv[0], np.float32)
+    f32_out = out == F32
+    res, view = NV.empty(base.size, F32 if f32_out else mx.bfloat16)
+    NV.lib().mlx_ssp_ms_combine(NV.ptr(NV.bits(base)), NV.ptrs([NV.bits(x) for x in xs]), len(xs), rows, w,
+                                NV.ptr(tv), NV.ptr(view), int(f32_out))
+    if out not in (F32, mx.bfloat16):
+        res = res.astype(out)
+    mx.eval(res)
+    return res
 
 
 def model_stock_parts(base: mx.array, xs: Sequence[mx.array], cd, out=None, shape: Optional[tuple] = None,
@@ -165,6 +219,8 @@ def model_stock_parts(base: mx.array, xs: Sequence[mx.array], cd, out=None, shap
     width = _ms_width(shape, filter_wise)
     t = model_stock_ratio(base, xs, cd, width)
     mx.eval(t)
+    if _ms_native(cd, base, xs):
+        return [_ms_combine_native(base, xs, t, width, out)]
     comb = kernel(("ms_combine", len(xs), str(cd), str(out)), lambda: _ms_combine(len(xs), cd, out),
                   cast_rounding=True, shapeless=True)
     parts = []

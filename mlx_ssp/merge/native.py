@@ -54,6 +54,8 @@ _SIGNATURES = {
     "mlx_ssp_sumsq_rows_bf16": ([_P, _N, _N, _I, _P], None),
     "mlx_ssp_nus_cos": ([_P, _P, _N, _N, _P, _P, _P], None),
     "mlx_ssp_nus_mix": ([_P, _P, _N, _N, _P, _P, _P, _P, _F, _F, _P, _I], None),
+    "mlx_ssp_ms_sums": ([_P, _PP, _I, _N, _N, _I, _P, _P], _I),
+    "mlx_ssp_ms_combine": ([_P, _PP, _I, _N, _N, _P, _P, _I], None),
 }
 
 _lib: Optional[ctypes.CDLL] = None

@@ -7,7 +7,8 @@ longest-processing-time rule: the run then ends on small tensors, not with one t
 lm_head), but never two of the largest at once: peak memory is about inputs x (largest tensor +
 (workers - 1) x largest ordinary tensor) + constant, plus the full-size copies some methods make of
 a tensor in flight (float32 nuslerp per column about 5; multislerp one unit vector per input, and
-in float32 its n dot products and a concatenated copy; docs/merge.md).
+in float32 its n dot products and a concatenated copy, but in bf16 on the native passes only the
+mean and the tangent; docs/merge.md).
 """
 
 from __future__ import annotations

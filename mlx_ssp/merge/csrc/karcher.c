@@ -7,23 +7,6 @@
 
 #include "common.h"
 
-/* the sum of squares of a bf16 tensor in torch's norm order (a norm's square) */
-float mlx_ssp_sumsq_bf16(const uint16_t *x, int64_t n, int block) {
-    lanes_t L;
-    float t[BLK];
-    lanes_init(&L, n, block);
-    for (int64_t lo = 0; lo < n; lo += BLK) {
-        int64_t len = n - lo < BLK ? n - lo : BLK;
-        for (int64_t c = 0; c < len; c++) {
-            float v = bf(x[lo + c]);
-            t[c] = v * v;
-        }
-        lanes_add(&L, lo, t, len);
-    }
-    return lanes_result(&L);
-}
-
-
 /* The first pass: the unit vectors u_i = rb(x_i / ns_i) and the first mean
  * m = rb(al_0 u_0), then m = rb(m + rb(al_i u_i)) for each further input, both written; returns the
  * sum of the held mean's squares (torch's order, ``block``). */

@@ -5,14 +5,6 @@
  * sums in float64. */
 #include "common.h"
 
-float mlx_ssp_sumsq_bf16(const uint16_t *x, int64_t n, int block);
-
-/* Per row of ``width`` elements: the sum of its squares in torch's norm order (``block``). */
-void mlx_ssp_sumsq_rows_bf16(const uint16_t *x, int64_t rows, int64_t width, int block, float *out) {
-    for (int64_t r = 0; r < rows; r++)
-        out[r] = mlx_ssp_sumsq_bf16(x + r * width, width, block);
-}
-
 /* Per row: the float64 sum of the rounded products of the unit vectors,
  * rb(rb(a / na) rb(b / nb)). */
 void mlx_ssp_nus_cos(const uint16_t *a, const uint16_t *b, int64_t rows, int64_t width, const float *na,
