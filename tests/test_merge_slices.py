@@ -93,8 +93,9 @@ def test_sliced_slerp_and_model_stock_match_reference(monkeypatch, dt):
         np.testing.assert_allclose(got, ref_model_stock(base, xs, dt, fw), **tol(dt))
         if fw:
             np.testing.assert_array_equal(got.ravel(), whole[True])
-    # float32 inputs with a bf16 compute dtype are aligned slice by slice: as if cast first
-    a32 = [mx.array(base + 0.01), mx.array(xs[0] * 1.001), mx.array(xs[1] - 0.003)]
+    # float32 inputs with a bf16 compute dtype are aligned slice by slice: as if cast first (the
+    # ``*_parts`` take flat tensors, as the engine hands them over)
+    a32 = [mx.array(base + 0.01).reshape(-1), mx.array(xs[0] * 1.001).reshape(-1), mx.array(xs[1] - 0.003).reshape(-1)]
     first = [x.astype(mx.bfloat16) for x in a32]
     np.testing.assert_array_equal(npy(mx.concatenate(I.model_stock_parts(a32[0], a32[1:], mx.bfloat16))),
                                   npy(mx.concatenate(I.model_stock_parts(first[0], first[1:], mx.bfloat16))))
