@@ -378,21 +378,17 @@ def _kar_angles(dsums, al, tol: float, cd) -> tuple[list[int], np.ndarray, np.nd
     if cd == F32:  # torch's own float32 acos / sin
         thetas = np.array([TM.acos(d) for d in dots], dtype=np.float32)
         sins = np.array([TM.sin(t) for t in thetas], dtype=np.float32)
-    else:  # only the functions run in MLX: each operation there is a round trip to the stream's thread
-        thetas = K.rnd_host(_mlx_values(mx.arccos, dots), cd)
-        sins = K.rnd_host(_mlx_values(mx.sin, thetas), cd)
+    else:  # MLX's own functions, all inputs in one evaluation (few operations: each is a round trip to
+        # the stream's thread); on the CPU every element of an array takes the same scalar code as a
+        # 0-d array (MLX's Linux build has no SIMD width for these)
+        th = mx.arccos(mx.array(dots)).astype(cd).astype(F32)
+        sn = mx.sin(th).astype(cd).astype(F32)
+        mx.eval(th, sn)
+        thetas, sins = np.array(th), np.array(sn)
     act = [j for j, theta in enumerate(thetas) if not theta < tol]  # the rest are at the mean already
     with np.errstate(divide="ignore", invalid="ignore"):  # sin 0 only where theta is 0: not active
         coefs = K.rnd_host(np.asarray(al, dtype=np.float32) * K.rnd_host(thetas / sins, cd), cd)
     return act, dots[act], coefs[act]
-
-
-def _mlx_values(f, xs: np.ndarray) -> np.ndarray:
-    """MLX's ``f`` of each float32 value, each as a 0-d array (as the MLX path computes it), in one
-    evaluation."""
-    got = [f(mx.array(x)) for x in xs]
-    mx.eval(got)
-    return np.array([g.item() for g in got], dtype=np.float32)
 
 
 def _kar_turn(tn: np.float32, cd) -> tuple[np.float32, np.float32]:
