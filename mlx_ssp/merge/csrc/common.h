@@ -34,7 +34,7 @@ static inline float bf(uint16_t h) { return float_of((uint32_t)h << 16); }
  * (equal to MLX's cast to bf16 and back for every float32; a NaN stays a quiet NaN) */
 static inline float rb(float x) {
     uint32_t b = bits_of(x);
-    uint32_t nan = (b & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : 0u; /* a select: no branch */
+    uint32_t nan = x != x ? 0x7FC00000u : 0u; /* a float compare and a select: no branch */
     return float_of(((b + (0x7FFFu + ((b >> 16) & 1u))) & 0xFFFF0000u) | nan);
 }
 
