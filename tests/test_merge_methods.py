@@ -208,3 +208,22 @@ def test_magprune_probabilities_and_keep_rates(dt):
     np.testing.assert_array_equal(m, again)  # seeded: deterministic
     with pytest.raises(UserError, match="epsilon"):
         magprune_mask(mx.array(d.ravel()), 0.9, 0.15, seed=1, shape=d.shape)
+
+
+def test_magprune_mask_by_row_blocks_equals_the_whole_tensor_ranked_at_once(monkeypatch):
+    """Ranks taken a few rows at a time (blocks that end inside the random stream's chunks, and
+    chunks inside blocks) give the mask of the whole tensor's ranks against the same stream."""
+    from mlx_ssp.merge import sparsify
+
+    rng = np.random.default_rng(3)
+    d = mx.array(rng.standard_normal((37, 53)).astype(np.float32)).astype(mx.bfloat16)
+    raw = np.asarray(d.view(mx.uint16)).reshape(-1) & np.uint16(0x7FFF)
+    want = np.empty(d.size, bool)
+    probs = magprune_probabilities(raw.reshape(37, 53), 0.4, 0.1, mx.bfloat16).reshape(-1)
+    monkeypatch.setattr(sparsify, "_RNG_CHUNK", 90)
+    for i, j, u in sparsify._uniform_stream(d.size, 5):
+        want[i:j] = u < probs[i:j]
+    for block in (53, 53 * 3, 100, 1 << 20):
+        monkeypatch.setattr(sparsify, "_RANK_BLOCK", block)
+        got = np.array(magprune_mask(d.reshape(-1), 0.4, 0.1, seed=5, shape=(37, 53), work=mx.bfloat16))
+        np.testing.assert_array_equal(got, want)

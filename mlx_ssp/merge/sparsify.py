@@ -254,16 +254,19 @@ def magprune_table(n: int, density: float, epsilon: float, work) -> np.ndarray:
     return _round_to(scaled + np.float32(density - epsilon), work)
 
 
-def magprune_probabilities(mag: np.ndarray, density: float, epsilon: float, work) -> np.ndarray:
+def magprune_probabilities(mag: np.ndarray, density: float, epsilon: float, work,
+                           table: Optional[np.ndarray] = None) -> np.ndarray:
     """The keep probability of every element of a ``(rows, n)`` array of magnitudes (non-negative
     floats, or their raw bits as unsigned integers, which sort the same): each element's rank in its
     row (ascending, ties by position: a stable sort, a radix sort for 16-bit keys) looked up in
-    :func:`magprune_table`."""
+    :func:`magprune_table` (``table``: that table, already made)."""
     if mag.dtype.kind == "f":
         mag = mag.view(np.uint32 if mag.dtype.itemsize == 4 else np.uint16)
+    if table is None:
+        table = magprune_table(mag.shape[1], density, epsilon, work)
     order = np.argsort(mag, axis=1, kind="stable")
     probs = np.empty(mag.shape, dtype=np.float32)
-    np.put_along_axis(probs, order, magprune_table(mag.shape[1], density, epsilon, work)[None, :], axis=1)
+    np.put_along_axis(probs, order, table[None, :], axis=1)
     return probs
 
 
@@ -283,13 +286,40 @@ def magprune_mask(delta: mx.array, density: float, epsilon: float, seed: int, sh
     shape = (1,) + shape if len(shape) < 2 else shape
     raw, width = _raw_bits(delta)
     mag = np.bitwise_and(raw, raw.dtype.type((1 << (width - 1)) - 1)).reshape(shape)  # |delta| as bits
+    mask = np.empty(delta.size, dtype=bool)
+    if len(shape) == 2:  # rows in flat order: ranked a block of rows at a time, no full-size ranks
+        blocks = _row_block_probabilities(mag, density, epsilon, work)
+        lo = hi = 0
+        for i, j, u in _uniform_stream(delta.size, seed):
+            at = i
+            while at < j:
+                if at >= hi:
+                    lo, hi, probs = next(blocks)
+                end = min(j, hi)
+                np.less(u[at - i:end - i], probs[at - lo:end - lo], out=mask[at:end])
+                at = end
+        return mx.array(mask)
     moved = np.moveaxis(mag, 1, -1)  # mergekit ranks along dim 1
     probs = magprune_probabilities(moved.reshape(-1, shape[1]), density, epsilon, work)
     probs = np.moveaxis(probs.reshape(moved.shape), -1, 1).reshape(-1)
-    mask = np.empty(delta.size, dtype=bool)
     for i, j, u in _uniform_stream(delta.size, seed):
         np.less(u, probs[i:j], out=mask[i:j])
     return mx.array(mask)
+
+
+#: elements whose ranks :func:`magprune_mask` computes at once (the sort's int64 order: 8 MiB)
+_RANK_BLOCK = 1 << 20
+
+
+def _row_block_probabilities(mag: np.ndarray, density: float, epsilon: float, work):
+    """:func:`magprune_probabilities` of a 2-D array, blocks of whole rows at a time, as
+    ``(flat start, flat stop, probabilities)`` in order."""
+    rows, n = mag.shape
+    table = magprune_table(n, density, epsilon, work)
+    step = max(1, _RANK_BLOCK // max(1, n))
+    for r in range(0, rows, step):
+        r1 = min(rows, r + step)
+        yield r * n, r1 * n, magprune_probabilities(mag[r:r1], density, epsilon, work, table).reshape(-1)
 
 
 #: words per draw: 2 MiB of raw words stay in L2 (4x the chunk was 2x slower per element)
