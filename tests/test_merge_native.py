@@ -23,7 +23,15 @@ from mlx_ssp.merge import sphere_means as SM
 
 BF16 = mx.bfloat16
 
-pytestmark = pytest.mark.skipif(not NV.usable(mx.zeros(1, dtype=BF16)), reason=f"merge native library: {NV.status}")
+# only where the library cannot be: on Linux x86_64 with a compiler a failed build fails the tests
+pytestmark = pytest.mark.skipif(not native.linux_x86_64() or native.compiler() is None
+                                or mx.default_device() != mx.cpu,
+                                reason="the merge's native passes are built on a Linux x86_64 CPU with a C compiler")
+
+
+def test_the_library_builds_and_is_used_for_bf16():
+    assert NV.usable(mx.zeros(1, dtype=BF16)), NV.status
+    assert NV.describe().startswith("on"), NV.describe()
 
 
 def bf16_inputs(n: int, k: int, seed: int, specials: bool = False) -> list[mx.array]:
@@ -50,6 +58,18 @@ def bits_of(parts: list[mx.array]) -> np.ndarray:
     return np.asarray(a)
 
 
+def spied(monkeypatch, module, name: str) -> list:
+    """Calls of ``module.name`` (the real function still runs): a native path that is not taken
+    would make a comparison with the MLX path pass without testing anything."""
+    calls, real = [], getattr(module, name)
+
+    def f(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(module, name, f)
+    return calls
+
+
 def both(f):
     got = f()
     with NV.enabled(False):
@@ -57,7 +77,7 @@ def both(f):
     return bits_of(got), bits_of(want)
 
 
-def test_rounding_equals_round_bf16_on_special_and_strided_bit_patterns():
+def test_rounding_equals_mlx_casts_and_round_bf16_on_special_and_strided_bit_patterns():
     pats = np.arange(0, 1 << 32, 4099, dtype=np.uint64).astype(np.uint32)
     edges = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0x18000, 0x007FFFFF, 0x00800000, 0x7F7FFFFF, 0x7F7F8000,
                       0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0x80000000, 0xFF800000, 0xFFFFFFFF,
@@ -65,16 +85,20 @@ def test_rounding_equals_round_bf16_on_special_and_strided_bit_patterns():
     x = np.concatenate([pats, edges]).view(np.float32)
     got = np.empty_like(x)
     NV.lib().mlx_ssp_round_bf16(NV.ptr(x), NV.ptr(got), x.size)
-    want = np.asarray(K.round_bf16(mx.array(x)))
+    want = np.asarray(mx.array(x).astype(BF16).astype(mx.float32))  # every NaN: the quiet NaN 0x7FC00000
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(K.round_bf16(mx.array(x))).view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(K.rnd_host(x, BF16).view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("n", [1, 7, 13, 16, 100, 1031, 4099, 300007])
-def test_karcher_native_equals_the_mlx_path(n):
+def test_karcher_native_equals_the_mlx_path(n, monkeypatch):
+    calls = spied(monkeypatch, SM, "_karcher_native")
     xs = bf16_inputs(n, 3, seed=n, specials=True)
-    for out in (BF16, mx.float32):
+    for out in (BF16, mx.float32, mx.float16):
         got, want = both(lambda: SM.karcher_parts(xs, cd=BF16, out=out))
         np.testing.assert_array_equal(got, want)
+    assert len(calls) == 3
 
 
 def test_karcher_native_with_zero_inputs_antipodes_and_few_iterations(monkeypatch):
@@ -151,18 +175,6 @@ def test_without_a_working_compiler_a_merge_takes_the_mlx_path(tmp_path):
     xs = [mx.array(np.linspace(-1, 1, 1000) * (i + 1) + i).astype(BF16) for i in range(3)]
     want = np.asarray(SM.karcher_parts(xs, cd=BF16)[0].view(mx.uint16)).tobytes().hex()[:64]
     assert lines[1] == want
-
-
-def spied(monkeypatch, module, name: str) -> list:
-    """Calls of ``module.name`` (the real function still runs): a native path that is not taken
-    would make a comparison with the MLX path pass without testing anything."""
-    calls, real = [], getattr(module, name)
-
-    def f(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-    monkeypatch.setattr(module, name, f)
-    return calls
 
 
 MSL_SIZES = [1, 7, 13, 16, 17, 100, 4099, 300007]
@@ -272,3 +284,50 @@ def test_model_stock_native_per_row_and_singular_and_unchanged_models(monkeypatc
         got, want = both(lambda: I.model_stock_parts(bs, xs, BF16, BF16, shape, fw))
         np.testing.assert_array_equal(got, want)
     assert len(calls) == len(cases)
+
+
+def test_nan_inf_and_strided_inputs_give_the_mlx_paths_bits(monkeypatch):
+    """Infinities and NaNs (every NaN rounds to the quiet NaN 0x7FC0, as MLX's and torch's casts
+    make it), and inputs that are views with strides (copied for the native passes, the copies
+    held through each call)."""
+    n = 4099
+    base, a, b, c = bf16_inputs(2 * n, 4, seed=77)
+    bad = np.asarray(a.astype(mx.float32)).copy()
+    bad[[5, 900]] = np.inf
+    bad[17] = -np.nan
+    bad_a = mx.array(bad).astype(BF16)
+    strided = [x[::2] for x in (base, a, b, c)]
+    cases = [
+        lambda: SM.karcher_parts([bad_a, b, c], cd=BF16),
+        lambda: SM.multislerp_parts([bad_a, b, c], [0.5, 0.3, 0.2], cd=BF16),
+        lambda: SL.nuslerp_parts(0.4, bad_a, b, cd=BF16),
+        lambda: I.model_stock_parts(base, [bad_a, b], BF16, BF16, (2 * n // 2, 2), True),
+        lambda: SM.karcher_parts(strided[1:], cd=BF16),
+        lambda: SM.multislerp_parts(strided[1:], [0.5, 0.3, 0.2], cd=BF16),
+        lambda: SL.nuslerp_parts(0.4, strided[1], strided[2], cd=BF16),
+        lambda: I.model_stock_parts(strided[0], strided[1:], BF16, BF16),
+    ]
+    for f in cases:
+        got, want = both(f)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_model_stock_of_more_models_than_the_native_passes_take_uses_mlx(monkeypatch):
+    calls = spied(monkeypatch, NV.lib(), "mlx_ssp_ms_sums")
+    k = int(NV.lib().mlx_ssp_ms_max_models()) + 1
+    base, *xs = bf16_inputs(100, k + 1, seed=5)
+    got, want = both(lambda: I.model_stock_parts(base, xs, BF16, BF16))
+    np.testing.assert_array_equal(got, want)
+    assert not calls
+
+
+def test_karchers_angles_from_one_array_equal_those_of_single_values():
+    """The arc cosines and sines of fewer than 8 inputs come from one MLX array, of more from 0-d
+    arrays (the MLX path's own form): the same values."""
+    rng = np.random.default_rng(2)
+    dots = rng.uniform(-1, 1, 12).astype(np.float32)
+    al = np.full(12, 1 / 12, np.float32)
+    whole = SM._kar_angles(dots, al, 1e-5, BF16)
+    parts = [SM._kar_angles(dots[i:i + 4], al[i:i + 4], 1e-5, BF16) for i in (0, 4, 8)]
+    np.testing.assert_array_equal(whole[1], np.concatenate([p[1] for p in parts]))
+    np.testing.assert_array_equal(whole[2], np.concatenate([p[2] for p in parts]))

@@ -163,12 +163,13 @@ def _ms_ratio(sq: list, got: list, n: int, cd, width: Optional[int]) -> mx.array
     return mx.where(singular, 0.0, rnd(rnd(n * c, cd) / mx.where(singular, 1.0, den), cd))
 
 
-#: the native passes take model_stock of 2 to this many models besides the base (csrc/model_stock.c)
-MS_NATIVE_MODELS = 8
-
-
 def _ms_native(cd, base: mx.array, xs: Sequence[mx.array]) -> bool:
-    return cd == mx.bfloat16 and 2 <= len(xs) <= MS_NATIVE_MODELS and NV.usable(base, *xs)
+    return cd == mx.bfloat16 and len(xs) >= 2 and NV.usable(base, *xs) and len(xs) <= _ms_max_models()
+
+
+def _ms_max_models() -> int:
+    """The most models besides the base the native passes take (``csrc/model_stock.c``)."""
+    return int(NV.lib().mlx_ssp_ms_max_models())
 
 
 def _ms_rows(size: int, width: Optional[int]) -> tuple[int, int]:
@@ -183,9 +184,10 @@ def _ms_sums_native(base: mx.array, xs: Sequence[mx.array], width: Optional[int]
     rows, w = _ms_rows(base.size, width)
     npairs = k * (k - 1) // 2
     sq, dots = np.empty((rows, k), np.float32), np.empty((rows, npairs), np.float64)
-    if NV.lib().mlx_ssp_ms_sums(NV.ptr(NV.bits(base)), NV.ptrs([NV.bits(x) for x in xs]), k, rows, w,
-                                K.torch_block(mx.bfloat16), NV.ptr(sq), NV.ptr(dots)):
-        raise RuntimeError(f"model_stock's native sums take 2-{MS_NATIVE_MODELS} models, not {k}")
+    bb, xb = NV.bits(base), [NV.bits(x) for x in xs]  # held for the call: a copied input lives as long as these
+    if NV.lib().mlx_ssp_ms_sums(NV.ptr(bb), NV.ptrs(xb), k, rows, w, K.torch_block(mx.bfloat16), NV.ptr(sq),
+                                NV.ptr(dots)):
+        raise RuntimeError(f"model_stock's native sums take 2-{_ms_max_models()} models, not {k}")
     return ([mx.array(sq[:, i]) for i in range(k)],
             [mx.array(dots[:, p].astype(np.float32)) for p in range(npairs)])
 
@@ -198,8 +200,8 @@ def _ms_combine_native(base: mx.array, xs: Sequence[mx.array], t: mx.array, widt
         tv = np.full(rows, tv[0], np.float32)
     f32_out = out == F32
     res, view = NV.empty(base.size, F32 if f32_out else mx.bfloat16)
-    NV.lib().mlx_ssp_ms_combine(NV.ptr(NV.bits(base)), NV.ptrs([NV.bits(x) for x in xs]), len(xs), rows, w,
-                                NV.ptr(tv), NV.ptr(view), int(f32_out))
+    bb, xb = NV.bits(base), [NV.bits(x) for x in xs]  # held for the call
+    NV.lib().mlx_ssp_ms_combine(NV.ptr(bb), NV.ptrs(xb), len(xs), rows, w, NV.ptr(tv), NV.ptr(view), int(f32_out))
     if out not in (F32, mx.bfloat16):
         res = res.astype(out)
     mx.eval(res)

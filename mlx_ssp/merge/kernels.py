@@ -58,18 +58,18 @@ def rnd(x: mx.array, cd) -> mx.array:
 def round_bf16(x: mx.array) -> mx.array:
     """float32 rounded to the nearest bf16 (ties to even), still float32, on the bits: add half an
     ulp of bf16 (less one, plus the kept last bit) and clear the low 16 bits. Equal to
-    ``astype(bfloat16).astype(float32)`` for every one of the 2^32 float32 bit patterns (NaN stays
-    NaN: it is forced to a quiet NaN), and in a fused kernel ~2x faster than those two casts, which
-    dominate the cost of the bf16 interpolations (one per op). Needs non-shapeless compilation
-    (``mx.view`` has no shapeless shape inference)."""
+    ``astype(bfloat16).astype(float32)`` for every one of the 2^32 float32 bit patterns (a NaN
+    becomes the quiet NaN 0x7FC00000, as the cast makes it), and in a fused kernel ~2x faster than
+    those two casts, which dominate the cost of the bf16 interpolations (one per op). Needs
+    non-shapeless compilation (``mx.view`` has no shapeless shape inference)."""
     return mx.view(_bf16_rounded_bits(mx.view(x, mx.uint32)), F32)
 
 
 def _bf16_rounded_bits(b):
     """:func:`round_bf16` on the float32 bits ``b`` (uint32, an MLX or a NumPy array)."""
-    # 1 where |x| is a NaN (its magnitude's bits exceed inf's), without a compare and a select
-    nan = (0x7F800000 - (b & 0x7FFFFFFF)) >> 31
-    return ((b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000) | (nan * 0x7FC00000)
+    # all ones where |x| is a NaN (its magnitude's bits exceed inf's), without a compare and a select
+    nan = 0 - ((0x7F800000 - (b & 0x7FFFFFFF)) >> 31)
+    return (((b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000) & ~nan) | (nan & 0x7FC00000)
 
 
 def rnd_host(x, cd) -> np.ndarray:
@@ -78,8 +78,8 @@ def rnd_host(x, cd) -> np.ndarray:
     x = np.asarray(x, dtype=np.float32)
     if cd == F32:
         return x
-    if cd == mx.bfloat16:
-        return _bf16_rounded_bits(x.view(np.uint32)).view(np.float32)
+    if cd == mx.bfloat16:  # on a 1-D copy: NumPy's scalars would warn where the bit ops wrap around
+        return _bf16_rounded_bits(x.reshape(-1).view(np.uint32)).view(np.float32).reshape(x.shape)
     return x.astype(np.float16).astype(np.float32)
 
 

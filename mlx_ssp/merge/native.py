@@ -48,12 +48,13 @@ _SIGNATURES = {
     "mlx_ssp_kar_step": ([_P, _P, _N, _F, _F, _F, _I], _F),
     "mlx_ssp_kar_out": ([_P, _N, _I, _F, _F, _P, _I], None),
     "mlx_ssp_msl_first": ([_PP, _I, _N, _FP, _FP, _P, _I], _F),
-    "mlx_ssp_msl_dots": ([_P, _PP, _I, _N, _FP, _F, _DP], None),
+    "mlx_ssp_msl_dots": ([_P, _PP, _I, _N, _FP, _F, _DP], _I),
     "mlx_ssp_msl_tangent": ([_P, _PP, _I, _N, _FP, _FP, _FP, _P, _I], _F),
     "mlx_ssp_msl_out": ([_P, _P, _N, _F, _F, _F, _P, _I], None),
     "mlx_ssp_sumsq_rows_bf16": ([_P, _N, _N, _I, _P], None),
     "mlx_ssp_nus_cos": ([_P, _P, _N, _N, _P, _P, _P], None),
     "mlx_ssp_nus_mix": ([_P, _P, _N, _N, _P, _P, _P, _P, _F, _F, _P, _I], None),
+    "mlx_ssp_ms_max_models": ([], _I),
     "mlx_ssp_ms_sums": ([_P, _PP, _I, _N, _N, _I, _P, _P], _I),
     "mlx_ssp_ms_combine": ([_P, _PP, _I, _N, _N, _P, _P, _I], None),
 }
@@ -104,9 +105,11 @@ def usable(*xs: mx.array) -> bool:
 
 
 def describe() -> str:
-    """What a bf16 merge on the CPU would use (building the library if it is not yet)."""
+    """What a bf16 merge would use here (building the library if it is not yet)."""
     if not _on:
         return f"off ({DISABLE_ENV}=0 or switched off)"
+    if mx.default_device() != mx.cpu:
+        return "off: MLX runs on the GPU here (merges use MLX's kernels there)"
     _load()
     return status
 

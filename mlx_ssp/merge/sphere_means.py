@@ -188,7 +188,8 @@ def _multislerp_native(xs: list, xb: list[np.ndarray], norms: mx.array, dn: list
     if mean_norm.item() < eps:
         return _msl_linear(xs, Wl, cd, out)
     sums = (ctypes.c_double * n)()
-    lib.mlx_ssp_msl_dots(NV.ptr(mean), xp, n, size, dp, mean_norm.item(), sums)
+    if lib.mlx_ssp_msl_dots(NV.ptr(mean), xp, n, size, dp, mean_norm.item(), sums):
+        raise MemoryError("multislerp: no memory for the dots' sums")
     dots = _msl_dot_values([_sum_of(v) for v in sums], cd)
     tangent = np.empty(size, np.uint16)
     tsq = lib.mlx_ssp_msl_tangent(NV.ptr(mean), xp, n, size, dp, NV.floats(_values(dots)), w,
@@ -368,6 +369,10 @@ def _whole(parts: list) -> np.ndarray:
     return out
 
 
+#: float32 elements of the widest SIMD vector MLX's CPU code uses (its macOS build: 8)
+_MLX_SIMD_FLOATS = 8
+
+
 def _kar_angles(dsums, al, tol: float, cd) -> tuple[list[int], np.ndarray, np.ndarray]:
     """From the dots' sums and the weights (float32 values): the inputs not yet at the mean, their
     dots (clipped, in ``cd``) and their tangent coefficients ``alpha theta / sin(theta)`` (each step
@@ -378,13 +383,20 @@ def _kar_angles(dsums, al, tol: float, cd) -> tuple[list[int], np.ndarray, np.nd
     if cd == F32:  # torch's own float32 acos / sin
         thetas = np.array([TM.acos(d) for d in dots], dtype=np.float32)
         sins = np.array([TM.sin(t) for t in thetas], dtype=np.float32)
-    else:  # MLX's own functions, all inputs in one evaluation (few operations: each is a round trip to
-        # the stream's thread); on the CPU every element of an array takes the same scalar code as a
-        # 0-d array (MLX's Linux build has no SIMD width for these)
-        th = mx.arccos(mx.array(dots)).astype(cd).astype(F32)
-        sn = mx.sin(th).astype(cd).astype(F32)
-        mx.eval(th, sn)
-        thetas, sins = np.array(th), np.array(sn)
+    else:  # MLX's own functions, rounded by casts, in one evaluation (each waits on the stream's
+        # thread), of all values as one array: MLX's CPU code takes each element as it takes a 0-d
+        # array, but for the SIMD code of its macOS build from 8 elements on, hence 0-d arrays there
+        if len(dots) < _MLX_SIMD_FLOATS:
+            th = mx.arccos(mx.array(dots)).astype(cd).astype(F32)
+            sn = mx.sin(th).astype(cd).astype(F32)
+            mx.eval(th, sn)
+            thetas, sins = np.array(th), np.array(sn)
+        else:
+            th = [mx.arccos(mx.array(d)).astype(cd).astype(F32) for d in dots]
+            sn = [mx.sin(t).astype(cd).astype(F32) for t in th]
+            mx.eval(th, sn)
+            thetas = np.array([t.item() for t in th], dtype=np.float32)
+            sins = np.array([t.item() for t in sn], dtype=np.float32)
     act = [j for j, theta in enumerate(thetas) if not theta < tol]  # the rest are at the mean already
     with np.errstate(divide="ignore", invalid="ignore"):  # sin 0 only where theta is 0: not active
         coefs = K.rnd_host(np.asarray(al, dtype=np.float32) * K.rnd_host(thetas / sins, cd), cd)

@@ -31,11 +31,12 @@ static inline float float_of(uint32_t b) {
 static inline float bf(uint16_t h) { return float_of((uint32_t)h << 16); }
 
 /* float32 rounded to the nearest bf16, ties to even, still float32: the bits of kernels.round_bf16
- * (equal to MLX's cast to bf16 and back for every float32; a NaN stays a quiet NaN) */
+ * and of MLX's cast to bf16 and back for every float32 (a NaN becomes the quiet NaN 0x7FC0, as
+ * MLX's and torch's casts make it) */
 static inline float rb(float x) {
     uint32_t b = bits_of(x);
-    uint32_t nan = x != x ? 0x7FC00000u : 0u; /* a float compare and a select: no branch */
-    return float_of(((b + (0x7FFFu + ((b >> 16) & 1u))) & 0xFFFF0000u) | nan);
+    uint32_t r = (b + (0x7FFFu + ((b >> 16) & 1u))) & 0xFFFF0000u;
+    return float_of(x != x ? 0x7FC00000u : r); /* a float compare and a select: no branch */
 }
 
 /* a float32 that already holds a bf16 value, as its bf16 bits */
@@ -44,10 +45,13 @@ static inline uint16_t bf_bits(float x) { return (uint16_t)(bits_of(x) >> 16); }
 /* Sums of squares in the order of torch's CPU norm kernel (kernels.TORCH_LANES): over the longest
  * prefix of m = n - n % block elements, lane j (of 8) adds elements j, j + 8, ... in order; the
  * lanes are then added in order, then the elements after the prefix one by one. Blocks come in
- * order and start at multiples of 8. */
+ * order and start at multiples of 8; ``block`` is 8 or 16 (torch's vector of float32 or bf16),
+ * at most MAX_BLOCK. */
+#define MAX_BLOCK 64 /* the largest ``block`` (a multiple of 8) the lanes take */
+
 typedef struct {
     float acc[8];
-    float tail[16];
+    float tail[MAX_BLOCK];
     int ntail;
     int64_t m;
 } lanes_t;

@@ -7,6 +7,8 @@
 
 #define MS_MAX_MODELS 8
 
+int mlx_ssp_ms_max_models(void) { return MS_MAX_MODELS; }
+
 /* One pass for both sums, per row: sq[r * k + i] the sum of the squares of the offset
  * o_i = rb(x_i - b) (torch's norm order, ``block``) and dots[r * npairs + p] the float64 sum of the
  * rounded products rb(o_i o_j) of pair p (i < j, in order). Returns -1 (nothing done) for too many

@@ -3,6 +3,8 @@
  * there (_msl_first, _msl_dots, _msl_tan, _msl_out), each bf16 rounding at the same place (rb),
  * the norms' squares in torch's lane order (common.h) and the dots in float64. Held values (unit
  * vectors, mean, tangent) are bf16 bits. */
+#include <stdlib.h>
+
 #include "common.h"
 
 /* The first pass: the weighted mean of the unit vectors u_i = rb(x_i / dn_i),
@@ -39,12 +41,14 @@ float mlx_ssp_msl_first(const uint16_t *const *xs, int k, int64_t n, const float
 }
 
 /* The dots' pass: the held mean divided by its norm, m = rb(m / mn), written back, then
- * sums[i] = the float64 sum of the rounded products rb(u_i m), u_i = rb(x_i / dn_i). */
-void mlx_ssp_msl_dots(uint16_t *mean, const uint16_t *const *xs, int k, int64_t n, const float *dn, float mn,
-                      double *sums) {
-    double acc[k > 0 ? k : 1][DLANES]; /* k is at most the number of models */
+ * sums[i] = the float64 sum of the rounded products rb(u_i m), u_i = rb(x_i / dn_i). Returns 0, or
+ * -1 (nothing done) where memory for the sums' lanes could not be had. */
+int mlx_ssp_msl_dots(uint16_t *mean, const uint16_t *const *xs, int k, int64_t n, const float *dn, float mn,
+                     double *sums) {
+    double (*acc)[DLANES] = calloc((size_t)(k > 0 ? k : 1), sizeof *acc);
     float m[BLK], t[BLK];
-    memset(acc, 0, sizeof acc);
+    if (!acc)
+        return -1;
     for (int64_t lo = 0; lo < n; lo += BLK) {
         int64_t len = n - lo < BLK ? n - lo : BLK;
         for (int64_t c = 0; c < len; c++) {
@@ -61,6 +65,8 @@ void mlx_ssp_msl_dots(uint16_t *mean, const uint16_t *const *xs, int k, int64_t 
     }
     for (int i = 0; i < k; i++)
         sums[i] = dsum_result(acc[i]);
+    free(acc);
+    return 0;
 }
 
 /* The tangent at the held (normalised) mean: v_i = rb(rb(u_i - rb(d_i m)) w_i) with
