@@ -91,13 +91,14 @@ def report() -> tuple[list[tuple[str, str]], list[str]]:
             advice.append("the few-row kernel did not build: apt-get install -y build-essential (C headers), "
                           "then delete the .failed file named above")
     if sys.platform.startswith("linux"):
-        from mlx_ssp.merge import native as merge_native  # imports mlx.core: the doctor runs without mlx too
+        from mlx_ssp.merge import native as merge_native  # imports mlx.core, as the checks above do
 
         native_status = merge_native.describe()  # builds it once, as the first bf16 merge would
         rows.append(("merge's native passes (bf16)", native_status))
         if native_status.startswith(("no C compiler", "not built")):
-            advice.append("bf16 karcher, multislerp and nuslerp merges on CPU are 2-3x faster with the merge's "
-                          "native passes: install a C compiler (apt-get install -y build-essential)")
+            advice.append("bf16 karcher, multislerp, nuslerp and model_stock merges on CPU are 1.6-2.6x faster with "
+                          "the merge's native passes: apt-get install -y build-essential, then delete the "
+                          ".failed file named above, if any")
     if sys.platform.startswith("linux") and not _blas.loaded_path:
         advice.append(
             "float32 matmul on CPU is ~40x slower without OpenBLAS: "

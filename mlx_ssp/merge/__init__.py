@@ -13,6 +13,8 @@ that reads mergekit YAML configs. See ``docs/merge.md``.
   model_stock, nearswap and arcee_fusion; sce and ram).
 - :mod:`mlx_ssp.merge.sparsify`: magnitude trim, DARE drop, breadcrumbs, the L1 rescale.
 - :mod:`mlx_ssp.merge.kernels`: compute dtypes, rounding, the fused-kernel cache, the slice size.
+- :mod:`mlx_ssp.merge.native`: the bf16 passes of karcher, multislerp, nuslerp and model_stock in C
+  (``csrc/``), the MLX kernels' bits, on a Linux x86_64 CPU.
 - :mod:`mlx_ssp.merge.parallel`: tensors merged side by side, largest first within a memory budget.
 - :mod:`mlx_ssp.merge.safetensors_io`: lazy header-based reads, shards written as tensors arrive.
 - :mod:`mlx_ssp.merge.outdir`: OUT_DIR safety (never an input; only a previous output replaced).

@@ -1,8 +1,9 @@
-"""The merge's elementwise passes in C, for bf16 merges on a Linux x86_64 CPU.
+"""The merge's elementwise passes in C, for bf16 merges on a Linux x86_64 CPU: karcher,
+multislerp, nuslerp (whole tensor and per row) and model_stock (both modes).
 
 MLX compiles its fused CPU kernels with ``g++ -O3`` and no ``-march``: SSE2 only, 4 floats per
 instruction, while the bf16 merge methods round to bf16 after nearly every operation (karcher's
-tangent 11 times per element and input). Those passes are compute-bound there, so karcher,
+tangent 11 times per element over 3 inputs). Those passes are compute-bound there, so karcher,
 multislerp and nuslerp ran at 1.6-3.4x mergekit's speed. The C files under ``csrc/`` compute the
 same values, operation for operation and in the same order (each file says which MLX kernels it
 replaces), built by :mod:`mlx_ssp.native` with ``-O3 -march=native -ffp-contract=off`` (no
@@ -10,8 +11,9 @@ replaces), built by :mod:`mlx_ssp.native` with ``-O3 -march=native -ffp-contract
 the outputs are the same bits as the MLX path's; the tests check that on every pass.
 
 The MLX path stays: it is used where this library is not (another OS or CPU, no C compiler,
-``MLX_SSP_MERGE_NATIVE=0``, MLX on a GPU, inputs that are not bf16), and :func:`enabled` switches
-between the two for the tests and the benchmark.
+``MLX_SSP_MERGE_NATIVE=0``, MLX on a GPU, inputs that are not bf16, model_stock of more than 8
+models, nuslerp per column), and :func:`enabled` switches between the two for the tests and the
+benchmark.
 """
 
 from __future__ import annotations
