@@ -67,9 +67,10 @@ def round_bf16(x: mx.array) -> mx.array:
 
 def _bf16_rounded_bits(b):
     """:func:`round_bf16` on the float32 bits ``b`` (uint32, an MLX or a NumPy array)."""
-    # all ones where |x| is a NaN (its magnitude's bits exceed inf's), without a compare and a select
-    nan = 0 - ((0x7F800000 - (b & 0x7FFFFFFF)) >> 31)
-    return (((b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000) & ~nan) | (nan & 0x7FC00000)
+    # 1 where |x| is a NaN (its magnitude's bits exceed inf's), without a compare and a select
+    nan = (0x7F800000 - (b & 0x7FFFFFFF)) >> 31
+    r = (b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000
+    return r - nan * (r - 0x7FC00000)  # a NaN: exactly the quiet NaN (arithmetic modulo 2^32)
 
 
 def rnd_host(x, cd) -> np.ndarray:
