@@ -96,7 +96,7 @@ def report() -> tuple[list[tuple[str, str]], list[str]]:
         native_status = merge_native.describe()  # builds it once, as the first bf16 merge would
         rows.append(("merge's native passes (bf16)", native_status))
         if native_status.startswith(("no C compiler", "not built")):
-            advice.append("bf16 karcher, multislerp, nuslerp and model_stock merges on CPU are 1.6-2.6x faster with "
+            advice.append("bf16 karcher, multislerp, nuslerp and model_stock merges on CPU are 1.3-5x faster with "
                           "the merge's native passes: apt-get install -y build-essential, then delete the "
                           ".failed file named above, if any")
     if sys.platform.startswith("linux") and not _blas.loaded_path:
