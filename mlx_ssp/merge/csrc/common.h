@@ -10,6 +10,7 @@
 #define MLX_SSP_MERGE_COMMON_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* elements per block of the passes: their float32 temporaries stay in L1 */
@@ -80,6 +81,16 @@ static inline float lanes_result(const lanes_t *L) {
     return b;
 }
 
+/* Held values: v[0..len) (bf16 values in float32; ``round`` first rounds them) written as bf16
+ * bits at dst and replaced by their squares, the terms of their norm */
+static inline void hold_squares(uint16_t *dst, float *v, int64_t len, int round) {
+    for (int64_t c = 0; c < len; c++) {
+        float x = round ? rb(v[c]) : v[c];
+        dst[c] = bf_bits(x);
+        v[c] = x * x;
+    }
+}
+
 /* Whole-tensor sums in float64 of float32 terms (kernels._Exact: within rounding of the exact sum
  * whatever the order; here 32 lanes, so that the additions do not wait on each other, then added
  * in order) */
@@ -99,6 +110,13 @@ static inline double dsum_result(const double acc[DLANES]) {
     for (int j = 1; j < DLANES; j++)
         s += acc[j];
     return s;
+}
+
+/* the k sums of a pass's lanes (allocated with calloc) into sums, the lanes freed */
+static inline void dsums_finish(double (*acc)[DLANES], int k, double *sums) {
+    for (int i = 0; i < k; i++)
+        sums[i] = dsum_result(acc[i]);
+    free(acc);
 }
 
 #endif

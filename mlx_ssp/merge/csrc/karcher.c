@@ -3,8 +3,6 @@
  * there (_kar_mean0 / _kar_mean_more, _normalised / _products, _kar_tsq, _kar_step, _kar_out), each
  * bf16 rounding at the same place (rb), the norms' squares in torch's lane order (common.h) and the
  * dots in float64. Held values (unit vectors, mean, tangent) are bf16 bits. */
-#include <stdlib.h>
-
 #include "common.h"
 
 /* The first pass: the unit vectors u_i = rb(x_i / ns_i) and the first mean
@@ -35,10 +33,7 @@ float mlx_ssp_kar_first(const uint16_t *const *xs, int k, int64_t n, const float
                 }
             }
         }
-        for (int64_t c = 0; c < len; c++) {
-            mean[lo + c] = bf_bits(m[c]);
-            m[c] = m[c] * m[c];
-        }
+        hold_squares(mean + lo, m, len, 0);
         lanes_add(&L, lo, m, len);
     }
     return lanes_result(&L);
@@ -77,9 +72,7 @@ int mlx_ssp_kar_dots(uint16_t *mean, const uint16_t *const *us, int k, int64_t n
             dsum_add(acc[i], t, len);
         }
     }
-    for (int i = 0; i < k; i++)
-        sums[i] = dsum_result(acc[i]);
-    free(acc);
+    dsums_finish(acc, k, sums);
     return 0;
 }
 
@@ -106,10 +99,7 @@ float mlx_ssp_kar_tangent(const uint16_t *mean, const uint16_t *const *us, int k
                     g[c] = rb(g[c] + rb(ci * rb(bf(u[c]) - rb(di * m[c]))));
             }
         }
-        for (int64_t c = 0; c < len; c++) {
-            tangent[lo + c] = bf_bits(g[c]);
-            g[c] = g[c] * g[c];
-        }
+        hold_squares(tangent + lo, g, len, 0);
         lanes_add(&L, lo, g, len);
     }
     return lanes_result(&L);
@@ -124,11 +114,9 @@ float mlx_ssp_kar_step(uint16_t *mean, const uint16_t *tangent, int64_t n, float
     lanes_init(&L, n, block);
     for (int64_t lo = 0; lo < n; lo += BLK) {
         int64_t len = n - lo < BLK ? n - lo : BLK;
-        for (int64_t c = 0; c < len; c++) {
-            float v = rb(rb(cs * bf(mean[lo + c])) + rb(sn * rb(bf(tangent[lo + c]) / tn)));
-            mean[lo + c] = bf_bits(v);
-            m[c] = v * v;
-        }
+        for (int64_t c = 0; c < len; c++)
+            m[c] = rb(rb(cs * bf(mean[lo + c])) + rb(sn * rb(bf(tangent[lo + c]) / tn)));
+        hold_squares(mean + lo, m, len, 0);
         lanes_add(&L, lo, m, len);
     }
     return lanes_result(&L);

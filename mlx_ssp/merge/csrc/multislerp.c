@@ -3,8 +3,6 @@
  * there (_msl_first, _msl_dots, _msl_tan, _msl_out), each bf16 rounding at the same place (rb),
  * the norms' squares in torch's lane order (common.h) and the dots in float64. Held values (unit
  * vectors, mean, tangent) are bf16 bits. */
-#include <stdlib.h>
-
 #include "common.h"
 
 /* The first pass: the weighted mean of the unit vectors u_i = rb(x_i / dn_i),
@@ -30,11 +28,7 @@ float mlx_ssp_msl_first(const uint16_t *const *xs, int k, int64_t n, const float
                     m[c] = m[c] + rb(rb(bf(x[c]) / d) * wi);
             }
         }
-        for (int64_t c = 0; c < len; c++) {
-            float v = rb(m[c]);
-            mean[lo + c] = bf_bits(v);
-            m[c] = v * v;
-        }
+        hold_squares(mean + lo, m, len, 1);
         lanes_add(&L, lo, m, len);
     }
     return lanes_result(&L);
@@ -63,9 +57,7 @@ int mlx_ssp_msl_dots(uint16_t *mean, const uint16_t *const *xs, int k, int64_t n
             dsum_add(acc[i], t, len);
         }
     }
-    for (int i = 0; i < k; i++)
-        sums[i] = dsum_result(acc[i]);
-    free(acc);
+    dsums_finish(acc, k, sums);
     return 0;
 }
 
@@ -92,11 +84,7 @@ float mlx_ssp_msl_tangent(const uint16_t *mean, const uint16_t *const *xs, int k
                     g[c] = g[c] + rb(rb(rb(bf(x[c]) / e) - rb(di * m[c])) * wi);
             }
         }
-        for (int64_t c = 0; c < len; c++) {
-            float v = rb(g[c]);
-            tangent[lo + c] = bf_bits(v);
-            g[c] = v * v;
-        }
+        hold_squares(tangent + lo, g, len, 1);
         lanes_add(&L, lo, g, len);
     }
     return lanes_result(&L);
