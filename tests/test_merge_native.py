@@ -20,6 +20,8 @@ from mlx_ssp.merge import kernels as K
 from mlx_ssp.merge import native as NV
 from mlx_ssp.merge import slerp as SL
 from mlx_ssp.merge import sphere_means as SM
+from mlx_ssp.merge import sphere_native as SN
+from mlx_ssp.merge import sphere_scalars as SS
 
 BF16 = mx.bfloat16
 
@@ -93,7 +95,7 @@ def test_rounding_equals_mlx_casts_and_round_bf16_on_special_and_strided_bit_pat
 
 @pytest.mark.parametrize("n", [1, 7, 13, 16, 100, 1031, 4099, 300007])
 def test_karcher_native_equals_the_mlx_path(n, monkeypatch):
-    calls = spied(monkeypatch, SM, "_karcher_native")
+    calls = spied(monkeypatch, SN, "karcher_native")
     xs = bf16_inputs(n, 3, seed=n, specials=True)
     for out in (BF16, mx.float32, mx.float16):
         got, want = both(lambda: SM.karcher_parts(xs, cd=BF16, out=out))
@@ -182,7 +184,7 @@ MSL_SIZES = [1, 7, 13, 16, 17, 100, 4099, 300007]
 
 @pytest.mark.parametrize("n", MSL_SIZES)
 def test_multislerp_native_equals_the_mlx_path(n, monkeypatch):
-    calls = spied(monkeypatch, SM, "_multislerp_native")
+    calls = spied(monkeypatch, SN, "multislerp_native")
     for k in (2, 4):
         xs = bf16_inputs(n, k, seed=n + k, specials=True)
         w = [0.5, 0.3, 0.15, 0.05][:k]
@@ -196,7 +198,7 @@ def test_multislerp_native_equals_the_mlx_path(n, monkeypatch):
 
 def test_multislerp_native_with_zero_inputs_antipodes_and_many_slices(monkeypatch):
     monkeypatch.setattr(K, "CHUNK", 64)  # the MLX path in many slices
-    calls = spied(monkeypatch, SM, "_multislerp_native")
+    calls = spied(monkeypatch, SN, "multislerp_native")
     n = 999
     x = bf16_inputs(n, 3, seed=7, specials=True)
     zero = mx.zeros(n, dtype=BF16)
@@ -327,7 +329,7 @@ def test_karchers_angles_from_one_array_equal_those_of_single_values():
     rng = np.random.default_rng(2)
     dots = rng.uniform(-1, 1, 12).astype(np.float32)
     al = np.full(12, 1 / 12, np.float32)
-    whole = SM._kar_angles(dots, al, 1e-5, BF16)
-    parts = [SM._kar_angles(dots[i:i + 4], al[i:i + 4], 1e-5, BF16) for i in (0, 4, 8)]
+    whole = SS.kar_angles(dots, al, 1e-5, BF16)
+    parts = [SS.kar_angles(dots[i:i + 4], al[i:i + 4], 1e-5, BF16) for i in (0, 4, 8)]
     np.testing.assert_array_equal(whole[1], np.concatenate([p[1] for p in parts]))
     np.testing.assert_array_equal(whole[2], np.concatenate([p[2] for p in parts]))

@@ -9,8 +9,9 @@ that reads mergekit YAML configs. See ``docs/merge.md``.
 - :mod:`mlx_ssp.merge.task_vectors`: linear and the task-vector steps (task vector, sparsify,
   weight, sign consensus, combine, add back).
 - :mod:`mlx_ssp.merge.slerp`, :mod:`mlx_ssp.merge.sphere_means`, :mod:`mlx_ssp.merge.interpolate`,
-  :mod:`mlx_ssp.merge.selective`: the other methods (slerp and nuslerp; multislerp and karcher;
-  model_stock, nearswap and arcee_fusion; sce and ram).
+  :mod:`mlx_ssp.merge.selective`: the other methods (slerp and nuslerp; multislerp and karcher,
+  with :mod:`mlx_ssp.merge.sphere_scalars` and :mod:`mlx_ssp.merge.sphere_native`; model_stock,
+  nearswap and arcee_fusion; sce and ram).
 - :mod:`mlx_ssp.merge.sparsify`: magnitude trim, DARE drop, breadcrumbs, the L1 rescale.
 - :mod:`mlx_ssp.merge.kernels`: compute dtypes, rounding, the fused-kernel cache, the slice size.
 - :mod:`mlx_ssp.merge.native`: the bf16 passes of karcher, multislerp, nuslerp and model_stock in C

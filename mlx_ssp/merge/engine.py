@@ -49,7 +49,7 @@ from mlx_ssp.progress import bar as progress_bar
 #: Bump when the same config, inputs and options give other output bytes (a method's arithmetic,
 #: rounding, tensor order, side files): a multimerge keeps an intermediate only while its
 #: fingerprint, which holds this, is unchanged, and mlx_ssp's own version does not move per change.
-MERGER_VERSION = 2
+MERGER_VERSION = 3  # 3: a NaN rounds to bf16 as exactly the quiet NaN 0x7FC0
 #: the shard metadata of a dry run's stand-in (:func:`write_skeleton`) instead of the merge mark,
 #: so that a stand-in never passes for a merge output (:func:`.outdir.is_merge_output`)
 SKELETON_KEY, SKELETON_VALUE = "mlx_ssp_stand_in", "headers only, no tensor data"

@@ -19,14 +19,13 @@ karcher: the mean and the unit vectors, copied for BLAS's ``sdot``). ``*_parts``
 engine's entry points; :func:`multislerp` and :func:`karcher` return the same values as one
 float32 array.
 
-bf16 merges of bf16 inputs on a Linux x86_64 CPU run these passes in C instead (:mod:`.native`:
-``csrc/multislerp.c``, ``csrc/karcher.c``), the whole tensor per pass, with the same bits; the
-scalars between the passes are computed by the same helpers on both paths.
+bf16 merges of bf16 inputs on a Linux x86_64 CPU run these passes in C instead
+(:mod:`.sphere_native`), the whole tensor per pass, with the same bits; the scalars between the
+passes are computed by the same helpers on both paths (:mod:`.sphere_scalars`).
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import Optional, Sequence
 
 import numpy as np
@@ -36,6 +35,8 @@ import mlx.core as mx
 
 from mlx_ssp.merge import kernels as K
 from mlx_ssp.merge import native as NV
+from mlx_ssp.merge import sphere_native as SN
+from mlx_ssp.merge import sphere_scalars as SS
 from mlx_ssp.merge import torch_math as TM
 from mlx_ssp.merge.kernels import F32, aligned, each, f32, item32, kernel, rnd, scalar
 
@@ -72,7 +73,7 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     (:func:`.kernels.sums`, :func:`.kernels.sweep`); the unit vectors, the mean (normalised in the
     dots' pass) and the tangent are held in ``cd`` for the passes after theirs, the tangent
     replacing the unit vectors and the output the mean and the tangent, slice by slice (bf16 inputs
-    and ``cd`` on a Linux x86_64 CPU: :func:`_multislerp_native`). Two antipodal inputs whose
+    and ``cd`` on a Linux x86_64 CPU: :func:`.sphere_native.multislerp_native`). Two antipodal inputs whose
     weighted mean vanishes fall back to the linear combination; more than two raise
     ``ValueError``."""
     out = out or cd
@@ -91,20 +92,20 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     go_native = cd == mx.bfloat16 and NV.usable(*xs)
     if go_native:
         xb = [NV.bits(x) for x in xs]
-        nsq = [_sum_of(NV.lib().mlx_ssp_sumsq_bf16(NV.ptr(b), size, blk)) for b in xb]
+        nsq = [SS.sum_of(NV.lib().mlx_ssp_sumsq_bf16(NV.ptr(b), size, blk)) for b in xb]
     else:
         sq = kernel(("msl_sq",) + key, lambda: (lambda xs: [mx.square(aligned(x, cd)) for x in xs]))
         nsq = K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, blk)
     norms = mx.concatenate([r(mx.sqrt(v)) for v in nsq])
     dn = [r(norms[i] + eps) for i in range(n)]
     if go_native:
-        return _multislerp_native(xs, xb, norms, dn, W, Wl, eps, out)
+        return SN.multislerp_native(xs, xb, norms, dn, W, Wl, eps, out)
     kept, (msq,) = K.sweep(lambda lo, hi: _msl_first([x[lo:hi] for x in xs], dn, Wl, cd), size, blk)
     mean, units = [k[0] for k in kept], [k[1] for k in kept]  # per slice: the mean, the unit vectors
     kept.clear()
     mean_norm = r(mx.sqrt(msq))
     if mean_norm.item() < eps:
-        return _msl_linear(xs, Wl, cd, out)
+        return SS.msl_linear(xs, Wl, cd, out)
     at = {lo: k for k, (lo, _) in enumerate(K.slices(size, K.ALIGN))}  # slice start -> index of the held slice
     mn = mean_norm.reshape(())
     dk = kernel(("msl_dots",) + key, lambda: _msl_dots(cd), cast_rounding=True)
@@ -115,7 +116,7 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
         del kept
     else:
         _, dsums = K.sweep(lambda lo, hi: dk(mean[at[lo]], units[at[lo]], mn), size, into=mean)
-        dots = _msl_dot_values(dsums, cd)
+        dots = SS.msl_dot_values(dsums, cd)
     tk = kernel(("msl_tan",) + key, lambda: _msl_tan(cd), cast_rounding=True)
 
     def tangent_step(lo, hi):
@@ -123,7 +124,7 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
         us, units[k] = units[k], None  # freed as the tangent's slice is made
         return tk(mean[k], us, dots, Wl)
     tangent, (tsq,) = K.sweep(tangent_step, size, blk)
-    cs, sn, avg = _msl_turn(tsq, norms, W, eps, cd)
+    cs, sn, avg = SS.msl_turn(tsq, norms, W, eps, cd)
     fk = kernel(("msl_out", str(cd), str(out)), lambda: _msl_out(cd, out), cast_rounding=True)
 
     def final(lo, hi):
@@ -132,77 +133,6 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
         mean[k] = tangent[k] = None  # freed as the output's slice is made
         return fk(m, tg, cs, sn, avg)
     return each(size, final, K.ALIGN)
-
-
-def _sum_of(v: float) -> mx.array:
-    """A native pass's float32 sum as the MLX path's sums hand it (shape (1,))."""
-    return mx.array(np.float32(v)).reshape(-1)
-
-
-def _values(xs) -> list[float]:
-    """One-element arrays' values, evaluated together (one wait for MLX, not one per value)."""
-    mx.eval(*xs)
-    return [x.item() for x in xs]
-
-
-def _msl_linear(xs: list, Wl: list, cd, out) -> list[mx.array]:
-    """The fallback where the weighted mean of the unit vectors vanishes: the linear combination of
-    two (antipodal) inputs; more than two raise ``ValueError``."""
-    if len(xs) != 2:
-        raise ValueError("multislerp: the weighted sum of the input tensors is zero (antipodal inputs with "
-                         "balancing weights); use different weights")
-    lk = kernel(("msl_lin", str(cd), str(out)), lambda: (lambda a, b, wa, wb: rnd(
-        rnd(aligned(a, cd) * wa, cd) + rnd(aligned(b, cd) * wb, cd), cd).astype(cd).astype(out)))
-    return each(xs[0].size, lambda lo, hi: lk(xs[0][lo:hi], xs[1][lo:hi], Wl[0], Wl[1]))
-
-
-def _msl_dot_values(dsums: list, cd) -> list[mx.array]:
-    """The dots (0-d, in ``cd``) from their float32 sums."""
-    return [rnd(d, cd).reshape(()) for d in dsums]
-
-
-def _msl_turn(tsq: mx.array, norms: mx.array, W: mx.array, eps: float, cd) -> tuple:
-    """From the tangent's squares' sum: ``cos(tn)``, ``sin(tn) / tn`` and the weighted mean norm,
-    each in ``cd`` (float32: torch's own cos / sin and its order for the norms' sum)."""
-    r = lambda x: rnd(x, cd)  # noqa: E731
-    tn = r(r(mx.sqrt(tsq)) + eps).reshape(())
-    if cd == F32:
-        tn32 = item32(tn)
-        return scalar(TM.cos(tn32)), scalar(TM.sin(tn32) / tn32), scalar(K.torch_sum(np.asarray(norms * W)))
-    return r(mx.cos(tn)), r(r(mx.sin(tn)) / tn), r(mx.sum(r(norms * W)))
-
-
-def _multislerp_native(xs: list, xb: list[np.ndarray], norms: mx.array, dn: list, W: mx.array, Wl: list,
-                       eps: float, out) -> list[mx.array]:
-    """:func:`multislerp_parts`' passes in bf16 by the native library (:mod:`.native`,
-    ``csrc/multislerp.c``: the same values operation for operation) on the inputs' bf16 bits ``xb``:
-    the whole tensor per pass, the scalars between passes computed as the MLX path computes them
-    (:func:`_msl_linear`, :func:`_msl_dot_values`, :func:`_msl_turn`). The unit vectors are made
-    again from the inputs in each pass (not held); the output is the mean's buffer in bf16."""
-    lib, cd = NV.lib(), mx.bfloat16
-    blk, n, size = K.torch_block(cd), len(xb), xb[0].size
-    mean_arr, mean = NV.empty(size)
-    xp, dp, w = NV.ptrs(xb), NV.floats(_values(dn)), NV.floats(_values(Wl))
-    msq = lib.mlx_ssp_msl_first(xp, n, size, dp, w, NV.ptr(mean), blk)
-    mean_norm = rnd(mx.sqrt(_sum_of(msq)), cd)
-    if mean_norm.item() < eps:
-        return _msl_linear(xs, Wl, cd, out)
-    sums = (ctypes.c_double * n)()
-    if lib.mlx_ssp_msl_dots(NV.ptr(mean), xp, n, size, dp, mean_norm.item(), sums):
-        raise MemoryError("multislerp: no memory for the dots' sums")
-    dots = _msl_dot_values([_sum_of(v) for v in sums], cd)
-    tangent = np.empty(size, np.uint16)
-    tsq = lib.mlx_ssp_msl_tangent(NV.ptr(mean), xp, n, size, dp, NV.floats(_values(dots)), w,
-                                  NV.ptr(tangent), blk)
-    cs, sn, avg = _values(_msl_turn(_sum_of(tsq), norms, W, eps, cd))
-    if out == F32:
-        res, view = NV.empty(size, F32)
-        lib.mlx_ssp_msl_out(NV.ptr(mean), NV.ptr(tangent), size, cs, sn, avg, NV.ptr(view), 1)
-        return [res]
-    lib.mlx_ssp_msl_out(NV.ptr(mean), NV.ptr(tangent), size, cs, sn, avg, NV.ptr(mean), 0)
-    res = mean_arr if out == cd else mean_arr.astype(out)
-    mx.eval(res)
-    return [res]
 
 
 def _msl_first(xs: list, dn: list, W: list, cd) -> tuple:
@@ -369,46 +299,6 @@ def _whole(parts: list) -> np.ndarray:
     return out
 
 
-#: float32 elements of the widest SIMD vector MLX's CPU code uses (its macOS build: 8)
-_MLX_SIMD_FLOATS = 8
-
-
-def _kar_angles(dsums, al, tol: float, cd) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """From the dots' sums and the weights (float32 values): the inputs not yet at the mean, their
-    dots (clipped, in ``cd``) and their tangent coefficients ``alpha theta / sin(theta)`` (each step
-    in ``cd``), as float32 values. The arithmetic is NumPy's float32 (the same IEEE operations as
-    MLX's), the angles and sines MLX's own (bf16 / fp16: one evaluation for all inputs) or torch's
-    (float32)."""
-    dots = np.clip(K.rnd_host(np.asarray(dsums, dtype=np.float32), cd), np.float32(-1), np.float32(1))
-    if cd == F32:  # torch's own float32 acos / sin
-        thetas = np.array([TM.acos(d) for d in dots], dtype=np.float32)
-        sins = np.array([TM.sin(t) for t in thetas], dtype=np.float32)
-    else:  # MLX's own functions, rounded by casts, in one evaluation (each waits on the stream's
-        # thread), of all values as one array: MLX's CPU code takes each element as it takes a 0-d
-        # array, but for the SIMD code of its macOS build from 8 elements on, hence 0-d arrays there
-        if len(dots) < _MLX_SIMD_FLOATS:
-            th = mx.arccos(mx.array(dots)).astype(cd).astype(F32)
-            sn = mx.sin(th).astype(cd).astype(F32)
-            mx.eval(th, sn)
-            thetas, sins = np.array(th), np.array(sn)
-        else:
-            th = [mx.arccos(mx.array(d)).astype(cd).astype(F32) for d in dots]
-            sn = [mx.sin(t).astype(cd).astype(F32) for t in th]
-            mx.eval(th, sn)
-            thetas = np.array([t.item() for t in th], dtype=np.float32)
-            sins = np.array([t.item() for t in sn], dtype=np.float32)
-    act = [j for j, theta in enumerate(thetas) if not theta < tol]  # the rest are at the mean already
-    with np.errstate(divide="ignore", invalid="ignore"):  # sin 0 only where theta is 0: not active
-        coefs = K.rnd_host(np.asarray(al, dtype=np.float32) * K.rnd_host(thetas / sins, cd), cd)
-    return act, dots[act], coefs[act]
-
-
-def _kar_turn(tn: np.float32, cd) -> tuple[np.float32, np.float32]:
-    """``cos(tn)`` and ``sin(tn)`` of the tangent's norm, in ``cd`` (float32: torch's own)."""
-    cos, sin = (TM.cos, TM.sin) if cd == F32 else (np.cos, np.sin)
-    return K.rnd_host(cos(tn), cd)[()], K.rnd_host(sin(tn), cd)[()]
-
-
 def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], tol: float, cd, at: dict,
                    size: int) -> tuple[bool, Optional[float]]:
     """One fixed-point step of the mean, updated in place, slice by slice (three passes: the dots,
@@ -423,7 +313,7 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
         dsums = [mx.array(TM.dot(m, _whole([u[j] for u in units]))) for j in range(len(al))]
     else:
         _, dsums = K.sweep(lambda lo, hi: _kar_dots(mean[at[lo]], units[at[lo]], p, cd, pend), size, into=mean)
-    act, dvals, cvals = _kar_angles([d.item() for d in dsums], [a.item() for a in al], tol, cd)
+    act, dvals, cvals = SS.kar_angles([d.item() for d in dsums], [a.item() for a in al], tol, cd)
     if not act:
         return False, None
     dots, coefs = [scalar(v) for v in dvals], [scalar(v) for v in cvals]
@@ -435,7 +325,7 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
     if tn < tol:
         return False, None
     stk = kernel(("kar_step", str(cd)), lambda: _kar_step(cd), cast_rounding=True)
-    cs, sn = (scalar(v) for v in _kar_turn(tn, cd))
+    cs, sn = (scalar(v) for v in SS.kar_turn(tn, cd))
     tn_ = scalar(tn)
 
     def step(lo, hi):
@@ -446,55 +336,6 @@ def _kar_iteration(mean: list, units: list, al: list, pending: Optional[float], 
     _, (usq,) = K.sweep(step, size, f32n, mean)
     un = np.sqrt(item32(usq))
     return True, (un if un > tol else None)
-
-
-def _karcher_native(xb: list[np.ndarray], norms: list, al: list, max_iter: int, tol: float, scale: mx.array,
-                    out) -> list[mx.array]:
-    """:func:`karcher_parts`' passes in bf16 by the native library (:mod:`.native`, ``csrc/karcher.c``:
-    the same values operation for operation) on the valid inputs' bf16 bits ``xb``: the whole
-    tensor per pass, the scalars between passes computed as the MLX path computes them
-    (:func:`_kar_angles`, :func:`_kar_turn`). The output is the held mean's buffer in bf16."""
-    lib, cd, block = NV.lib(), mx.bfloat16, K.torch_block(F32)
-    size, k = xb[0].size, len(xb)
-    units = [np.empty(size, np.uint16) for _ in xb]
-    mean_arr, mean = NV.empty(size)
-    alv = np.array([a.item() for a in al], dtype=np.float32)
-    s = lib.mlx_ssp_kar_first(NV.ptrs(xb), k, size, NV.floats(norms), NV.floats(alv), NV.ptrs(units),
-                              NV.ptr(mean), block)
-    del xb
-    mn = np.sqrt(np.float32(s))
-    pending = None  # the norm the held mean is still to be divided by
-    if mn < tol:
-        mean[:] = units[0]
-    else:
-        pending = mn
-    tangent = np.empty(size, np.uint16)
-    for _ in range(max_iter):
-        sums = (ctypes.c_double * k)()
-        if lib.mlx_ssp_kar_dots(NV.ptr(mean), NV.ptrs(units), k, size, pending is not None,
-                                float(pending if pending is not None else 1.0), sums):
-            raise MemoryError("karcher: no memory for the dots' sums")
-        pending = None  # the mean is normalised by the dots' pass
-        act, dots, coefs = _kar_angles(np.array(sums, dtype=np.float32), alv, tol, cd)
-        if not act:
-            break
-        tsq = lib.mlx_ssp_kar_tangent(NV.ptr(mean), NV.ptrs([units[j] for j in act]), len(act), size,
-                                      NV.floats(dots), NV.floats(coefs), NV.ptr(tangent), block)
-        tn = np.sqrt(np.float32(tsq))
-        if tn < tol:
-            break
-        cs, sn = _kar_turn(tn, cd)
-        usq = lib.mlx_ssp_kar_step(NV.ptr(mean), NV.ptr(tangent), size, float(tn), float(cs), float(sn), block)
-        un = np.sqrt(np.float32(usq))
-        pending = un if un > tol else None
-    del units, tangent
-    p = float(pending if pending is not None else 1.0)
-    if out == F32:
-        res, view = NV.empty(size, F32)
-        lib.mlx_ssp_kar_out(NV.ptr(mean), size, pending is not None, p, scale.item(), NV.ptr(view), 1)
-        return [res]
-    lib.mlx_ssp_kar_out(NV.ptr(mean), size, pending is not None, p, scale.item(), NV.ptr(mean), 0)
-    return [mean_arr if out == cd else mean_arr.astype(out)]
 
 
 def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = None, max_iter: int = 10,
@@ -535,7 +376,8 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
     a_sum = sum(alphas[i] for i in valid)
     al = [scalar(alphas[i] / a_sum) for i in valid]
     if go_native:
-        return _karcher_native([xb[i] for i in valid], [norms[i] for i in valid], al, max_iter, tol, scale, out)
+        return SN.karcher_native([xb[i] for i in valid], [norms[i] for i in valid], al, max_iter, tol, scale,
+                                 out)
     vx, ns = [xs[i] for i in valid], [scalar(norms[i]) for i in valid]
     kept, (s,) = K.sweep(lambda lo, hi: _kar_first_mean([x[lo:hi] for x in vx], ns, al, cd), size, f32n)
     mean, units = [k[0] for k in kept], [k[1] for k in kept]  # per slice: the mean, the unit vectors
