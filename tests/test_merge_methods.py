@@ -227,3 +227,4 @@ def test_magprune_mask_by_row_blocks_equals_the_whole_tensor_ranked_at_once(monk
         monkeypatch.setattr(sparsify, "_RANK_BLOCK", block)
         got = np.array(magprune_mask(d.reshape(-1), 0.4, 0.1, seed=5, shape=(37, 53), work=mx.bfloat16))
         np.testing.assert_array_equal(got, want)
+    assert magprune_mask(mx.zeros((0,), dtype=mx.float32), 0.4, 0.1, seed=5, shape=(0, 4)).size == 0

@@ -282,6 +282,8 @@ def magprune_mask(delta: mx.array, density: float, epsilon: float, seed: int, sh
     if density + epsilon >= 1 or density - epsilon <= 0:
         raise UserError("della: epsilon must be chosen such that density +/- epsilon is in (0, 1) "
                         f"(density {density}, epsilon {epsilon})")
+    if delta.size == 0:  # nothing to rank (and an empty array has no buffer to view)
+        return mx.zeros(delta.shape, dtype=mx.bool_)
     shape = tuple(shape) if shape else (delta.size,)
     shape = (1,) + shape if len(shape) < 2 else shape
     raw, width = _raw_bits(delta)
