@@ -142,7 +142,7 @@ def test_lane_sums_are_torch_norm_order():
         mx.eval(x)
         for block in (8, 16):
             (want,) = K.sums(lambda lo, hi: [mx.square(x[lo:hi].astype(mx.float32))], n, None, block)
-            got = NV.lib().mlx_ssp_sumsq_bf16(NV.ptr(NV.bits(x)), n, block)
+            got = NV.lib().mlx_ssp_sumsq_bf16(NV.ptr(K.raw_bits(x)), n, block)
             assert np.float32(got) == np.float32(want.item()), (n, block)
 
 

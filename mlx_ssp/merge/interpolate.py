@@ -184,7 +184,7 @@ def _ms_sums_native(base: mx.array, xs: Sequence[mx.array], width: Optional[int]
     rows, w = _ms_rows(base.size, width)
     npairs = k * (k - 1) // 2
     sq, dots = np.empty((rows, k), np.float32), np.empty((rows, npairs), np.float64)
-    bb, xb = NV.bits(base), [NV.bits(x) for x in xs]  # held for the call: a copied input lives as long as these
+    bb, xb = K.raw_bits(base), [K.raw_bits(x) for x in xs]  # held for the call: a copied input lives as long as these
     if NV.lib().mlx_ssp_ms_sums(NV.ptr(bb), NV.ptrs(xb), k, rows, w, K.torch_block(mx.bfloat16), NV.ptr(sq),
                                 NV.ptr(dots)):
         raise RuntimeError(f"model_stock's native sums take 2-{_ms_max_models()} models, not {k}")
@@ -200,7 +200,7 @@ def _ms_combine_native(base: mx.array, xs: Sequence[mx.array], t: mx.array, widt
         tv = np.full(rows, tv[0], np.float32)
     f32_out = out == F32
     res, view = NV.empty(base.size, F32 if f32_out else mx.bfloat16)
-    bb, xb = NV.bits(base), [NV.bits(x) for x in xs]  # held for the call
+    bb, xb = K.raw_bits(base), [K.raw_bits(x) for x in xs]  # held for the call
     NV.lib().mlx_ssp_ms_combine(NV.ptr(bb), NV.ptrs(xb), len(xs), rows, w, NV.ptr(tv), NV.ptr(view), int(f32_out))
     if out not in (F32, mx.bfloat16):
         res = res.astype(out)

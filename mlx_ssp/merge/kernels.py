@@ -173,8 +173,25 @@ def torch_block(dtype) -> int:
 ALIGN = 16
 
 
+def sum_array(total) -> mx.array:
+    """A whole-tensor sum (float64 or float32 value) as the sums hand it: float32, shape (1,)."""
+    return mx.array(np.float32(total)).reshape(-1)
+
+
 def _as_f32(totals) -> list[mx.array]:
-    return [mx.array(np.float32(v)).reshape(-1) for v in totals]
+    return [sum_array(v) for v in totals]
+
+
+def raw_bits(x: mx.array) -> np.ndarray:
+    """The bits of a float array, flat, as a zero-copy NumPy view of its memory through the buffer
+    protocol (uint16 for bf16 / fp16, uint32 for float32; a strided array is copied first).
+    ``np.asarray`` of an ``mx.view`` may copy; NumPy has no bf16 to view as."""
+    flat = mx.contiguous(x.reshape(-1))  # no copy when it already is
+    mx.eval(flat)
+    dt = np.uint16 if flat.dtype.size == 2 else np.uint32
+    if flat.size == 0:  # an empty array has no buffer to view
+        return np.zeros(0, dt)
+    return np.frombuffer(memoryview(flat).cast("B"), dtype=dt)
 
 
 class _Exact:

@@ -134,13 +134,6 @@ def enabled(on: bool) -> Iterator[bool]:
         _on = before
 
 
-def bits(x: mx.array) -> np.ndarray:
-    """A bf16 MLX array's bits as a flat contiguous uint16 NumPy array (no copy when contiguous)."""
-    v = x.reshape(-1).view(mx.uint16)
-    mx.eval(v)
-    return np.ascontiguousarray(np.asarray(v))
-
-
 def empty(n: int, dtype=mx.bfloat16) -> tuple[mx.array, np.ndarray]:
     """A new evaluated MLX array of ``n`` elements and a writable NumPy view of its memory (uint16
     for bf16, float32 for float32): the passes write an output MLX then owns, without a copy."""

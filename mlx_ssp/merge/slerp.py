@@ -277,7 +277,7 @@ def _nuslerp_native(t: float, v0: mx.array, v1: mx.array, out, width: Optional[i
     size = v0.size
     width = width or size
     rows = size // width
-    a, b = NV.bits(v0), NV.bits(v1)
+    a, b = K.raw_bits(v0), K.raw_bits(v1)
     sq = [np.empty(rows, np.float32) for _ in range(2)]
     for x, q in zip((a, b), sq):
         lib.mlx_ssp_sumsq_rows_bf16(NV.ptr(x), rows, width, K.torch_block(cd), NV.ptr(q))

@@ -81,17 +81,6 @@ def kth_largest_bits(absbits: np.ndarray, k: int, inplace: bool = False) -> tupl
     return int(v), greater, equal
 
 
-def _raw_bits(delta: mx.array) -> tuple[np.ndarray, int]:
-    """Raw bits of a flat float array as a zero-copy numpy view (through the buffer protocol;
-    ``np.asarray`` of an ``mx.view`` copies), and the bit width."""
-    mx.eval(delta)
-    raw = memoryview(delta).cast("B")
-    if delta.dtype == F32:
-        return np.frombuffer(raw, dtype=np.uint32), 32
-    return np.frombuffer(raw, dtype=np.uint16), 16
-
-
-
 def _nth_equal(bits: np.ndarray, v, nth: int, chunk: int = 1 << 20, mask=None) -> int:
     """Flat index of the ``nth`` (1-based) element equal to ``v`` (after ``& mask`` when given),
     scanning in chunks so that no full-size index array is allocated."""
@@ -153,7 +142,8 @@ def magnitude_cut(delta: mx.array, density: float) -> Optional[MagnitudeCut]:
         w = 32 if delta.dtype == F32 else 16
         return MagnitudeCut(v=(1 << w) - 1, cut=0, width=w)  # nothing passes ``>`` the max
     k = max(1, int(density * n))
-    raw, width = _raw_bits(delta)
+    raw = K.raw_bits(delta)
+    width = raw.dtype.itemsize * 8
     sign_off = raw.dtype.type((1 << (width - 1)) - 1)
     absbits = np.bitwise_and(raw, sign_off, out=_scratch(raw.dtype, n))
     v, greater, equal = kth_largest_bits(absbits, k, inplace=True)
@@ -231,27 +221,20 @@ def _uniform_stream(size: int, seed: int):
         yield i, j, (u[: j - i] >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)
 
 
-def _round_to(x: np.ndarray, dtype) -> np.ndarray:
-    """float32 ``x`` rounded to the MLX dtype ``dtype`` (bf16 / fp16 / f32) and back."""
-    if dtype == F32:
-        return x
-    return np.array(mx.array(x).astype(dtype).astype(F32))
-
-
 def magprune_table(n: int, density: float, epsilon: float, work) -> np.ndarray:
     """DELLA's keep probability of each rank ``1..n`` of a row of ``n`` elements (ascending
     magnitude): ``p = (density - epsilon) + norm(r) * 2 * epsilon`` with ``norm(r) = (r - min r) /
     (max r - min r)`` clipped to [0, 1], every step rounded to ``work`` as mergekit computes it.
     The ranks of a row are a permutation of ``1..n``, so one table serves every row."""
-    ranks = _round_to(np.arange(1, n + 1, dtype=np.float32), work)
+    ranks = K.rnd_host(np.arange(1, n + 1, dtype=np.float32), work)
     lo, hi = ranks[0], ranks[-1]
-    span = _round_to(np.asarray(hi - lo, np.float32), work)
+    span = K.rnd_host(np.asarray(hi - lo, np.float32), work)
     if span == 0:  # one element per row: mergekit divides 0 by 0
         norm = np.zeros(n, np.float32)
     else:
-        norm = np.clip(_round_to(_round_to(ranks - lo, work) / span, work), 0, 1).astype(np.float32)
-    scaled = _round_to(_round_to(norm * np.float32(2), work) * np.float32(epsilon), work)
-    return _round_to(scaled + np.float32(density - epsilon), work)
+        norm = np.clip(K.rnd_host(K.rnd_host(ranks - lo, work) / span, work), 0, 1).astype(np.float32)
+    scaled = K.rnd_host(K.rnd_host(norm * np.float32(2), work) * np.float32(epsilon), work)
+    return K.rnd_host(scaled + np.float32(density - epsilon), work)
 
 
 def magprune_probabilities(mag: np.ndarray, density: float, epsilon: float, work,
@@ -286,7 +269,8 @@ def magprune_mask(delta: mx.array, density: float, epsilon: float, seed: int, sh
         return mx.zeros(delta.shape, dtype=mx.bool_)
     shape = tuple(shape) if shape else (delta.size,)
     shape = (1,) + shape if len(shape) < 2 else shape
-    raw, width = _raw_bits(delta)
+    raw = K.raw_bits(delta)
+    width = raw.dtype.itemsize * 8
     mag = np.bitwise_and(raw, raw.dtype.type((1 << (width - 1)) - 1)).reshape(shape)  # |delta| as bits
     mask = np.empty(delta.size, dtype=bool)
     if len(shape) == 2:  # rows in flat order: ranked a block of rows at a time, no full-size ranks

@@ -91,8 +91,8 @@ def multislerp_parts(xs: Sequence[mx.array], weights: Sequence[float], normalize
     blk = K.torch_block(cd)
     go_native = cd == mx.bfloat16 and NV.usable(*xs)
     if go_native:
-        xb = [NV.bits(x) for x in xs]
-        nsq = [SS.sum_of(NV.lib().mlx_ssp_sumsq_bf16(NV.ptr(b), size, blk)) for b in xb]
+        xb = [K.raw_bits(x) for x in xs]
+        nsq = [K.sum_array(NV.lib().mlx_ssp_sumsq_bf16(NV.ptr(b), size, blk)) for b in xb]
     else:
         sq = kernel(("msl_sq",) + key, lambda: (lambda xs: [mx.square(aligned(x, cd)) for x in xs]))
         nsq = K.sums(lambda lo, hi: sq([x[lo:hi] for x in xs]), size, None, blk)
@@ -362,7 +362,7 @@ def karcher_parts(xs: Sequence[mx.array], alphas: Optional[Sequence[float]] = No
     f32n = K.torch_block(F32)  # mergekit's norms: vector_norm of the float32 copy
     go_native = cd == mx.bfloat16 and NV.usable(*xs)
     if go_native:
-        xb = [NV.bits(x) for x in xs]
+        xb = [K.raw_bits(x) for x in xs]
         norms = [np.sqrt(np.float32(NV.lib().mlx_ssp_sumsq_bf16(NV.ptr(b), size, f32n))) for b in xb]
     else:
         sq = kernel(("msl_sq", len(xs), str(cd)), lambda: (lambda xs: [mx.square(aligned(x, cd)) for x in xs]))

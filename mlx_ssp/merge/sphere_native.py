@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_ssp.merge import kernels as K
 from mlx_ssp.merge import native as NV
 from mlx_ssp.merge.kernels import F32, rnd
-from mlx_ssp.merge.sphere_scalars import kar_angles, kar_turn, msl_dot_values, msl_linear, msl_turn, sum_of, values
+from mlx_ssp.merge.sphere_scalars import kar_angles, kar_turn, msl_dot_values, msl_linear, msl_turn, values
 
 
 def multislerp_native(xs: list, xb: list[np.ndarray], norms: mx.array, dn: list, W: mx.array, Wl: list,
@@ -31,17 +31,17 @@ def multislerp_native(xs: list, xb: list[np.ndarray], norms: mx.array, dn: list,
     mean_arr, mean = NV.empty(size)
     xp, dp, w = NV.ptrs(xb), NV.floats(values(dn)), NV.floats(values(Wl))
     msq = lib.mlx_ssp_msl_first(xp, n, size, dp, w, NV.ptr(mean), blk)
-    mean_norm = rnd(mx.sqrt(sum_of(msq)), cd)
+    mean_norm = rnd(mx.sqrt(K.sum_array(msq)), cd)
     if mean_norm.item() < eps:
         return msl_linear(xs, Wl, cd, out)
     sums = (ctypes.c_double * n)()
     if lib.mlx_ssp_msl_dots(NV.ptr(mean), xp, n, size, dp, mean_norm.item(), sums):
         raise MemoryError("multislerp: no memory for the dots' sums")
-    dots = msl_dot_values([sum_of(v) for v in sums], cd)
+    dots = msl_dot_values([K.sum_array(v) for v in sums], cd)
     tangent = np.empty(size, np.uint16)
     tsq = lib.mlx_ssp_msl_tangent(NV.ptr(mean), xp, n, size, dp, NV.floats(values(dots)), w,
                                   NV.ptr(tangent), blk)
-    cs, sn, avg = values(msl_turn(sum_of(tsq), norms, W, eps, cd))
+    cs, sn, avg = values(msl_turn(K.sum_array(tsq), norms, W, eps, cd))
     if out == F32:
         res, view = NV.empty(size, F32)
         lib.mlx_ssp_msl_out(NV.ptr(mean), NV.ptr(tangent), size, cs, sn, avg, NV.ptr(view), 1)

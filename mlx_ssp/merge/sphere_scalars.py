@@ -15,11 +15,6 @@ from mlx_ssp.merge import torch_math as TM
 from mlx_ssp.merge.kernels import F32, aligned, each, item32, kernel, rnd, scalar
 
 
-def sum_of(v: float) -> mx.array:
-    """A native pass's float32 sum as the MLX path's sums hand it (shape (1,))."""
-    return mx.array(np.float32(v)).reshape(-1)
-
-
 def values(xs) -> list[float]:
     """One-element arrays' values, evaluated together (one wait for MLX, not one per value)."""
     mx.eval(*xs)
